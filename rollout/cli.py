@@ -1,0 +1,120 @@
+"""The ``rollout`` command line: generate, demo and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model-path", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight/activation dtype (auto: the checkpoint's; float16 -> bfloat16 on CPU)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per forward (chunked prefill)")
+    g.add_argument("--logprob-mode", default="processed", choices=["processed", "raw"],
+                   help="processed: logprob under the distribution sampled from; raw: log-softmax of raw logits")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--min-new-tokens", type=int, default=0, help="EOS/stop tokens are masked before this many")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config or 1)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, (0, 1]")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (-1: off)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (sharing one prefill)")
+    g.add_argument("--sample-seed", type=int, default=None, help="request seed (sample i uses seed + i)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=None, help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="Hugging Face style, over prompt+output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI style, over the output")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI style, over the output")
+    g.add_argument("--top-logprobs", type=int, default=0, help="also print the k most likely tokens per step")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per completion")
+
+
+def _cmd_generate(args) -> int:
+    from rollout import RolloutEngine, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, n=args.n,
+                        seed=args.sample_seed, stop=args.stop, stop_token_ids=args.stop_token_id,
+                        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
+                        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    with RolloutEngine(args.model_path, dtype=args.dtype, device=args.device, seed=args.seed,
+                       kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, logprob_mode=args.logprob_mode) as engine:
+        if args.chat:
+            ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
+            outs = engine.generate(input_ids=ids, sampling_params=sp, top_logprobs_num=args.top_logprobs)
+        else:
+            outs = engine.generate(prompts=args.prompt, sampling_params=sp, top_logprobs_num=args.top_logprobs)
+        for o in outs:
+            if args.json:
+                print(json.dumps({"prompt_index": o.prompt_index, "sample_index": o.sample_index, "text": o.text,
+                                  "output_token_ids": o.output_token_ids, "output_logprobs": o.output_logprobs,
+                                  "output_top_logprobs": o.output_top_logprobs, "finish_reason": o.finish_reason,
+                                  "weight_version": o.weight_version}))
+                continue
+            print(f"--- prompt {o.prompt_index} sample {o.sample_index} ({o.finish_reason}, "
+                  f"{len(o.output_token_ids)} tokens, sum logprob {sum(o.output_logprobs):.3f})")
+            print(repr(o.text))
+            pieces = [f"{t}:{lp:.3f}" for t, lp in zip(o.output_token_ids, o.output_logprobs)]
+            print("tokens:logprobs ", " ".join(pieces))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from rollout.demo import main as demo_main
+
+    return demo_main(args.rest)
+
+
+def _cmd_bench(args) -> int:
+    if args.which == "throughput":
+        from rollout.bench_throughput import main as bench_main
+
+        bench_main(args.rest)
+        return 0
+    raise SystemExit(f"unknown benchmark {args.which!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rollout", description="rollout-worker: a rollout engine for RL training.")
+    ap.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions with per-token logprobs",
+                         description="Generate completions with per-token logprobs.")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    _add_engine_flags(gen)
+    _add_sampling_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+    demo = sub.add_parser("demo", help="the main job on the embedded tiny model (see `rollout demo -- --help`)",
+                          add_help=False)
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks (`rollout bench throughput --help`)")
+    bench.add_argument("which", choices=["throughput"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""``EngineConfig``: every engine option, validated at construction (unknown keys are errors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    tp_size: int = 1
+    dtype: str = "auto"  # auto: the checkpoint's (float16 becomes bfloat16 on CPU)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    max_num_seqs: int = 256  # sequences in one batch
+    max_num_batched_tokens: int = 4096  # tokens in one forward; longer prompts are chunked
+    kv_cache_tokens: Optional[int] = None  # KV pool size in tokens; None: from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.15  # of free device memory (CPU: available RAM)
+    block_size: int = 16
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    logprob_mode: str = "processed"  # "processed" | "raw"
+    weight_version: str = "default"
+    use_generation_config: bool = True  # unset sampling fields take generation_config.json values
+    tokenizer_path: Optional[str] = None  # None: model_path; no tokenizer there -> token ids only
+    enable_overlap: bool = False
+    request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"engine option {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            bad("tp_size", "must be an integer >= 1")
+        if self.dtype not in ("auto", *_DTYPES):
+            bad("dtype", f"must be one of auto, {', '.join(_DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            bad("device", "must be auto, cpu, cuda or cuda:N")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        if self.kv_cache_tokens is not None and (not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1):
+            bad("kv_cache_tokens", "must be a positive integer or None")
+        if not 0 < self.kv_cache_memory_fraction <= 0.95:
+            bad("kv_cache_memory_fraction", "must be in (0, 0.95]")
+        if self.logprob_mode not in ("processed", "raw"):
+            bad("logprob_mode", "must be 'processed' or 'raw'")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            bad("max_model_len", "must be >= 2")
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model_path'})}")
+        return cls(model_path=model_path, **kwargs)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available; use device='cpu'")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: Optional[str], device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+        if dtype == torch.float16 and device.type == "cpu":
+            return torch.bfloat16
+        return dtype

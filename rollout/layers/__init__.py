@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks. Only this package knows about TP and kernels."""

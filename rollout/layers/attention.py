@@ -1,0 +1,124 @@
+"""Paged attention over a block KV cache (torch reference path; CPU and CUDA).
+
+KV layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V, viewed
+flat as ``[num_slots, num_kv_heads, head_dim]`` (slot = block * block_size + offset). New K/V are
+written to their slots first, then each sequence attends over its context slots:
+
+- decode tokens (one query each) run as one batched SDPA over context padded to the longest one,
+  grouping the query heads of each KV head so GQA needs no repeat;
+- prefill chunks run one SDPA per sequence, causal within the chunk, over cached prefix + chunk.
+
+Masks are built once per step (``AttentionMetadata``), not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int  # first row of this sequence's chunk in the flat token batch
+    q_len: int
+    ctx_slots: Optional[torch.Tensor]  # [ctx_len] slots of prefix + chunk; None: chunk is the whole context
+    mask: Optional[torch.Tensor]  # [q_len, ctx_len] bool, True = attend; None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot of each new token
+    decode_rows: Optional[torch.Tensor] = None  # [Bd] rows of decode tokens in the flat batch
+    decode_slots: Optional[torch.Tensor] = None  # [Bd, Lmax] context slots, padded
+    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, Lmax] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
+                             block_size: int, device: torch.device,
+                             sliding_window: Optional[int] = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Per sequence: its block table, its context length after this step and its number of new
+    tokens (the last ``q_len`` positions). Returns (positions [T], metadata); rows follow the
+    sequences in order. Slots are computed from block tables with tensor arithmetic, not lists.
+    """
+    num_seqs = len(block_tables)
+    tables = torch.zeros(num_seqs, max(len(t) for t in block_tables), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    ctx = torch.tensor(ctx_lens, dtype=torch.long)
+    q = torch.tensor(q_lens, dtype=torch.long)
+    row_start = torch.cumsum(q, 0) - q
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q)
+    positions = (ctx - q)[seq_of_row] + torch.arange(int(q.sum())) - row_start[seq_of_row]
+    slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device))
+    is_decode = q == 1
+    if bool(is_decode.any()):
+        idx = is_decode.nonzero().squeeze(1)
+        lens = ctx[idx]
+        keys = torch.arange(int(lens.max()))
+        slots = tables[idx][:, keys // block_size] * block_size + keys % block_size  # [Bd, Lmax]
+        mask = keys.unsqueeze(0) < lens.unsqueeze(1)
+        if sliding_window is not None:
+            mask &= keys.unsqueeze(0) > (lens.unsqueeze(1) - 1 - sliding_window)
+        meta.decode_rows = row_start[idx].to(device)
+        meta.decode_slots = slots.to(device)
+        meta.decode_mask = mask.view(len(idx), 1, 1, -1).to(device)
+    for i in (~is_decode).nonzero().squeeze(1).tolist():
+        meta.prefills.append(_prefill_span(int(row_start[i]), q_lens[i], ctx_lens[i], tables[i], block_size,
+                                           device, sliding_window))
+    return positions.to(device), meta
+
+
+def _prefill_span(row: int, q_len: int, ctx_len: int, table: torch.Tensor, block_size: int, device,
+                  sliding_window: Optional[int]) -> PrefillSpan:
+    if ctx_len == q_len and sliding_window is None:
+        return PrefillSpan(row, q_len, None, None)  # no cached prefix: attend within the chunk
+    k_pos = torch.arange(ctx_len)
+    slots = table[k_pos // block_size] * block_size + k_pos % block_size
+    q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+    mask = k_pos.unsqueeze(0) <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos.unsqueeze(0) > q_pos - sliding_window
+    return PrefillSpan(row, q_len, slots.to(device), mask.to(device))
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D] -> [T, Hq*D]."""
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            qd = q.index_select(0, meta.decode_rows)
+            bd = qd.shape[0]
+            qd = qd.view(bd, self.num_kv_heads, self.group, self.head_dim)
+            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_flat[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
+            out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
+        for span in meta.prefills:
+            qs = q.narrow(0, span.q_start, span.q_len).transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
+            if span.ctx_slots is None:
+                ks = k.narrow(0, span.q_start, span.q_len)
+                vs = v.narrow(0, span.q_start, span.q_len)
+            else:
+                ks, vs = k_flat[span.ctx_slots], v_flat[span.ctx_slots]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None,
+                                                 scale=self.scale, enable_gqa=self.group > 1)
+            out.narrow(0, span.q_start, span.q_len).copy_(os_.squeeze(0).transpose(0, 1))
+        return out.view(q.shape[0], self.num_heads * self.head_dim)

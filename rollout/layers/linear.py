@@ -1,0 +1,138 @@
+"""Column- and row-parallel linear layers, with merged QKV and gate/up variants.
+
+Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it takes the *full*
+Hugging Face tensor, slices this rank's part and copies it in place, so storage never moves.
+``shard_shape(param, shard_id)`` tells the loader what full shape to expect, so validation
+happens before any copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
+
+
+def _attach(param: nn.Parameter, loader, shard_shape) -> nn.Parameter:
+    param.weight_loader = loader
+    param.shard_shape = shard_shape
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its output rows; output stays sharded."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 shard_ids: Optional[list] = None, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = get_tp_state()
+        self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)  # full sizes of each packed piece
+        self.local_sizes = [divide(s, self.tp_size, "linear output") for s in self.output_sizes]
+        self.shard_ids = shard_ids  # None: one unpacked weight
+        out_local = sum(self.local_sizes)
+        self.weight = _attach(nn.Parameter(torch.empty(out_local, input_size, dtype=params_dtype),
+                                           requires_grad=False), self.weight_loader, self.shard_shape)
+        if bias:
+            self.bias = _attach(nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False),
+                                self.weight_loader, self.shard_shape)
+        else:
+            self.register_parameter("bias", None)
+
+    def _piece(self, shard_id) -> int:
+        if self.shard_ids is None:
+            if shard_id is not None:
+                raise KeyError(f"unexpected shard {shard_id!r}")
+            return 0
+        return self.shard_ids.index(shard_id)
+
+    def shard_shape(self, param: nn.Parameter, shard_id=None) -> tuple[int, ...]:
+        full = self.output_sizes[self._piece(shard_id)]
+        return (full, self.input_size) if param.dim() == 2 else (full,)
+
+    def local_slice(self, shard_id) -> tuple[int, int, int]:
+        """(offset in the local param, start in the full tensor, length) along dim 0."""
+        i = self._piece(shard_id)
+        local = self.local_sizes[i]
+        return sum(self.local_sizes[:i]), self.tp_rank * local, local
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+        dst_off, src_off, n = self.local_slice(shard_id)
+        param.data.narrow(0, dst_off, n).copy_(full.narrow(0, src_off, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged q/k/v projection. KV heads fewer than ``tp_size`` are replicated across ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 params_dtype: torch.dtype = torch.float32):
+        tp_size = get_tp_state().tp_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.local_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.local_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.local_kv_heads = 1
+            self.kv_replicas = divide(tp_size, num_kv_heads, "tp_size over num_key_value_heads")
+        # Sizes as seen by ColumnParallelLinear: replicated KV counts as tp_size heads in all.
+        kv_virtual = self.local_kv_heads * tp_size * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim, kv_virtual, kv_virtual], bias,
+                         shard_ids=["q", "k", "v"], params_dtype=params_dtype)
+        self.full_kv_size = num_kv_heads * head_dim
+
+    def shard_shape(self, param, shard_id=None):
+        if shard_id in ("k", "v"):
+            return (self.full_kv_size, self.input_size) if param.dim() == 2 else (self.full_kv_size,)
+        return super().shard_shape(param, shard_id)
+
+    def weight_loader(self, param, full, shard_id=None):
+        if shard_id == "q":
+            return super().weight_loader(param, full, shard_id)
+        dst_off, _, n = self.local_slice(shard_id)
+        kv_head = self.tp_rank // self.kv_replicas
+        src_off = kv_head * self.local_kv_heads * self.head_dim
+        param.data.narrow(0, dst_off, n).copy_(full.narrow(0, src_off, n))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its input columns; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        tp = get_tp_state()
+        self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
+        self.input_size, self.output_size = input_size, output_size
+        self.local_in = divide(input_size, self.tp_size, "linear input")
+        self.weight = _attach(nn.Parameter(torch.empty(output_size, self.local_in, dtype=params_dtype),
+                                           requires_grad=False), self.weight_loader, self.shard_shape)
+        if bias:
+            self.bias = _attach(nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False),
+                                self.weight_loader, self.shard_shape)
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_shape(self, param, shard_id=None):
+        return (self.output_size, self.input_size) if param.dim() == 2 else (self.output_size,)
+
+    def weight_loader(self, param, full, shard_id=None):
+        if param.dim() == 1:  # bias is added once, after the reduction
+            param.data.copy_(full)
+            return
+        param.data.copy_(full.narrow(1, self.tp_rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,146 @@
+"""The sampler: processed logits -> token, and the log-probability of that token under the very
+distribution it was drawn from, in one pass and without syncing the host.
+
+Order on the logits: logit_bias / allowed_token_ids -> repetition, frequency, presence penalties
+-> min_new_tokens stop mask -> temperature (0 = greedy) -> top_k -> top_p -> min_p -> draw.
+The draw is inverse-CDF sampling with a uniform supplied per row (see ``rollout.random``), so the
+token is a pure function of the distribution and the (seed, position) pair. No full-vocabulary
+sort on the common path: top-k uses ``topk``; top-p looks at a small candidate set and falls
+back to a sort only for the rows whose candidates do not reach ``top_p``.
+
+Greedy rows report the log-probability under the raw logits; ``raw`` mode reports raw logprobs
+for every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_TOP_P_CANDIDATES = 64
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Device-side sampling inputs for S rows (one per sample drawn this step)."""
+
+    temperatures: torch.Tensor  # [S] float32, 0 = greedy
+    uniforms: torch.Tensor  # [S] float32 in [0, 1)
+    top_ks: Optional[torch.Tensor] = None  # [S] long, <= 0 = off; None when no row uses it
+    top_ps: Optional[torch.Tensor] = None  # [S] float32; None when no row uses it
+    min_ps: Optional[torch.Tensor] = None  # [S] float32; None when no row uses it
+    bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # rows, token ids, values
+    allowed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows [A], mask [A, V]
+    repetition: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # rows, ids, penalty
+    additive_penalty: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # rows, ids, amount
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows, ids (min_new_tokens)
+    top_logprobs_num: int = 0
+    raw_logprobs: bool = False
+    all_greedy: bool = False
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [S] long
+    logprobs: torch.Tensor  # [S] float32
+    top_ids: Optional[torch.Tensor] = None  # [S, k]
+    top_logprobs: Optional[torch.Tensor] = None  # [S, k]
+
+
+def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Bias, allow-lists, penalties and the min-tokens mask; returns a new tensor when any applies."""
+    x = logits
+    if info.bias or info.allowed or info.repetition or info.additive_penalty or info.banned:
+        x = logits.clone()
+    if info.bias is not None:
+        rows, ids, vals = info.bias
+        x.index_put_((rows, ids), vals, accumulate=True)
+    if info.allowed is not None:
+        rows, mask = info.allowed
+        x[rows] = torch.where(mask, x[rows], float("-inf"))
+    if info.repetition is not None:
+        rows, ids, pen = info.repetition
+        vals = x[rows, ids]
+        x[rows, ids] = torch.where(vals < 0, vals * pen, vals / pen)
+    if info.additive_penalty is not None:
+        rows, ids, amount = info.additive_penalty
+        x.index_put_((rows, ids), -amount, accumulate=True)
+    if info.banned is not None:
+        rows, ids = info.banned
+        x[rows, ids] = float("-inf")
+    return x
+
+
+def _mask_top_k(x: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    use = top_ks > 0
+    k = torch.where(use, top_ks, 1).clamp(max=x.shape[-1])
+    kmax = int(k.max())  # a bound for topk's size: one small host read per step at most
+    kth = x.topk(kmax, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth = torch.where(use.unsqueeze(1), kth, float("-inf"))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _mask_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    probs = x.softmax(dim=-1)
+    k = min(_TOP_P_CANDIDATES, x.shape[-1])
+    cand_p, cand_idx = probs.topk(k, dim=-1)
+    keep_c = (cand_p.cumsum(-1) - cand_p) < top_ps.unsqueeze(1)
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, cand_idx, keep_c)
+    # Rows whose candidates hold less than top_p of the mass need the exact full sort.
+    uncovered = (cand_p.sum(-1) < top_ps) & (top_ps < 1)
+    if bool(uncovered.any()):
+        rows = uncovered.nonzero().squeeze(1)
+        sp, si = probs[rows].sort(dim=-1, descending=True)
+        keep_rows = (sp.cumsum(-1) - sp) < top_ps[rows].unsqueeze(1)
+        keep[rows] = torch.zeros_like(keep_rows).scatter_(1, si, keep_rows)
+    keep |= (top_ps >= 1).unsqueeze(1)
+    return x.masked_fill(~keep, float("-inf"))
+
+
+def _mask_min_p(x: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    probs = x.softmax(dim=-1)
+    threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
+def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Log-probabilities of the distribution sampled from (rows with temperature > 0)."""
+    x = apply_logit_processors(logits, info)
+    t = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+    x = x / t.unsqueeze(1)
+    if info.top_ks is not None:
+        x = _mask_top_k(x, info.top_ks)
+    if info.top_ps is not None:
+        x = _mask_top_p(x, info.top_ps)
+    if info.min_ps is not None:
+        x = _mask_min_p(x, info.min_ps)
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+    """logits: [S, V] fp32 (one row per sample) -> tokens and their logprobs."""
+    greedy = info.temperatures <= 0
+    raw_lp = None
+    if info.all_greedy:
+        token_ids = apply_logit_processors(logits, info).argmax(dim=-1)
+        dist_lp = raw_lp = torch.log_softmax(logits, dim=-1)
+    else:
+        lp = processed_logprobs(logits, info)
+        cdf = lp.exp().cumsum(dim=-1)
+        target = info.uniforms.unsqueeze(1) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        token_ids = drawn
+        dist_lp = lp
+        if bool(greedy.any()):
+            token_ids = torch.where(greedy, apply_logit_processors(logits, info).argmax(dim=-1), drawn)
+            raw_lp = torch.log_softmax(logits, dim=-1)
+            dist_lp = torch.where(greedy.unsqueeze(1), raw_lp, lp)
+    if info.raw_logprobs:
+        dist_lp = raw_lp if raw_lp is not None else torch.log_softmax(logits, dim=-1)
+    out = SampleOutput(token_ids=token_ids, logprobs=dist_lp.gather(1, token_ids.unsqueeze(1)).squeeze(1))
+    if info.top_logprobs_num > 0:
+        k = min(info.top_logprobs_num, logits.shape[-1])
+        out.top_logprobs, out.top_ids = dist_lp.topk(k, dim=-1)
+    return out

@@ -1,0 +1,177 @@
+"""The one strict loading path: ``load_named_tensors(model, [(hf_name, full_tensor), ...])``.
+
+Every weight entering the engine — the initial load and every later update — comes through here:
+names are mapped to parameters (and packed shards), every item is validated (name known, shape,
+dtype, optionally finite) and coverage is checked *before the first copy*; then each parameter's
+``weight_loader`` slices its shard and copies in place. Storage never moves.
+
+Items may be tensors or ``LazyTensor`` (a safetensors entry read only when copied), so a folder is
+validated from its headers and then streamed one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+# Checkpoint entries that are derived state, never weights.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+# With tied embeddings the head has no weight of its own; some checkpoints still carry it.
+_TIED_ALIAS = "lm_head.weight"
+
+
+class WeightLoadError(ValueError):
+    """A set of named tensors that cannot be loaded; nothing was copied."""
+
+
+@dataclass
+class LazyTensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
+TensorLike = Union[torch.Tensor, LazyTensor]
+
+
+@dataclass
+class LoadReport:
+    num_tensors: int = 0
+    num_bytes: int = 0
+    loaded_names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Target:
+    param_name: str
+    param: nn.Parameter
+    shard_id: object
+
+
+def weight_name_map(model: nn.Module) -> dict[str, _Target]:
+    """Hugging Face name -> target parameter and shard, for every name the model accepts."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    names: dict[str, _Target] = {}
+    for pname, param in model.named_parameters():
+        packed = [(hf, shard) for hf, (ours, shard) in mapping.items() if f".{ours}." in pname]
+        if packed:
+            ours = mapping[packed[0][0]][0]
+            for hf, shard in packed:
+                names[pname.replace(f".{ours}.", f".{hf}.")] = _Target(pname, param, shard)
+        else:
+            names[pname] = _Target(pname, param, None)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and _TIED_ALIAS not in names:
+        names[_TIED_ALIAS] = names["model.embed_tokens.weight"]  # accepted, never required
+    return names
+
+
+def _expected_shape(t: _Target) -> tuple[int, ...]:
+    shard_shape = getattr(t.param, "shard_shape", None)
+    return tuple(shard_shape(t.param, t.shard_id)) if shard_shape else tuple(t.param.shape)
+
+
+def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]], *,
+                       strict_dtype: bool = False, require_complete: bool = True,
+                       check_finite: bool = False) -> LoadReport:
+    """Validate every item, then copy each into its parameter in place.
+
+    strict_dtype: the tensor's dtype must equal the parameter's (updates); otherwise any floating
+    dtype is cast on copy (checkpoints saved in another precision).
+    require_complete: every parameter must be covered (initial loads, full updates).
+    Raises ``WeightLoadError`` listing every problem; in that case nothing was copied.
+    """
+    name_map = weight_name_map(model)
+    items: list[tuple[str, TensorLike, _Target]] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target = name_map.get(name)
+        if target is None:
+            errors.append(f"unknown weight name {name!r}")
+            continue
+        if name in seen:
+            errors.append(f"weight {name!r} given twice")
+            continue
+        seen.add(name)
+        want, got = _expected_shape(target), tuple(tensor.shape)
+        if want != got:
+            errors.append(f"{name}: shape {list(got)} does not match the model's {list(want)}")
+        pdtype = target.param.dtype
+        if strict_dtype and tensor.dtype != pdtype:
+            errors.append(f"{name}: dtype {tensor.dtype} does not match the model's {pdtype}")
+        elif not tensor.dtype.is_floating_point:
+            errors.append(f"{name}: dtype {tensor.dtype} is not a floating-point type")
+        if check_finite and isinstance(tensor, torch.Tensor) and not bool(torch.isfinite(tensor).all()):
+            errors.append(f"{name}: contains NaN or Inf values")
+        items.append((name, tensor, target))
+    if require_complete:
+        covered = {(name_map[n].param_name, name_map[n].shard_id) for n in seen}
+        missing = sorted({n for n, t in name_map.items()
+                          if (t.param_name, t.shard_id) not in covered and n != _TIED_ALIAS})
+        if missing:
+            more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            errors.append(f"missing weights: {', '.join(missing[:8])}{more}")
+    if errors:
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise WeightLoadError("weights rejected, nothing was loaded:\n  " + "\n  ".join(errors[:20]) + more)
+
+    report = LoadReport()
+    for name, tensor, target in items:
+        full = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+        loader = getattr(target.param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is None:
+                target.param.data.copy_(full)
+            else:
+                loader(target.param, full, target.shard_id)
+        report.num_tensors += 1
+        report.num_bytes += full.numel() * full.element_size()
+        report.loaded_names.append(name)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors folders
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, name) for name in files]
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path!r} (only safetensors weights are loaded)")
+    return files
+
+
+def iter_safetensors(model_path: str, device: Optional[str] = None) -> Iterable[tuple[str, LazyTensor]]:
+    """Yield (name, LazyTensor) for every tensor of a folder; shapes and dtypes come from headers."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_path):
+        handle = safe_open(path, framework="pt", device="cpu")
+        for name in handle.keys():
+            sl = handle.get_slice(name)
+            dtype = _ST_DTYPES.get(sl.get_dtype())
+            if dtype is None:
+                raise WeightLoadError(f"{name}: unsupported safetensors dtype {sl.get_dtype()}")
+            yield name, LazyTensor(tuple(sl.get_shape()), dtype,
+                                   (lambda h=handle, n=name: h.get_tensor(n)))

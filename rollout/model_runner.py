@@ -1,0 +1,170 @@
+"""``ModelRunner``: tensor work only — build and load the model, own the KV pool, run the
+forward, sample, score prompt tokens.
+
+Parameters live in one flat buffer per dtype (each parameter a view), and the KV cache in one
+buffer for all layers; storage never moves after construction, so later in-place updates keep
+every captured pointer valid and memory can be measured and released as whole buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rollout.batch import ModelWorkerBatch, SamplingInputs
+from rollout.config import EngineConfig
+from rollout.layers.attention import AttentionMetadata, build_attention_metadata
+from rollout.layers.rotary import RotaryEmbedding
+from rollout.layers.sampler import SampleOutput, sample
+from rollout.loader import LoadReport, iter_safetensors, load_named_tensors
+from rollout.models import ModelConfig, build_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBatch:
+    """Device-side view of a ``ModelWorkerBatch``."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    logits_rows: torch.Tensor  # [R]
+
+    @staticmethod
+    def init_new(batch: ModelWorkerBatch, runner: ModelRunner) -> ForwardBatch:
+        device = runner.device
+        positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens,
+                                                   runner.block_size, device, runner.model_config.sliding_window)
+        return ForwardBatch(
+            input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+            positions=positions,
+            attn=meta,
+            logits_rows=torch.tensor(batch.logits_rows, dtype=torch.long, device=device),
+        )
+
+
+def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
+    """Replace every (meta) parameter by a view into one flat buffer per dtype.
+
+    Tied parameters stay tied (one view for both owners); loader attributes carry over.
+    """
+    unique = list(dict(model.named_parameters()).values())
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    replacement: dict[int, nn.Parameter] = {}
+    for dtype in sorted({p.dtype for p in unique}, key=str):
+        group = [p for p in unique if p.dtype == dtype]
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+        offset = 0
+        for p in group:
+            new = nn.Parameter(flat[offset: offset + p.numel()].view(p.shape), requires_grad=False)
+            for attr in ("weight_loader", "shard_shape"):
+                if hasattr(p, attr):
+                    setattr(new, attr, getattr(p, attr))
+            replacement[id(p)] = new
+            offset += p.numel()
+        buffers[dtype] = flat
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = replacement[id(p)]
+    return buffers
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.device, self.dtype = device, dtype
+        self.block_size = config.block_size
+        with torch.device("meta"):
+            self.model = build_model(model_config, dtype)
+        self.param_buffers = _flatten_parameters(self.model, device)
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):  # derived tables: rebuild them for real
+                real = RotaryEmbedding(model_config.head_dim, max_model_len, model_config.rope_theta,
+                                       model_config.rope_scaling)
+                module.cos, module.sin = real.cos.to(device), real.sin.to(device)
+        t0 = time.perf_counter()
+        self.load_report: LoadReport = load_named_tensors(self.model, iter_safetensors(config.model_path))
+        logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
+                    self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        attn = self.model.model.layers[0].self_attn
+        # One buffer for all layers: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim].
+        self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+                                     attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _kv_bytes_per_token(self) -> int:
+        attn = self.model.model.layers[0].self_attn
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.model_config.num_hidden_layers * attn.num_kv_heads * self.model_config.head_dim * elem
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        tokens = self.config.kv_cache_tokens
+        if tokens is None:
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                import psutil
+
+                free = psutil.virtual_memory().available
+            tokens = int(free * self.config.kv_cache_memory_fraction) // self._kv_bytes_per_token()
+            tokens = min(tokens, self.config.max_num_seqs * max_model_len)
+        return max(2, -(-tokens // self.block_size))
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
+        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn)
+        return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
+        return sample(logits, sampling.to_device(self.model_config.vocab_size, self.device))
+
+    @torch.inference_mode()
+    def compute_input_logprobs(self, logits: torch.Tensor, batch: ModelWorkerBatch):
+        """Logprob of each scored prompt token under logits / temperature -> ([N], top ids, top lps)."""
+        idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
+        temps = torch.tensor(batch.input_logprob_temps, dtype=torch.float32, device=self.device)
+        targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
+        lp = torch.log_softmax(logits.index_select(0, idx) / temps.unsqueeze(1), dim=-1)
+        picked = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+        if batch.input_top_logprobs_num > 0:
+            top_lp, top_ids = lp.topk(min(batch.input_top_logprobs_num, lp.shape[-1]), dim=-1)
+            return picked, top_ids, top_lp
+        return picked, None, None
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        self.kv_buffer.index_copy_(2, dst, self.kv_buffer.index_select(2, src))
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def weights_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.param_buffers.values())
+
+    def kv_nbytes(self) -> int:
+        return self.kv_buffer.numel() * self.kv_buffer.element_size()
+
+    def describe(self) -> Optional[str]:
+        return (f"{self.model_config.architecture} {self.dtype} on {self.device}: "
+                f"{self.weights_nbytes() / 1e6:.1f} MB weights, KV pool {self.max_total_num_tokens} tokens "
+                f"({self.kv_nbytes() / 1e6:.1f} MB)")

@@ -1,0 +1,119 @@
+"""``ModelConfig``: the architecture facts the engine needs, parsed from a Hugging Face folder.
+
+Reads ``config.json`` (both the classic ``rope_theta``/``rope_scaling`` keys and the newer
+``rope_parameters``) and ``generation_config.json`` (EOS ids and sampling defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Per-architecture facts that config.json does not state explicitly.
+_ARCH_FLAGS = {
+    "LlamaForCausalLM": dict(qk_norm=False),
+    "MistralForCausalLM": dict(qk_norm=False),
+    "Qwen2ForCausalLM": dict(qk_norm=False),
+    "Qwen3ForCausalLM": dict(qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: Optional[int]
+    checkpoint_dtype: Optional[str]
+    eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: dict = field(default_factory=dict)
+
+    @staticmethod
+    def from_pretrained(model_path: str) -> ModelConfig:
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {model_path!r}: pass a Hugging Face model folder")
+        with open(path) as f:
+            hf = json.load(f)
+        gen = {}
+        gen_path = os.path.join(model_path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+        return ModelConfig.from_dict(hf, gen)
+
+    @staticmethod
+    def from_dict(hf: dict[str, Any], gen: Optional[dict[str, Any]] = None) -> ModelConfig:
+        from rollout.models.registry import SUPPORTED_ARCHITECTURES
+
+        gen = gen or {}
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in _ARCH_FLAGS), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        bias = bool(hf.get("attention_bias", False))
+        qkv_bias, o_bias = (True, False) if arch == "Qwen2ForCausalLM" else (bias, bias)
+        window = hf.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            if hf.get("use_sliding_window"):
+                raise ValueError(f"{arch} with use_sliding_window=true is not supported (per-layer windows)")
+            window = None
+        eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                    if gen.get(k) is not None}
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=_ARCH_FLAGS[arch]["qk_norm"],
+            sliding_window=window,
+            checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            eos_token_ids=eos_ids,
+            generation_defaults=defaults,
+        )
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        """TP sizes this model splits evenly over (KV heads may be replicated)."""
+        ok = []
+        for tp in range(1, limit + 1):
+            kv_ok = self.num_key_value_heads % tp == 0 or tp % self.num_key_value_heads == 0
+            if (self.num_attention_heads % tp == 0 and self.intermediate_size % tp == 0
+                    and (self.num_attention_heads * self.head_dim) % tp == 0 and kv_ok):
+                ok.append(tp)
+        return ok

@@ -1,0 +1,114 @@
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+The differences are flags in ``ModelConfig``; the module tree mirrors Hugging Face's names so the
+loader maps checkpoint names with ``packed_modules_mapping`` alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.layers.attention import AttentionMetadata, PagedAttention
+from rollout.layers.layernorm import RMSNorm
+from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rollout.layers.rotary import RotaryEmbedding
+from rollout.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from rollout.models.config import ModelConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.qkv_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # a list: shared, not registered as a child of every layer
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata):
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
+                                                 shard_ids=[0, 1], params_dtype=dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face name piece -> (our parameter's module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+
+    def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids/positions: [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab_size] in fp32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,112 @@
+"""``SamplingParams``: what a request asks of the sampler and the stop logic.
+
+Unset fields (None) take the model's ``generation_config.json`` defaults when the engine allows
+it, else neutral values. Every invalid value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Union
+
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be an integer >= 0")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", "must be an integer in [0, max_new_tokens]")
+        if self.temperature is not None and not (_is_num(self.temperature) and self.temperature >= 0):
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if self.top_p is not None and not (_is_num(self.top_p) and 0 < self.top_p <= 1):
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k is not None and not (_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1))):
+            bad("top_k", "must be >= 1, or -1/0 to disable")
+        if self.min_p is not None and not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
+            bad("min_p", "must be in [0, 1]")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.n > 1 and self.max_new_tokens == 0:
+            bad("n", "must be 1 for a prefill-only request (max_new_tokens=0)")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None and not (isinstance(self.stop_token_ids, (list, tuple))
+                                                    and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not (_is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                bad(name, "must be in [-2, 2]")
+        if self.repetition_penalty is not None and not (_is_num(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", "must map token ids to numbers")
+            if any(k < 0 for k in self.logit_bias):
+                bad("logit_bias", "token ids must be >= 0")
+        if self.allowed_token_ids is not None and not (isinstance(self.allowed_token_ids, (list, tuple))
+                                                       and self.allowed_token_ids
+                                                       and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+
+    def resolved(self, defaults: Optional[dict] = None) -> SamplingParams:
+        """A copy with every optional sampler field concrete: user > ``defaults`` > neutral."""
+        defaults = defaults or {}
+        values = {k: getattr(self, k) if getattr(self, k) is not None else defaults.get(k, v)
+                  for k, v in NEUTRAL.items()}
+        if values["top_k"] == 0:
+            values["top_k"] = -1
+        return replace(self, **values)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"SamplingParams.{name}: token ids must be < vocab size {vocab_size}")
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be < vocab size {vocab_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

@@ -1,0 +1,367 @@
+"""The scheduler: continuous batching on the CPU.
+
+Each step it builds one ``ModelWorkerBatch`` — running sequences first (one decode token each, or
+the next chunk of a chunked prefill), then waiting ones while the token budget
+(``max_num_batched_tokens``) and ``max_num_seqs`` allow — hands it to the TP worker and folds the
+result back into the sequences (stop checks, logprobs, finished outputs).
+
+The ``n`` samples of a prompt share its prefill: only the first sample (the leader) is
+prefilled; when its last prompt chunk is scheduled the others fork off it, sharing its full
+blocks, copying its partial last block, and drawing their first token from the same logits row.
+When blocks run out, the most recently admitted running sequence is preempted: its blocks are
+freed and it is recomputed later from its prompt and outputs (tokens are unchanged, since draws
+depend only on seed and position).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.block_manager import BlockManager
+from rollout.config import EngineConfig
+from rollout.request import Request, SeqStatus, Sequence
+from rollout.tp_worker import BaseTpWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens actually run through the model
+    num_decode_tokens: int = 0
+    num_shared_prefill_tokens: int = 0  # prompt tokens a forked sample did not recompute
+    num_forked_samples: int = 0
+    num_preemptions: int = 0
+    num_finished_requests: int = 0
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0
+    num_sample_steps: int = 0
+
+
+@dataclass
+class ScheduledBatch:
+    """A batch plus the scheduler-side bookkeeping needed to fold its result back."""
+
+    batch: ModelWorkerBatch
+    scheduled: list[tuple[Sequence, int]]  # (sequence, new tokens) in batch order
+    samplers: list[Sequence]  # one per sample row
+    input_owners: list[Request]  # one per scored prompt token
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, worker: BaseTpWorker, eos_ids: tuple[int, ...], detokenizer=None):
+        self.config = config
+        self.worker = worker
+        runner = worker.model_runner
+        self.block_size = config.block_size
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_ids = tuple(eos_ids)
+        self.detokenizer = detokenizer
+        self.weight_version = config.weight_version
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue management
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.rid] = req
+        self.waiting.append(req.seqs[0])
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: Optional[str] = None) -> int:
+        """Finish the request (or every request, rid=None) with reason "abort"; returns how many."""
+        reqs = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+        for req in reqs:
+            req.pending_followers.clear()
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+        return len(reqs)
+
+    def fail_all(self, error: BaseException) -> None:
+        for req in list(self.requests.values()):
+            req.error = error
+            self.abort(req.rid)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def step(self) -> bool:
+        sb = self.schedule()
+        if sb is None:
+            return False
+        result = self.worker.forward_batch_generation(sb.batch)
+        if result.delay_sample_func is not None:
+            result = result.delay_sample_func(sb.batch.sampling or SamplingInputs.from_seqs(
+                sb.samplers, self.eos_ids, self.config.logprob_mode == "raw"))
+        self.process_batch_result(sb, result)
+        return True
+
+    def _slots_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, -(-upto // self.block_size) - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        need = self._slots_needed(seq, upto)
+        if need == 0:
+            return True
+        blocks = self.block_manager.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _admit_prefix(self, seq: Sequence) -> None:
+        req = seq.req
+        limit = len(seq.token_ids) - 1  # at least one token must run to produce logits
+        if seq.num_output_tokens == 0 and req.needs_input_logprobs:
+            limit = min(limit, req.next_input_logprob_pos)
+        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self.weight_version)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        if seq.num_output_tokens == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def schedule(self) -> Optional[ScheduledBatch]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        in_batch: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            q = min(remaining, budget)
+            while not self._grow(seq, seq.num_computed_tokens + q):
+                victims = [s for s in self.running if s.seq_id not in in_batch and s is not seq]
+                if not victims:
+                    break
+                self._preempt(victims[-1])
+            if self._slots_needed(seq, seq.num_computed_tokens + q):
+                self._preempt(seq)
+                continue
+            scheduled.append((seq, q))
+            in_batch.add(seq.seq_id)
+            budget -= q
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                self._admit_prefix(seq)
+            q = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + q):
+                self.block_manager.free(seq.block_table)
+                seq.block_table, seq.num_computed_tokens = [], 0
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, q))
+            budget -= q
+        if not scheduled:
+            return None
+        return self._build_batch(scheduled)
+
+    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        input_ids: list[int] = []
+        tables, ctx_lens, q_lens, logits_rows, sample_idx = [], [], [], [], []
+        samplers: list[Sequence] = []
+        in_idx, in_targets, in_temps, in_owners = [], [], [], []
+        copies: list[tuple[int, int]] = []
+        in_top = 0
+        raw = self.config.logprob_mode == "raw"
+        row = 0
+        for seq, q in scheduled:
+            start = seq.num_computed_tokens
+            end = start + q
+            req = seq.req
+            input_ids.extend(seq.token_ids[start:end])
+            tables.append(seq.block_table)
+            ctx_lens.append(end)
+            q_lens.append(q)
+            if end <= seq.num_prompt_tokens:
+                self.stats.num_prefill_tokens += q
+            else:
+                self.stats.num_decode_tokens += q
+            # prompt logprobs: position p scores token p + 1
+            if seq.num_output_tokens == 0 and req.needs_input_logprobs:
+                first = max(start, req.next_input_logprob_pos)
+                last = min(end, seq.num_prompt_tokens - 1)
+                temp = 1.0 if raw or req.params.temperature <= 0 else req.params.temperature
+                for p in range(first, last):
+                    in_idx.append(len(logits_rows))
+                    logits_rows.append(row + p - start)
+                    in_targets.append(seq.token_ids[p + 1])
+                    in_temps.append(temp)
+                    in_owners.append(req)
+                req.next_input_logprob_pos = max(req.next_input_logprob_pos, last)
+                in_top = max(in_top, req.top_logprobs_num)
+            seq.num_computed_tokens = end
+            self._register_full_blocks(seq, start, end)
+            if end == len(seq.token_ids) and req.params.max_new_tokens > 0:
+                logits_rows.append(row + q - 1)
+                forks = self._fork_followers(seq, copies) if req.pending_followers else []
+                for s in [seq, *forks]:
+                    sample_idx.append(len(logits_rows) - 1)
+                    samplers.append(s)
+            row += q
+        batch = ModelWorkerBatch(
+            input_ids=input_ids, block_tables=tables, ctx_lens=ctx_lens, q_lens=q_lens,
+            logits_rows=logits_rows, sample_logits_idx=sample_idx,
+            sampling=None if self.config.enable_overlap or not samplers else
+            SamplingInputs.from_seqs(samplers, self.eos_ids, raw),
+            input_logprob_idx=in_idx, input_logprob_targets=in_targets, input_logprob_temps=in_temps,
+            input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
+        )
+        return ScheduledBatch(batch, scheduled, samplers, in_owners)
+
+    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Make prompt blocks completed by this step matchable by later requests."""
+        if not self.block_manager.enable_prefix_caching or seq.num_output_tokens > 0:
+            return
+        first, last = start // self.block_size, min(end, seq.num_prompt_tokens) // self.block_size
+        if last <= first:
+            return
+        hashes = self.block_manager.block_hashes(seq.token_ids, last, self.weight_version)
+        for i in range(first, last):
+            self.block_manager.register(seq.block_table[i], hashes[i])
+
+    def _fork_followers(self, leader: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
+        """Followers share the leader's full prompt blocks and copy its partial last block."""
+        req = leader.req
+        n_full = leader.num_prompt_tokens // self.block_size
+        partial = leader.num_prompt_tokens % self.block_size != 0
+        forked = []
+        for seq in list(req.pending_followers):
+            dst = None
+            if partial:
+                dst = self.block_manager.allocate(1)
+                if dst is None:
+                    break  # out of blocks: the rest prefill on their own (prefix cache helps)
+            self.block_manager.share(leader.block_table[:n_full])
+            seq.block_table = leader.block_table[:n_full] + (dst or [])
+            if dst:
+                copies.append((leader.block_table[n_full], dst[0]))
+            seq.num_computed_tokens = leader.num_prompt_tokens
+            seq.num_cached_tokens = leader.num_prompt_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            req.pending_followers.remove(seq)
+            forked.append(seq)
+        self.stats.num_forked_samples += len(forked)
+        self.stats.num_shared_prefill_tokens += len(forked) * leader.num_prompt_tokens
+        for seq in req.pending_followers:  # no block for them now: queue them as ordinary sequences
+            self.waiting.append(seq)
+        req.pending_followers = []
+        return forked
+
+    # ------------------------------------------------------------------ results
+
+    def process_batch_result(self, sb: ScheduledBatch, result: GenerationBatchResult) -> None:
+        batch, scheduled, samplers = sb.batch, sb.scheduled, sb.samplers
+        self.stats.num_steps += 1
+        self.stats.forward_time_s += result.forward_time_s
+        touched: dict[str, list[Sequence]] = {}
+        if result.input_logprobs is not None:
+            self._record_input_logprobs(sb, result)
+        if samplers:
+            self.stats.sample_time_s += result.sample_time_s
+            self.stats.num_sample_steps += 1
+            tokens = result.next_token_ids.tolist()
+            lps = result.next_token_logprobs.tolist()
+            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            now = time.perf_counter()
+            for i, seq in enumerate(samplers):
+                if seq.is_finished:  # aborted while its step ran
+                    continue
+                seq.token_ids.append(tokens[i])
+                if seq.req.return_logprob:
+                    seq.output_logprobs.append(lps[i])
+                    if seq.req.top_logprobs_num and top_ids is not None:
+                        k = seq.req.top_logprobs_num
+                        seq.output_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])))
+                seq.output_versions.append(batch.weight_version)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._check_stop(seq)
+                touched.setdefault(seq.req.rid, []).append(seq)
+        for seq, _ in scheduled:
+            req = seq.req
+            if (not seq.is_finished and req.params.max_new_tokens == 0
+                    and seq.num_computed_tokens == seq.num_prompt_tokens):
+                self._finish(seq, "length")
+                touched.setdefault(req.rid, []).append(seq)
+        for rid, seqs in touched.items():
+            req = self.requests.get(rid)
+            if req is not None and req.on_update is not None and not req.is_finished:
+                req.on_update(req, seqs)
+
+    def _record_input_logprobs(self, batch: ScheduledBatch, result: GenerationBatchResult) -> None:
+        values = result.input_logprobs.tolist()
+        top_ids = result.input_top_ids.tolist() if result.input_top_ids is not None else None
+        top_lps = result.input_top_logprobs.tolist() if result.input_top_logprobs is not None else None
+        for i, req in enumerate(batch.input_owners):
+            req.input_logprobs.append(values[i])
+            if top_ids is not None:
+                k = req.top_logprobs_num
+                req.input_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])) if k else [])
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        tok = seq.token_ids[-1]
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_new_tokens:
+            if not p.ignore_eos and tok in self.eos_ids:
+                return self._finish(seq, "stop", tok)
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                return self._finish(seq, "stop", tok)
+            if p.stop and self.detokenizer is not None:
+                text = self.detokenizer(seq.output_ids, p.skip_special_tokens)
+                tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
+                hits = [(text.find(s, tail_from), s) for s in p.stop]
+                hits = [(pos, s) for pos, s in hits if pos >= 0]
+                if hits:
+                    pos, s = min(hits)
+                    seq.stop_text_offset = pos
+                    seq.text = text[:pos]
+                    return self._finish(seq, "stop", s)
+        if n_out >= p.max_new_tokens or len(seq.token_ids) >= self.worker.context_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, matched=None) -> None:
+        seq.finish_reason = reason
+        seq.matched_stop = matched
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        req = seq.req
+        if req.is_finished and not req.pending_followers:
+            req.finish_time = time.perf_counter()
+            self.requests.pop(req.rid, None)
+            self.stats.num_finished_requests += 1
+            req.done.set()
+            if req.on_update is not None:
+                req.on_update(req, [s for s in req.seqs])

@@ -1,0 +1,103 @@
+"""Tiny Llama-family models built locally (no model hub): for the demo, tests and benchmarks.
+
+``make_tiny_model`` writes a Hugging Face folder (config, generation config, safetensors and a
+small byte-level BPE tokenizer trained on an embedded corpus). Embedding and head weights are
+drawn larger than Hugging Face's default init so greedy top-1 margins sit well above float
+rounding; tests still check the margin of every step they compare.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+_CORPUS = """The quick brown fox jumps over the lazy dog. A rollout engine generates completions.
+Reinforcement learning from feedback trains a policy with rewards. The reward is one when the answer is right.
+Question: what is two plus three? Answer: five. Question: what is four plus four? Answer: eight.
+Count with me: one two three four five six seven eight nine ten.
+The cat sat on the mat. The dog sat on the log. Tokens, logprobs, weights and caches.
+Hello, world! How are you today? I am fine, thank you. Please write a short story about a robot.
+def add(a, b): return a + b
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) [ ] { } < > : ; , . ! ?
+apple banana cherry grape lemon mango orange peach pear plum red green blue yellow black white
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+ARCHITECTURES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+@functools.lru_cache(maxsize=4)
+def build_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on the embedded corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path: str, arch: str = "llama", *, hidden_size: int = 64, intermediate_size: int = 128,
+                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: Optional[int] = None,
+                    vocab_size: Optional[int] = None, tie_word_embeddings: bool = False, seed: int = 0,
+                    embed_std: float = 1.0, head_std: float = 0.5, dtype: torch.dtype = torch.float32,
+                    with_tokenizer: bool = True, max_position_embeddings: int = 512, **config_extra) -> str:
+    """Write a random tiny model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``; return it."""
+    import transformers
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    n_tok = len(tokenizer) if tokenizer is not None else 0
+    vocab_size = vocab_size or max(n_tok, 256)
+    if vocab_size < n_tok:
+        raise ValueError(f"vocab_size {vocab_size} < tokenizer size {n_tok}")
+    config_cls = getattr(transformers, ARCHITECTURES[arch])
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    kwargs = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, vocab_size=vocab_size,
+                  tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
+                  eos_token_id=eos, bos_token_id=None, pad_token_id=eos)
+    kwargs["head_dim"] = head_dim or hidden_size // num_heads
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(config_extra)
+    config = config_cls(**kwargs)
+    config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                p.normal_(0, embed_std)
+            elif name == "lm_head.weight":
+                p.normal_(0, head_std)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.08)
+    model.config.dtype = dtype
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,92 @@
+"""TP workers after SGLang's design: the ``TpModelWorker`` (one per device/rank) turns the
+scheduler's ``ModelWorkerBatch`` into a device ``ForwardBatch``, runs the ``ModelRunner`` and
+decides *when* to sample: now, or later through ``delay_sample_func`` (overlap scheduling).
+Prefill-only batches skip sampling and return prompt logprobs only. Weight operations are plain
+delegation to the runner.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.config import EngineConfig
+from rollout.layers.parallel_state import TpState, set_tp_state
+from rollout.model_runner import ForwardBatch, ModelRunner
+from rollout.models import ModelConfig
+
+
+class BaseTpWorker(ABC):
+    @abstractmethod
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        ...
+
+    @property
+    @abstractmethod
+    def model_runner(self) -> ModelRunner:
+        ...
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        param = self.model_runner.named_parameters()[name]
+        return param.detach().flatten()[:truncate_size].float().cpu().tolist()
+
+
+class TpModelWorker(BaseTpWorker):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_state: TpState | None = None):
+        self.config = config
+        self.tp_rank = tp_rank
+        set_tp_state(tp_state or TpState())
+        # 1. model config
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.tp_size = config.tp_size
+        if self.tp_size not in self.model_config.valid_tp_sizes():
+            raise ValueError(f"tp_size={self.tp_size} does not split this model evenly; valid TP sizes: "
+                             f"{self.model_config.valid_tp_sizes(16)}")
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.model_config.checkpoint_dtype, self.device)
+        context_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.context_len = context_len
+        # 2. the runner: weights, KV pool
+        self._model_runner = ModelRunner(config, self.model_config, self.device, self.dtype, context_len)
+        # 3. limits
+        self.max_total_num_tokens = self._model_runner.max_total_num_tokens
+        self.max_req_len = min(context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        # 4. one seed for every rank (draws are functions of it, so every rank samples the same token)
+        self.random_seed = config.seed
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._model_runner
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        runner = self._model_runner
+        t0 = time.perf_counter()
+        fb = ForwardBatch.init_new(batch, runner)
+        logits = runner.forward(fb)
+        runner.copy_blocks(batch.block_copies)
+        result = GenerationBatchResult()
+        if batch.input_logprob_idx:
+            result.input_logprobs, result.input_top_ids, result.input_top_logprobs = \
+                runner.compute_input_logprobs(logits, batch)
+        result.forward_time_s = time.perf_counter() - t0
+        if batch.is_prefill_only:
+            return result
+        sample_logits = logits.index_select(0, torch.tensor(batch.sample_logits_idx, device=logits.device))
+
+        def sample_batch_func(sampling: SamplingInputs) -> GenerationBatchResult:
+            t1 = time.perf_counter()
+            out = runner.sample(sample_logits, sampling)
+            result.next_token_ids, result.next_token_logprobs = out.token_ids, out.logprobs
+            result.top_ids, result.top_logprobs = out.top_ids, out.top_logprobs
+            result.delay_sample_func = None
+            result.sample_time_s = time.perf_counter() - t1
+            return result
+
+        if self.config.enable_overlap or batch.sampling is None:
+            result.delay_sample_func = sample_batch_func
+            return result
+        return sample_batch_func(batch.sampling)
