@@ -81,7 +81,9 @@ class SamplingInputs:
         temps = t(self.temperatures, torch.float32)
         info = SamplingBatchInfo(temperatures=temps, uniforms=t(self.uniforms, torch.float32).clamp_(max=1 - 2**-24),
                                  top_logprobs_num=self.top_logprobs_num, raw_logprobs=self.raw_logprobs,
-                                 all_greedy=all(x <= 0 for x in self.temperatures))
+                                 all_greedy=all(x <= 0 for x in self.temperatures),
+                                 has_greedy=any(x <= 0 for x in self.temperatures),
+                                 all_temp_one=all(x == 1.0 or x <= 0 for x in self.temperatures))
         if self.top_ks is not None:
             info.top_ks = t(self.top_ks, torch.long)
         if self.top_ps is not None:

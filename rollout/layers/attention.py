@@ -33,8 +33,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot of each new token
     decode_rows: Optional[torch.Tensor] = None  # [Bd] rows of decode tokens in the flat batch
-    decode_slots: Optional[torch.Tensor] = None  # [Bd, Lmax] context slots, padded
-    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, Lmax] bool
+    decode_blocks: Optional[torch.Tensor] = None  # [Bd, max_blocks] block tables, padded with block 0
+    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -60,13 +60,14 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
     if bool(is_decode.any()):
         idx = is_decode.nonzero().squeeze(1)
         lens = ctx[idx]
-        keys = torch.arange(int(lens.max()))
-        slots = tables[idx][:, keys // block_size] * block_size + keys % block_size  # [Bd, Lmax]
+        num_blocks = -(-int(lens.max()) // block_size)
+        # Whole blocks are gathered (a contiguous copy each); positions past a context are masked.
+        keys = torch.arange(num_blocks * block_size)
         mask = keys.unsqueeze(0) < lens.unsqueeze(1)
         if sliding_window is not None:
             mask &= keys.unsqueeze(0) > (lens.unsqueeze(1) - 1 - sliding_window)
         meta.decode_rows = row_start[idx].to(device)
-        meta.decode_slots = slots.to(device)
+        meta.decode_blocks = tables[idx][:, :num_blocks].to(device)
         meta.decode_mask = mask.view(len(idx), 1, 1, -1).to(device)
     for i in (~is_decode).nonzero().squeeze(1).tolist():
         meta.prefills.append(_prefill_span(int(row_start[i]), q_lens[i], ctx_lens[i], tables[i], block_size,
@@ -106,8 +107,8 @@ class PagedAttention(nn.Module):
             qd = q.index_select(0, meta.decode_rows)
             bd = qd.shape[0]
             qd = qd.view(bd, self.num_kv_heads, self.group, self.head_dim)
-            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
+            kd = k_cache[meta.decode_blocks].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vd = v_cache[meta.decode_blocks].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
         for span in meta.prefills:

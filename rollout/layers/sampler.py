@@ -39,6 +39,8 @@ class SamplingBatchInfo:
     top_logprobs_num: int = 0
     raw_logprobs: bool = False
     all_greedy: bool = False
+    has_greedy: bool = False
+    all_temp_one: bool = False  # every sampled row has temperature 1: skip the division
 
 
 @dataclass
@@ -105,42 +107,58 @@ def _mask_min_p(x: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(probs < threshold, float("-inf"))
 
 
-def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Log-probabilities of the distribution sampled from (rows with temperature > 0)."""
-    x = apply_logit_processors(logits, info)
-    t = torch.where(info.temperatures > 0, info.temperatures, 1.0)
-    x = x / t.unsqueeze(1)
+def _processed_logits(logits: torch.Tensor, info: SamplingBatchInfo, x: torch.Tensor) -> torch.Tensor:
+    """Temperature then top-k / top-p / min-p masks on ``x`` (logits after processors)."""
+    if not info.all_temp_one:
+        t = torch.where(info.temperatures > 0, info.temperatures, 1.0)
+        x = x / t.unsqueeze(1)
     if info.top_ks is not None:
         x = _mask_top_k(x, info.top_ks)
     if info.top_ps is not None:
         x = _mask_top_p(x, info.top_ps)
     if info.min_ps is not None:
         x = _mask_min_p(x, info.min_ps)
-    return torch.log_softmax(x, dim=-1)
+    return x
+
+
+def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Log-probabilities of the distribution sampled from (rows with temperature > 0)."""
+    return torch.log_softmax(_processed_logits(logits, info, apply_logit_processors(logits, info)), dim=-1)
+
+
+def _token_logprob(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(x)[ids] without materialising the full log-softmax."""
+    return x.gather(1, ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     """logits: [S, V] fp32 (one row per sample) -> tokens and their logprobs."""
-    greedy = info.temperatures <= 0
-    raw_lp = None
+    x = apply_logit_processors(logits, info)
     if info.all_greedy:
-        token_ids = apply_logit_processors(logits, info).argmax(dim=-1)
-        dist_lp = raw_lp = torch.log_softmax(logits, dim=-1)
+        token_ids = x.argmax(dim=-1)
+        logprobs = _token_logprob(logits, token_ids)
+        dist = None
     else:
-        lp = processed_logprobs(logits, info)
-        cdf = lp.exp().cumsum(dim=-1)
-        target = info.uniforms.unsqueeze(1) * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-        token_ids = drawn
-        dist_lp = lp
-        if bool(greedy.any()):
-            token_ids = torch.where(greedy, apply_logit_processors(logits, info).argmax(dim=-1), drawn)
-            raw_lp = torch.log_softmax(logits, dim=-1)
-            dist_lp = torch.where(greedy.unsqueeze(1), raw_lp, lp)
+        dist = _processed_logits(logits, info, x)
+        # Inverse-CDF draw and the drawn token's logprob from one exp/cumsum pass, no sort.
+        row_max = dist.max(dim=-1, keepdim=True).values
+        cdf = (dist - row_max).exp_().cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, info.uniforms.unsqueeze(1) * total, right=True)
+        token_ids = drawn.squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        logprobs = (dist.gather(1, token_ids.unsqueeze(1)) - row_max - total.log()).squeeze(1)
+        if info.has_greedy:
+            greedy = info.temperatures <= 0
+            token_ids = torch.where(greedy, x.argmax(dim=-1), token_ids)
+            logprobs = torch.where(greedy, _token_logprob(logits, token_ids), logprobs)
     if info.raw_logprobs:
-        dist_lp = raw_lp if raw_lp is not None else torch.log_softmax(logits, dim=-1)
-    out = SampleOutput(token_ids=token_ids, logprobs=dist_lp.gather(1, token_ids.unsqueeze(1)).squeeze(1))
+        logprobs = _token_logprob(logits, token_ids)
+    out = SampleOutput(token_ids=token_ids, logprobs=logprobs)
     if info.top_logprobs_num > 0:
-        k = min(info.top_logprobs_num, logits.shape[-1])
-        out.top_logprobs, out.top_ids = dist_lp.topk(k, dim=-1)
+        # The same distribution each row's logprob comes from.
+        lp = torch.log_softmax(logits, dim=-1)
+        if dist is not None and not info.raw_logprobs:
+            greedy = (info.temperatures <= 0).unsqueeze(1)
+            lp = torch.where(greedy, lp, torch.log_softmax(dist, dim=-1))
+        out.top_logprobs, out.top_ids = lp.topk(min(info.top_logprobs_num, logits.shape[-1]), dim=-1)
     return out
