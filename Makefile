@@ -16,7 +16,7 @@ demo: install
 	$(PYTHON) -m rollout.cli demo
 
 test: install
-	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks
+	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts
 	$(PYTHON) -m pytest -q --durations=25 tests
 
 bench: install

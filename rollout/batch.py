@@ -123,6 +123,7 @@ class ModelWorkerBatch:
     input_top_logprobs_num: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the forward
     weight_version: str = "default"
+    has_placeholders: bool = False  # input ids < 0 are -(row + 1) of the previous batch's samples
 
     @property
     def is_prefill_only(self) -> bool:

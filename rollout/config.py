@@ -29,7 +29,11 @@ class EngineConfig:
     use_generation_config: bool = True  # unset sampling fields take generation_config.json values
     tokenizer_path: Optional[str] = None  # None: model_path; no tokenizer there -> token ids only
     enable_overlap: bool = False
+    enable_cuda_graph: bool = True  # CUDA only: capture decode graphs (eager on CPU)
+    cuda_graph_max_bs: int = 256
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
+    launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
+    tp_timeout_s: float = 30.0  # rendezvous and every TP collective: a dead or hung rank fails within this
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -50,6 +54,10 @@ class EngineConfig:
             bad("kv_cache_memory_fraction", "must be in (0, 0.95]")
         if self.logprob_mode not in ("processed", "raw"):
             bad("logprob_mode", "must be 'processed' or 'raw'")
+        if self.launch not in ("auto", "spawn", "external"):
+            bad("launch", "must be auto, spawn or external")
+        if not self.tp_timeout_s > 0:
+            bad("tp_timeout_s", "must be > 0 seconds")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
 

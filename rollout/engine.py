@@ -18,12 +18,15 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 from rollout.config import EngineConfig
+from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.random import derive_seed
 from rollout.request import Request, Sequence
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
+from rollout.tp_external import ExternalLeaderWorker, ExternalTp
+from rollout.tp_group import TpWorkerError, TpWorkerGroup
 from rollout.tp_worker import TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -40,10 +43,16 @@ class RolloutEngine:
                  seed: int = 0, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, tp_size=tp_size, dtype=dtype, device=device,
                                                seed=seed, **kwargs)
-        if self.config.tp_size != 1:
-            raise ValueError("tp_size > 1 needs the multi-process TP workers, which this build does not "
-                             "have yet; use tp_size=1")
-        self.worker = TpModelWorker(self.config)
+        ModelConfig.from_pretrained(model_path).check_tp_size(self.config.tp_size)  # before spawning anything
+        self._ext: Optional[ExternalTp] = None
+        self._thread: Optional[threading.Thread] = None
+        if self.config.tp_size == 1:
+            self.worker = TpModelWorker(self.config)
+        elif self._use_external_launch():
+            self._ext = ExternalTp(self.config)
+            self.worker = ExternalLeaderWorker(self._ext) if self._ext.is_leader else self._ext.worker
+        else:
+            self.worker = TpWorkerGroup(self.config)
         self.model_config = self.worker.model_config
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or model_path)
         self._detokenize = make_detokenizer(self.tokenizer)
@@ -53,9 +62,24 @@ class RolloutEngine:
         self._counter = itertools.count()
         self._commands: queue.Queue = queue.Queue()
         self._alive = True
+        self._fatal: Optional[BaseException] = None
+        if self.is_follower:
+            return  # an external-launch follower runs the leader's steps inside generate()
         self._thread = threading.Thread(target=self._run_loop, name="rollout-engine-loop", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s", self.worker.model_runner.describe())
+
+    def _use_external_launch(self) -> bool:
+        import torch.distributed as dist
+
+        if self.config.launch == "external":
+            return True
+        return self.config.launch == "auto" and dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_follower(self) -> bool:
+        """An external-launch rank other than its engine's leader (it runs no scheduler)."""
+        return self._ext is not None and not self._ext.is_leader
 
     # ------------------------------------------------------------------ loop
 
@@ -72,10 +96,17 @@ class RolloutEngine:
                     block = False
                     if cmd[0] == "stop":
                         sched.abort(None)
+                        sched.close()
                         return
                     self._execute(cmd)
                 if sched.has_work():
                     sched.step()
+            except TpWorkerError as exc:  # a rank is gone: fail everything and stop serving
+                logger.error("%s", exc)
+                self._fatal = exc
+                sched.fail_all(exc)
+                self._alive = False
+                return
             except Exception as exc:  # a failed step fails its requests; the engine keeps serving
                 logger.exception("engine step failed")
                 sched.fail_all(exc)
@@ -89,6 +120,7 @@ class RolloutEngine:
         elif kind == "call":
             fn, box, done = cmd[1], cmd[2], cmd[3]
             try:
+                self.scheduler.drain()
                 box["result"] = fn()
             except BaseException as exc:
                 box["error"] = exc
@@ -107,7 +139,9 @@ class RolloutEngine:
         return box["result"]
 
     def _check_alive(self) -> None:
-        if not self._alive or not self._thread.is_alive():
+        if self._fatal is not None:
+            raise EngineDeadError(f"the engine stopped: {self._fatal}")
+        if not self._alive or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError("the engine is shut down; create a new RolloutEngine")
 
     # ------------------------------------------------------------------ requests
@@ -204,15 +238,34 @@ class RolloutEngine:
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  rid: Union[str, list[str], None] = None) -> list[RolloutOutput]:
-        """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first)."""
+        """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
+
+        External launch: every rank of the engine calls this with the same arguments."""
+        # Validation raises here, alike on every rank of an external launch, before any step runs.
         reqs = self._make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                    logprob_start_len, rid)
+        if self.is_follower:
+            return self._ext.follow()
+        if self._ext is None:
+            return self._run_requests(reqs)
+        try:
+            outs = self._run_requests(reqs)
+        except BaseException as exc:
+            error = repr(exc)
+            self._call(lambda: self.worker.send_done(None, error))
+            raise
+        self._call(lambda: self.worker.send_done(outs))
+        return outs
+
+    def _run_requests(self, reqs: list[Request]) -> list[RolloutOutput]:
         for r in reqs:
             self._commands.put(("add", r))
         deadline = None if self.config.request_timeout_s is None else time.monotonic() + self.config.request_timeout_s
         try:
             for r in reqs:
                 while not r.done.wait(0.5):
+                    if self._fatal is not None:
+                        break
                     self._check_alive()
                     if deadline is not None and time.monotonic() > deadline:
                         raise TimeoutError(f"request {r.rid} did not finish in {self.config.request_timeout_s}s")
@@ -227,6 +280,8 @@ class RolloutEngine:
                              stream: bool = False):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
+        if self._ext is not None:
+            raise ValueError("with external launch every rank calls generate() (SPMD); async_generate is not available")
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -290,10 +345,14 @@ class RolloutEngine:
         return self._call(lambda: self.worker.get_weights_by_name(name, truncate_size))
 
     def shutdown(self) -> None:
-        if self._alive:
-            self._alive = False
+        """Stop the loop (aborting what runs) and reap every worker process."""
+        if getattr(self, "_thread", None) is not None and self._thread.is_alive():
             self._commands.put(("stop",))
             self._thread.join(timeout=30)
+        self._alive = False
+        worker = getattr(self, "worker", None)
+        if worker is not None and hasattr(worker, "shutdown"):
+            worker.shutdown()
 
     def __enter__(self) -> RolloutEngine:
         return self

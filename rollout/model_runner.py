@@ -37,16 +37,30 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [R]
 
     @staticmethod
-    def init_new(batch: ModelWorkerBatch, runner: ModelRunner) -> ForwardBatch:
+    def init_new(batch: ModelWorkerBatch, runner: ModelRunner,
+                 future_token_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
         device = runner.device
         positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens,
                                                    runner.block_size, device, runner.model_config.sliding_window)
         return ForwardBatch(
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+            input_ids=_input_ids(batch, device, future_token_ids),
             positions=positions,
             attn=meta,
             logits_rows=torch.tensor(batch.logits_rows, dtype=torch.long, device=device),
         )
+
+
+def _input_ids(batch: ModelWorkerBatch, device: torch.device, future_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=device)
+    if batch.has_placeholders:  # tokens sampled by the previous step, read on the device
+        input_ids = torch.where(input_ids < 0, future_token_ids[(-input_ids - 1).clamp(min=0)], input_ids)
+    return input_ids
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
@@ -95,12 +109,21 @@ class ModelRunner:
         self.load_report: LoadReport = load_named_tensors(self.model, iter_safetensors(config.model_path))
         logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
+        self.max_model_len = max_model_len
         self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.scratch_block = self.num_blocks  # one block past the pool: padding rows of CUDA graphs write here
         attn = self.model.model.layers[0].self_attn
-        # One buffer for all layers: [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim].
-        self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+        # One buffer for all layers: [layers, 2 (k, v), num_blocks + scratch, block_size, kv_heads, head_dim].
+        self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks + 1, self.block_size,
                                      attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
+        self.use_paged_kernel = device.type == "cuda" and _has_triton()
+        self.graph_runner = None
+        if device.type == "cuda" and config.enable_cuda_graph:
+            from rollout.cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
+            self.graph_runner.capture()
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -125,8 +148,12 @@ class ModelRunner:
         return max(2, -(-tokens // self.block_size))
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
+        fb = ForwardBatch.init_new(batch, self, future_token_ids)
+        fb.attn.use_paged_kernel = self.use_paged_kernel
         hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn)
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
 

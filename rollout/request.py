@@ -26,6 +26,10 @@ class Sequence:
         self.token_ids: list[int] = list(req.prompt_ids)  # prompt, then outputs
         self.num_prompt_tokens = len(req.prompt_ids)
         self.num_computed_tokens = 0  # positions whose KV is (or is being) written
+        # Overlap scheduling: tokens sampled (or being sampled) but not yet appended, and the sample
+        # row of the latest one in its batch (the next batch reads it from the device-side future map).
+        self.num_pending = 0
+        self.pending_row = -1
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.output_logprobs: list[float] = []
@@ -42,6 +46,11 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.req.params
+
+    @property
+    def total_len(self) -> int:
+        """Tokens including those still being sampled."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

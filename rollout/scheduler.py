@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,15 +69,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # Overlap scheduling: the launched batch whose result is not processed yet, and the one
+        # thread that runs forwards and delayed samplings in launch order.
+        self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
 
     # ------------------------------------------------------------------ queue management
 
     def add_request(self, req: Request) -> None:
         self.requests[req.rid] = req
         self.waiting.append(req.seqs[0])
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def abort(self, rid: Optional[str] = None) -> int:
         """Finish the request (or every request, rid=None) with reason "abort"; returns how many."""
@@ -89,13 +91,19 @@ class Scheduler:
         return len(reqs)
 
     def fail_all(self, error: BaseException) -> None:
+        self._inflight = None
         for req in list(self.requests.values()):
             req.error = error
             self.abort(req.rid)
 
     # ------------------------------------------------------------------ scheduling
 
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._inflight is not None)
+
     def step(self) -> bool:
+        if self.config.enable_overlap:
+            return self._step_overlap()
         sb = self.schedule()
         if sb is None:
             return False
@@ -105,6 +113,42 @@ class Scheduler:
                 sb.samplers, self.eos_ids, self.config.logprob_mode == "raw"))
         self.process_batch_result(sb, result)
         return True
+
+    def _step_overlap(self) -> bool:
+        """Launch forward N+1, process result N on the CPU, then queue N+1's delayed sampling
+        (which thus sees N's tokens: penalties, min-new-tokens, stop and abort state). Forward N+1
+        reads N's sampled ids from the worker's future map, so no host sync sits between steps."""
+        sb = self.schedule()
+        forward = self._executor.submit(self.worker.forward_batch_generation, sb.batch) if sb is not None else None
+        inflight, self._inflight = self._inflight, None
+        try:
+            if inflight is not None:
+                self.process_batch_result(inflight[0], inflight[1].result())
+        finally:
+            if forward is not None:
+                sampling = (SamplingInputs.from_seqs(sb.samplers, self.eos_ids, self.config.logprob_mode == "raw")
+                            if sb.samplers else None)
+
+                def sample(fwd=forward, sampling=sampling):
+                    result = fwd.result()
+                    return result.delay_sample_func(sampling) if result.delay_sample_func is not None else result
+
+                self._inflight = (sb, self._executor.submit(sample))
+        return sb is not None or inflight is not None
+
+    def drain(self) -> None:
+        """Finish the launched batch (overlap mode) so the model is quiet: for flushes, updates, stops."""
+        while self._inflight is not None:
+            sb, fut = self._inflight
+            self._inflight = None
+            self.process_batch_result(sb, fut.result())
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
 
     def _slots_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, -(-upto // self.block_size) - len(seq.block_table))
@@ -149,7 +193,7 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            remaining = seq.total_len - seq.num_computed_tokens
             q = min(remaining, budget)
             while not self._grow(seq, seq.num_computed_tokens + q):
                 victims = [s for s in self.running if s.seq_id not in in_batch and s is not seq]
@@ -166,7 +210,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 self._admit_prefix(seq)
-            q = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            q = min(seq.total_len - seq.num_computed_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + q):
                 self.block_manager.free(seq.block_table)
                 seq.block_table, seq.num_computed_tokens = [], 0
@@ -187,6 +231,7 @@ class Scheduler:
         in_idx, in_targets, in_temps, in_owners = [], [], [], []
         copies: list[tuple[int, int]] = []
         in_top = 0
+        has_placeholders = False
         raw = self.config.logprob_mode == "raw"
         row = 0
         for seq, q in scheduled:
@@ -194,7 +239,10 @@ class Scheduler:
             end = start + q
             req = seq.req
             input_ids.extend(seq.token_ids[start:end])
-            tables.append(seq.block_table)
+            if end > len(seq.token_ids):  # the pending token: resolved on the device from the future map
+                input_ids.append(-(seq.pending_row + 1))
+                has_placeholders = True
+            tables.append(list(seq.block_table))  # a snapshot: the table grows while this batch runs
             ctx_lens.append(end)
             q_lens.append(q)
             if end <= seq.num_prompt_tokens:
@@ -216,10 +264,12 @@ class Scheduler:
                 in_top = max(in_top, req.top_logprobs_num)
             seq.num_computed_tokens = end
             self._register_full_blocks(seq, start, end)
-            if end == len(seq.token_ids) and req.params.max_new_tokens > 0:
+            if end == seq.total_len and req.params.max_new_tokens > 0:
                 logits_rows.append(row + q - 1)
                 forks = self._fork_followers(seq, copies) if req.pending_followers else []
                 for s in [seq, *forks]:
+                    s.pending_row = len(samplers)
+                    s.num_pending += 1
                     sample_idx.append(len(logits_rows) - 1)
                     samplers.append(s)
             row += q
@@ -230,6 +280,7 @@ class Scheduler:
             SamplingInputs.from_seqs(samplers, self.eos_ids, raw),
             input_logprob_idx=in_idx, input_logprob_targets=in_targets, input_logprob_temps=in_temps,
             input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
+            has_placeholders=has_placeholders,
         )
         return ScheduledBatch(batch, scheduled, samplers, in_owners)
 
@@ -291,7 +342,8 @@ class Scheduler:
             top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
             now = time.perf_counter()
             for i, seq in enumerate(samplers):
-                if seq.is_finished:  # aborted while its step ran
+                seq.num_pending -= 1
+                if seq.is_finished:  # finished or aborted while this step ran: its extra slot is dropped
                     continue
                 seq.token_ids.append(tokens[i])
                 if seq.req.return_logprob:

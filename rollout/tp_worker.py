@@ -14,8 +14,8 @@ import torch
 
 from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
-from rollout.layers.parallel_state import TpState, set_tp_state
-from rollout.model_runner import ForwardBatch, ModelRunner
+from rollout.layers.parallel_state import TpState, tp_state_context
+from rollout.model_runner import ModelRunner
 from rollout.models import ModelConfig
 
 
@@ -35,28 +35,35 @@ class BaseTpWorker(ABC):
 
 
 class TpModelWorker(BaseTpWorker):
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_state: TpState | None = None):
+    def __init__(self, config: EngineConfig, tp_state: TpState | None = None):
         self.config = config
-        self.tp_rank = tp_rank
-        set_tp_state(tp_state or TpState())
+        self.tp_state = tp_state or TpState()
+        self.tp_rank = self.tp_state.tp_rank
         # 1. model config
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.tp_size = config.tp_size
-        if self.tp_size not in self.model_config.valid_tp_sizes():
-            raise ValueError(f"tp_size={self.tp_size} does not split this model evenly; valid TP sizes: "
-                             f"{self.model_config.valid_tp_sizes(16)}")
+        self.model_config.check_tp_size(self.tp_size)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.model_config.checkpoint_dtype, self.device)
         context_len = config.max_model_len or self.model_config.max_position_embeddings
         self.context_len = context_len
         # 2. the runner: weights, KV pool
-        self._model_runner = ModelRunner(config, self.model_config, self.device, self.dtype, context_len)
+        with tp_state_context(self.tp_state):
+            self._model_runner = ModelRunner(config, self.model_config, self.device, self.dtype, context_len)
         # 3. limits
         self.max_total_num_tokens = self._model_runner.max_total_num_tokens
         self.max_req_len = min(context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
         # 4. one seed for every rank (draws are functions of it, so every rank samples the same token)
-        self.random_seed = config.seed
+        self.random_seed = self._broadcast_seed(config.seed)
+        self._future_token_ids: torch.Tensor | None = None
+
+    def _broadcast_seed(self, seed: int) -> int:
+        if self.tp_state.tp_size == 1:
+            return seed
+        t = torch.tensor([seed], dtype=torch.int64, device=self.device)
+        self.tp_state.comm.broadcast(t, 0)
+        return int(t.item())
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -65,8 +72,7 @@ class TpModelWorker(BaseTpWorker):
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         runner = self._model_runner
         t0 = time.perf_counter()
-        fb = ForwardBatch.init_new(batch, runner)
-        logits = runner.forward(fb)
+        logits = runner.forward(batch, self._future_token_ids)
         runner.copy_blocks(batch.block_copies)
         result = GenerationBatchResult()
         if batch.input_logprob_idx:
@@ -81,6 +87,7 @@ class TpModelWorker(BaseTpWorker):
             t1 = time.perf_counter()
             out = runner.sample(sample_logits, sampling)
             result.next_token_ids, result.next_token_logprobs = out.token_ids, out.logprobs
+            self._future_token_ids = out.token_ids  # the next batch's placeholders read these
             result.top_ids, result.top_logprobs = out.top_ids, out.top_logprobs
             result.delay_sample_func = None
             result.sample_time_s = time.perf_counter() - t1

@@ -35,7 +35,10 @@ class AttentionMetadata:
     decode_rows: Optional[torch.Tensor] = None  # [Bd] rows of decode tokens in the flat batch
     decode_blocks: Optional[torch.Tensor] = None  # [Bd, max_blocks] block tables, padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_ctx_lens: Optional[torch.Tensor] = None  # [Bd] context lengths (the paged CUDA kernel's input)
+    use_paged_kernel: bool = False  # CUDA: read paged KV directly (Triton) instead of gather + SDPA
     prefills: list[PrefillSpan] = field(default_factory=list)
+    sliding_window: Optional[int] = None
 
 
 def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
@@ -55,7 +58,7 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
     seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q)
     positions = (ctx - q)[seq_of_row] + torch.arange(int(q.sum())) - row_start[seq_of_row]
     slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device))
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), sliding_window=sliding_window)
     is_decode = q == 1
     if bool(is_decode.any()):
         idx = is_decode.nonzero().squeeze(1)
@@ -68,6 +71,7 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
             mask &= keys.unsqueeze(0) > (lens.unsqueeze(1) - 1 - sliding_window)
         meta.decode_rows = row_start[idx].to(device)
         meta.decode_blocks = tables[idx][:, :num_blocks].to(device)
+        meta.decode_ctx_lens = lens.to(device)
         meta.decode_mask = mask.view(len(idx), 1, 1, -1).to(device)
     for i in (~is_decode).nonzero().squeeze(1).tolist():
         meta.prefills.append(_prefill_span(int(row_start[i]), q_lens[i], ctx_lens[i], tables[i], block_size,
@@ -106,11 +110,20 @@ class PagedAttention(nn.Module):
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)
             bd = qd.shape[0]
+            if meta.use_paged_kernel and meta.sliding_window is None:
+                from rollout.layers.paged_decode_triton import paged_decode_attention
+
+                od = paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale)
+                out.index_copy_(0, meta.decode_rows, od)
+                return self._prefill(q, k, v, k_flat, v_flat, meta, out)
             qd = qd.view(bd, self.num_kv_heads, self.group, self.head_dim)
             kd = k_cache[meta.decode_blocks].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             vd = v_cache[meta.decode_blocks].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
+        return self._prefill(q, k, v, k_flat, v_flat, meta, out)
+
+    def _prefill(self, q, k, v, k_flat, v_flat, meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
         for span in meta.prefills:
             qs = q.narrow(0, span.q_start, span.q_len).transpose(0, 1).unsqueeze(0)  # [1, Hq, Q, D]
             if span.ctx_slots is None:

@@ -29,7 +29,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
                  shard_ids: Optional[list] = None, params_dtype: torch.dtype = torch.float32):
         super().__init__()
-        tp = get_tp_state()
+        self.tp = tp = get_tp_state()
         self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
         self.input_size = input_size
         self.output_sizes = list(output_sizes)  # full sizes of each packed piece
@@ -110,7 +110,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype = torch.float32):
         super().__init__()
-        tp = get_tp_state()
+        self.tp = tp = get_tp_state()
         self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
         self.input_size, self.output_size = input_size, output_size
         self.local_in = divide(input_size, self.tp_size, "linear input")
@@ -132,7 +132,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(F.linear(x, self.weight), self.tp)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -21,7 +21,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype = torch.float32):
         super().__init__()
-        tp = get_tp_state()
+        self.tp = tp = get_tp_state()
         self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_local = padded_vocab_size(vocab_size, self.tp_size) // self.tp_size
@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (local >= 0) & (local < self.num_local)
         out = F.embedding(torch.where(in_range, local, 0), self.weight)
         out = out * in_range.unsqueeze(-1).to(out.dtype)
-        return tp_all_reduce(out)
+        return tp_all_reduce(out, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -57,5 +57,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight  # same Parameter: one storage, loaded once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, vocab_size]
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
         return logits[..., : self.vocab_size]

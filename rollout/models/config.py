@@ -108,6 +108,13 @@ class ModelConfig:
             generation_defaults=defaults,
         )
 
+    def check_tp_size(self, tp_size: int) -> None:
+        valid = self.valid_tp_sizes(16)
+        if tp_size not in valid:
+            raise ValueError(f"tp_size={tp_size} does not split {self.architecture} ({self.num_attention_heads} heads, "
+                             f"{self.num_key_value_heads} KV heads, intermediate {self.intermediate_size}) evenly; "
+                             f"valid TP sizes: {valid}")
+
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
         """TP sizes this model splits evenly over (KV heads may be replicated)."""
         ok = []

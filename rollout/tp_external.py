@@ -1,0 +1,104 @@
+"""External launch: the caller already runs a ``torch.distributed`` job (``torchrun``,
+DeepSpeed ranks) and each rank hosts one TP worker of the engine in-process.
+
+The engine never calls ``init_process_group``: it creates its subgroups collectively on all ranks
+(consecutive blocks of ``tp_size`` ranks form one engine; ``world_size / tp_size`` engines in
+all), a device group for the TP collectives and a gloo group for control. Every rank calls
+``generate`` with the same arguments (SPMD): the group's first rank (the leader) runs the
+scheduler and broadcasts each step to the others, which execute it and finally receive the
+leader's outputs, so every rank returns the same list.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.config import EngineConfig
+from rollout.layers.parallel_state import Communicator, TpState
+from rollout.model_runner import ModelRunner
+from rollout.tp_group import ALLOWED_CALLS, CallMsg, DoneMsg, MessageHandler, SampleMsg, StepMsg
+from rollout.tp_worker import BaseTpWorker, TpModelWorker
+
+
+class ExternalTp:
+    """This rank's place in the caller's job: its TP group, control group and worker."""
+
+    def __init__(self, config: EngineConfig):
+        if not dist.is_initialized():
+            raise ValueError("launch='external' needs an initialised torch.distributed job (torchrun, deepspeed)")
+        world, rank, tp = dist.get_world_size(), dist.get_rank(), config.tp_size
+        if world % tp != 0:
+            raise ValueError(f"world size {world} is not a multiple of tp_size {tp}")
+        timeout = datetime.timedelta(seconds=config.tp_timeout_s)
+        device = config.resolve_device()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        mine = rank // tp
+        for g in range(world // tp):  # new_group is collective: every rank creates every group, in order
+            ranks = list(range(g * tp, (g + 1) * tp))
+            dev = dist.new_group(ranks, backend=backend, timeout=timeout)
+            ctrl = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if g == mine:
+                self.device_group, self.control_group, self.ranks = dev, ctrl, ranks
+        self.tp_rank = rank % tp
+        self.leader = self.ranks[0]
+        self.is_leader = self.tp_rank == 0
+        self.worker = TpModelWorker(config, tp_state=TpState(self.tp_rank, tp, Communicator(group=self.device_group)))
+
+    def broadcast(self, obj: Any = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.leader, group=self.control_group)
+        return box[0]
+
+    def follow(self) -> list:
+        """Non-leader ranks: execute the leader's steps until it broadcasts its outputs."""
+        handler = MessageHandler(self.worker)
+        while True:
+            msg = self.broadcast()
+            if isinstance(msg, DoneMsg):
+                if msg.error is not None:
+                    raise RuntimeError(f"generation failed on the TP leader (rank {self.leader}): {msg.error}")
+                return msg.outputs
+            handler.handle(msg)
+
+
+class ExternalLeaderWorker(BaseTpWorker):
+    """The leader's worker: broadcasts every step (and delayed sampling) before running it."""
+
+    def __init__(self, ext: ExternalTp):
+        self.ext = ext
+        self.worker = ext.worker
+        for name in ("model_config", "context_len", "max_total_num_tokens", "max_req_len", "max_req_input_len"):
+            setattr(self, name, getattr(self.worker, name))
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.worker.model_runner
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        self.ext.broadcast(StepMsg(batch))
+        result = self.worker.forward_batch_generation(batch)
+        if result.delay_sample_func is not None:
+            inner = result.delay_sample_func
+
+            def sample_everywhere(sampling: SamplingInputs) -> GenerationBatchResult:
+                self.ext.broadcast(SampleMsg(sampling))
+                return inner(sampling)
+
+            result.delay_sample_func = sample_everywhere
+        return result
+
+    def call_all(self, method: str, *args, **kwargs) -> Any:
+        if method not in ALLOWED_CALLS:
+            raise ValueError(f"method {method!r} is not callable on TP workers")
+        self.ext.broadcast(CallMsg(method, args, kwargs))
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self.worker.get_weights_by_name(name, truncate_size)
+
+    def send_done(self, outputs: list | None, error: str | None = None) -> None:
+        self.ext.broadcast(DoneMsg(outputs, error))

@@ -1,0 +1,315 @@
+"""Tensor parallelism across processes: one ``TpModelWorker`` per rank, each its own process.
+
+Rank 0 lives in the caller's process next to the scheduler; ``TpWorkerGroup`` spawns ranks
+1..N-1 and is, to the scheduler, just another ``BaseTpWorker``. Every step the scheduler's batch
+reaches the other ranks over a small typed control channel (one pipe per worker: typed messages,
+an allow-list of callable methods); tensors move only in the device group (gloo on CPU, NCCL on
+CUDA), a free-standing group with its own rendezvous on a free port, so two engines on one host
+never collide and a caller's own ``torch.distributed`` job is left alone.
+
+A worker that dies makes the next collective fail (gloo reports the closed peer at once; a hung
+peer trips the group timeout), and the group reports which rank died and why. ``shutdown`` stops,
+then terminates, then kills, every child and joins it: no orphans. A worker whose parent dies
+sees its pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.config import EngineConfig
+from rollout.layers.parallel_state import Communicator, TpState
+from rollout.model_runner import ModelRunner
+from rollout.tp_worker import BaseTpWorker, TpModelWorker
+
+logger = logging.getLogger(__name__)
+
+
+class TpWorkerError(RuntimeError):
+    """A TP worker process died, hung or failed; the engine cannot continue."""
+
+
+# ---------------------------------------------------------------------------------------------
+# typed control messages (rank 0 -> workers)
+
+
+@dataclass
+class StepMsg:
+    batch: ModelWorkerBatch
+
+
+@dataclass
+class SampleMsg:  # delayed sampling of the last step
+    sampling: SamplingInputs
+
+
+@dataclass
+class CallMsg:
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class StopMsg:
+    pass
+
+
+@dataclass
+class DoneMsg:  # external launch: the leader's outputs of one collective generate() call
+    outputs: Optional[list]
+    error: Optional[str] = None
+
+
+class MessageHandler:
+    """Executes control messages on a non-leader rank (spawned worker or external follower)."""
+
+    def __init__(self, worker: TpModelWorker):
+        self.worker = worker
+        self.pending: Optional[GenerationBatchResult] = None
+
+    def handle(self, msg) -> tuple[bool, Any]:
+        """Returns (has_reply, reply)."""
+        if isinstance(msg, StepMsg):
+            self.pending = self.worker.forward_batch_generation(msg.batch)
+        elif isinstance(msg, SampleMsg):
+            if self.pending is not None and self.pending.delay_sample_func is not None:
+                self.pending.delay_sample_func(msg.sampling)
+            self.pending = None
+        elif isinstance(msg, CallMsg):
+            if msg.method not in ALLOWED_CALLS:
+                raise ValueError(f"method {msg.method!r} is not callable on TP workers")
+            return True, getattr(self.worker, msg.method)(*msg.args, **msg.kwargs)
+        else:
+            raise TypeError(f"unexpected control message {type(msg).__name__}")
+        return False, None
+
+
+# Methods of TpModelWorker that rank 0 may invoke on every rank.
+ALLOWED_CALLS = frozenset({"get_weights_by_name"})
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_device_group(host: str, port: int, rank: int, size: int, device: torch.device,
+                      timeout_s: float) -> Communicator:
+    """A process group of its own (not the default group) over a fresh TCP rendezvous."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore("rollout-tp", store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    comm = Communicator(pg=pg)
+    comm.store = store  # keep the rendezvous alive as long as the group
+    return comm
+
+
+def worker_device(config: EngineConfig, rank: int) -> EngineConfig:
+    """Each rank on its own device: cuda:rank when running on CUDA."""
+    device = config.resolve_device()
+    if device.type != "cuda":
+        return config
+    from dataclasses import replace
+
+    return replace(config, device=f"cuda:{(device.index or 0) + rank}")
+
+
+def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+    try:
+        conn.send(("joining", os.getpid()))
+        config = worker_device(config, rank)
+        comm = make_device_group(host, port, rank, config.tp_size, config.resolve_device(), config.tp_timeout_s)
+        worker = TpModelWorker(config, tp_state=TpState(rank, config.tp_size, comm))
+        conn.send(("ready", os.getpid()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    handler = MessageHandler(worker)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if isinstance(msg, StopMsg):
+            return
+        try:
+            has_reply, reply = handler.handle(msg)
+            if has_reply:
+                conn.send(("result", reply))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+class TpWorkerGroup(BaseTpWorker):
+    """Rank 0's worker plus the spawned workers of ranks 1..N-1, driven as one."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        n = config.tp_size
+        host, port = "127.0.0.1", free_port()
+        ctx = mp.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // n)
+        self.procs: list[mp.Process] = []
+        self.conns = []
+        for rank in range(1, n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, args=(config, rank, host, port, child, threads),
+                            name=f"rollout-tp{rank}", daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._dead: Optional[str] = None
+        try:
+            self._wait_for("joining")  # a child that cannot even start fails here, not at the rendezvous
+            comm = make_device_group(host, port, 0, n, config.resolve_device(), config.tp_timeout_s)
+            self.worker = TpModelWorker(config, tp_state=TpState(0, n, comm))
+            self._wait_for("ready")
+        except BaseException as exc:
+            errors = self._collect_errors()
+            self.shutdown()
+            if errors:
+                raise TpWorkerError(f"TP workers failed to start: {errors}") from exc
+            raise
+        self.model_config = self.worker.model_config
+        self.context_len = self.worker.context_len
+        self.max_total_num_tokens = self.worker.max_total_num_tokens
+        self.max_req_len = self.worker.max_req_len
+        self.max_req_input_len = self.worker.max_req_input_len
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.worker.model_runner
+
+    def _wait_for(self, expected: str) -> None:
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if not conn.poll(self.config.tp_timeout_s):
+                state = "alive" if p.is_alive() else f"exited with code {p.exitcode}"
+                raise TpWorkerError(f"TP worker rank {rank} did not report {expected!r} within "
+                                    f"{self.config.tp_timeout_s}s ({state}); if your script has no "
+                                    f"`if __name__ == '__main__':` guard, add one (workers are spawned)")
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise TpWorkerError(f"TP worker rank {rank} exited with code {p.exitcode} before "
+                                    f"{expected!r}; if your script has no `if __name__ == '__main__':` guard, "
+                                    f"add one (workers are spawned)") from None
+            if kind != expected:
+                raise TpWorkerError(f"TP worker rank {rank} failed to start:\n{payload}")
+
+    # ------------------------------------------------------------------ control channel
+
+    def _send_all(self, msg) -> None:
+        self._check_alive()
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, OSError) as exc:
+                self._fail(f"TP worker rank {rank} is unreachable ({exc})")
+
+    def _collect_errors(self) -> list[str]:
+        errors = []
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            try:
+                while conn.poll(0):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        errors.append(f"rank {rank}: {payload.strip().splitlines()[-1]}")
+            except (EOFError, OSError):
+                pass
+            if not p.is_alive():
+                errors.append(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+        return errors
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise TpWorkerError(self._dead)
+        errors = self._collect_errors()
+        if errors:
+            self._fail("; ".join(errors))
+
+    def _fail(self, why: str) -> None:
+        self._dead = f"TP worker failure: {why}. The engine must be shut down and recreated."
+        raise TpWorkerError(self._dead)
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except TpWorkerError:
+            raise
+        except Exception as exc:
+            errors = self._collect_errors()
+            if errors or isinstance(exc, (RuntimeError, dist.DistBackendError)):
+                self._fail("; ".join(errors) or f"collective failed: {exc}")
+            raise
+
+    # ------------------------------------------------------------------ BaseTpWorker
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        self._send_all(StepMsg(batch))
+        result = self._guard(self.worker.forward_batch_generation, batch)
+        if result.delay_sample_func is not None:
+            inner = result.delay_sample_func
+
+            def sample_everywhere(sampling: SamplingInputs) -> GenerationBatchResult:
+                self._send_all(SampleMsg(sampling))
+                return self._guard(inner, sampling)
+
+            result.delay_sample_func = sample_everywhere
+        return result
+
+    def call_all(self, method: str, *args, **kwargs) -> Any:
+        """Run an allowed worker method on every rank; returns rank 0's result."""
+        if method not in ALLOWED_CALLS:
+            raise ValueError(f"method {method!r} is not callable on TP workers")
+        self._send_all(CallMsg(method, args, kwargs))
+        result = self._guard(getattr(self.worker, method), *args, **kwargs)
+        for rank, conn in enumerate(self.conns, start=1):
+            if not conn.poll(self.config.tp_timeout_s):
+                self._fail(f"rank {rank} did not answer {method}")
+            kind, payload = conn.recv()
+            if kind == "error":
+                self._fail(f"rank {rank} failed in {method}: {payload.strip().splitlines()[-1]}")
+        return result
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self.worker.get_weights_by_name(name, truncate_size)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(StopMsg())
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []

@@ -1,0 +1,199 @@
+"""Every CUDA-only check in one script: run it on a GPU machine from the source tree
+(``PYTHONPATH=. python scripts/gpu_check.py --out results.json``), under 8 minutes on one H200.
+
+Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skipped`` on CPU):
+- ``paged_decode_kernel``: the Triton paged decode attention equals the torch reference path;
+- ``graph_vs_eager``: CUDA-graph decode gives the tokens and logprobs of eager decode;
+- ``overlap_parity``: overlap scheduling on/off gives identical tokens and logprobs;
+- ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
+- ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
+- ``throughput_vs_hf``: the RL-shaped throughput benchmark vs transformers generate (bf16,
+  Qwen2-0.5B-shaped random model).
+``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from rollout import RolloutEngine, SamplingParams  # noqa: E402
+from rollout.tiny import make_tiny_model  # noqa: E402
+
+
+def _prompts(n, lo=5, hi=40, seed=0, vocab=300):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def check_paged_decode_kernel(device, workdir, quick):
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    from rollout.layers.paged_decode_triton import paged_decode_attention
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        for hq, hkv, d, bs in ((14, 2, 64, 16), (8, 8, 128, 16), (16, 1, 64, 32)):
+            nb, b = 200, 9
+            kc = torch.randn(nb, bs, hkv, d, device="cuda", dtype=dtype)
+            vc = torch.randn(nb, bs, hkv, d, device="cuda", dtype=dtype)
+            lens = torch.randint(1, 10 * bs, (b,), device="cuda")
+            tables = torch.randperm(nb, device="cuda")[: b * 10].view(b, 10)
+            q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+            out = paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
+            ref = torch.empty_like(out)
+            for i in range(b):
+                slots = (tables[i, :, None] * bs + torch.arange(bs, device="cuda")).flatten()[: lens[i]]
+                k = kc.view(-1, hkv, d)[slots].transpose(0, 1)
+                v = vc.view(-1, hkv, d)[slots].transpose(0, 1)
+                ref[i] = torch.nn.functional.scaled_dot_product_attention(
+                    q[i].unsqueeze(1), k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0),
+                    scale=d ** -0.5).squeeze(1)
+            err = float((out.float() - ref.float()).abs().max())
+            worst = max(worst, err / (1.0 if dtype == torch.float32 else 50.0))
+    return {"ok": worst < 2e-3, "max_abs_err_scaled": worst}
+
+
+def _model(workdir, name, **kw):
+    path = os.path.join(workdir, name)
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        make_tiny_model(path, **kw)
+    return path
+
+
+def check_graph_vs_eager(device, workdir, quick):
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    path = _model(workdir, "tiny-qwen2", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4,
+                  num_heads=8, num_kv_heads=2)
+    prompts = _prompts(12)
+    sp = SamplingParams(max_new_tokens=32, temperature=0.8, seed=1, ignore_eos=True, n=2)
+    runs = {}
+    for graphs in (False, True):
+        with RolloutEngine(path, dtype="float32", device="cuda", enable_cuda_graph=graphs, kv_cache_tokens=8192) as e:
+            runs[graphs] = e.generate(input_ids=prompts, sampling_params=sp)
+            if graphs:
+                moved = e.worker.model_runner.graph_runner.needs_recapture()
+    same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]
+    lp = max(abs(a - b) for x, y in zip(runs[False], runs[True]) for a, b in zip(x.output_logprobs, y.output_logprobs))
+    return {"ok": same and lp < 1e-4 and not moved, "tokens_equal": same, "max_logprob_diff": lp,
+            "storage_moved": moved}
+
+
+def check_overlap_parity(device, workdir, quick):
+    path = _model(workdir, "tiny-llama", arch="llama")
+    prompts = _prompts(6)
+    params = [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=0.9, seed=3, n=3, repetition_penalty=1.2,
+                             min_new_tokens=4, ignore_eos=True)] * 3
+    runs = {}
+    for overlap in (False, True):
+        with RolloutEngine(path, dtype="float32", device=device, enable_overlap=overlap, kv_cache_tokens=4096) as e:
+            runs[overlap] = e.generate(input_ids=prompts, sampling_params=params)
+    same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]
+    lp = max(abs(a - b) for x, y in zip(runs[False], runs[True]) for a, b in zip(x.output_logprobs, y.output_logprobs))
+    return {"ok": same and lp < 1e-5, "tokens_equal": same, "max_logprob_diff": lp}
+
+
+def check_nccl_tp1(device, workdir, quick):
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    from rollout.tp_group import free_port, make_device_group
+
+    comm = make_device_group("127.0.0.1", free_port(), 0, 1, torch.device("cuda"), 60)
+    t = torch.ones(4, device="cuda")
+    comm.all_reduce(t)
+    parts = comm.all_gather(t, 1)
+    path = _model(workdir, "tiny-llama", arch="llama")
+    with RolloutEngine(path, dtype="float32", device="cuda", kv_cache_tokens=2048) as e:
+        cuda = e.generate(input_ids=_prompts(3), sampling_params=SamplingParams(max_new_tokens=8, temperature=0))
+    with RolloutEngine(path, dtype="float32", device="cpu", kv_cache_tokens=2048) as e:
+        cpu = e.generate(input_ids=_prompts(3), sampling_params=SamplingParams(max_new_tokens=8, temperature=0))
+    same = [o.output_token_ids for o in cuda] == [o.output_token_ids for o in cpu]
+    return {"ok": bool(t.sum() == 4 and len(parts) == 1 and same), "cuda_equals_cpu_greedy": same}
+
+
+def _decode_tps(path, device, graphs, bs, new_tokens):
+    with RolloutEngine(path, dtype="bfloat16", device=device, enable_cuda_graph=graphs, kv_cache_tokens=65536) as e:
+        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        e.generate(input_ids=_prompts(bs), sampling_params=SamplingParams(max_new_tokens=4))
+        t0 = time.perf_counter()
+        outs = e.generate(input_ids=_prompts(bs, seed=1), sampling_params=sp)
+        return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def check_cuda_graph_speedup(device, workdir, quick):
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    path = _model(workdir, "small-qwen2", arch="qwen2", hidden_size=512, intermediate_size=1536, num_layers=8,
+                  num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, embed_std=0.02, head_std=0.02)
+    res = {}
+    for bs in (1, 4, 16):
+        eager = _decode_tps(path, "cuda", False, bs, 64)
+        graph = _decode_tps(path, "cuda", True, bs, 64)
+        res[f"bs{bs}"] = {"eager_tok_s": eager, "graph_tok_s": graph, "speedup": graph / eager}
+    return {"ok": all(v["speedup"] > 1.0 for v in res.values()), **res}
+
+
+def check_throughput_vs_hf(device, workdir, quick):
+    from rollout.bench_throughput import main as bench
+
+    model = "qwen2-0.5b-random" if device == "cuda" else "tiny"
+    args = ["--model", model, "--num-prompts", "32" if not quick else "4", "--n", "8" if not quick else "2",
+            "--max-new-tokens", "128" if not quick else "8", "--dtype", "bfloat16" if device == "cuda" else "float32",
+            "--out-dir", workdir, "--workdir", workdir, "--variants", "eos,ignore_eos"]
+    res = bench(args)
+    ratios = {k: v["ratio"] for k, v in res["variants"].items()}
+    return {"ok": all(r > 0 for r in ratios.values()), "ratios": ratios, "variants": res["variants"]}
+
+
+CHECKS = {
+    "paged_decode_kernel": check_paged_decode_kernel,
+    "graph_vs_eager": check_graph_vs_eager,
+    "overlap_parity": check_overlap_parity,
+    "nccl_tp1": check_nccl_tp1,
+    "cuda_graph_speedup": check_cuda_graph_speedup,
+    "throughput_vs_hf": check_throughput_vs_hf,
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    ap.add_argument("--only", default=None, help="comma list of checks to run")
+    ap.add_argument("--quick", action="store_true", help="small workloads (the CPU test uses this)")
+    args = ap.parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="gpu-check-")
+    names = args.only.split(",") if args.only else list(CHECKS)
+    results = {"device": args.device, "torch": torch.__version__,
+               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "checks": {}}
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            res = CHECKS[name](args.device, workdir, args.quick)
+        except Exception:  # noqa: BLE001 - a failed check is reported, the others still run
+            res = {"ok": False, "error": traceback.format_exc()[-2000:]}
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        results["checks"][name] = res
+        print(name, json.dumps({k: v for k, v in res.items() if k != "variants"}), flush=True)
+        with open(args.out, "w") as f:  # after every check: a timeout still leaves the finished ones
+            json.dump(results, f, indent=1)
+    failed = [n for n, r in results["checks"].items() if r.get("ok") is False]
+    print("FAILED: " + ", ".join(failed) if failed else "all checks passed or skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Run under torchrun: every rank hosts one TP worker of the same engine (external launch)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from rollout import RolloutEngine, SamplingParams
+
+
+def main(model_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    prompts = json.loads(sys.argv[3])
+    with RolloutEngine(model_path, dtype="float32", kv_cache_tokens=512, tp_size=2, tp_timeout_s=60) as engine:
+        assert engine.is_follower == (dist.get_rank() == 1)
+        greedy = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
+            max_new_tokens=8, temperature=0, ignore_eos=True))
+        sampled = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
+            max_new_tokens=8, temperature=0.8, seed=3, n=2, ignore_eos=True))
+        try:  # a bad request fails on every rank alike, and the engine keeps serving
+            engine.generate(input_ids=[[1] * 100000], sampling_params=SamplingParams())
+        except ValueError:
+            pass
+        again = engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(
+            max_new_tokens=4, temperature=0, ignore_eos=True))
+    record = {"rank": dist.get_rank(), "greedy": [o.output_token_ids for o in greedy],
+              "sampled": [o.output_token_ids for o in sampled], "logprobs": [o.output_logprobs for o in greedy],
+              "again": again[0].output_token_ids}
+    with open(f"{out_path}.{dist.get_rank()}", "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
