@@ -14,10 +14,12 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
 from rollout.config import EngineConfig
+from rollout.engine_weights import EngineWeightsMixin
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.random import derive_seed
@@ -38,7 +40,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (shut down, or a fatal error)."""
 
 
-class RolloutEngine:
+class RolloutEngine(EngineWeightsMixin):
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, tp_size=tp_size, dtype=dtype, device=device,
@@ -62,6 +64,8 @@ class RolloutEngine:
         self._counter = itertools.count()
         self._commands: queue.Queue = queue.Queue()
         self._alive = True
+        self._paused = False
+        self._shm = None
         self._fatal: Optional[BaseException] = None
         if self.is_follower:
             return  # an external-launch follower runs the leader's steps inside generate()
@@ -83,11 +87,15 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ loop
 
+    def _is_quiet(self) -> bool:
+        return self._paused or not self.scheduler.has_work()
+
     def _run_loop(self) -> None:
         sched = self.scheduler
+        held: deque = deque()  # a command waiting for a quiet point, and every later one but aborts
         while True:
             try:
-                block = not sched.has_work()
+                block = (self._paused or not sched.has_work()) and not (held and self._is_quiet())
                 while True:
                     try:
                         cmd = self._commands.get(block=block)
@@ -96,10 +104,17 @@ class RolloutEngine:
                     block = False
                     if cmd[0] == "stop":
                         sched.abort(None)
+                        for h in held:
+                            self._execute(h)
                         sched.close()
                         return
-                    self._execute(cmd)
-                if sched.has_work():
+                    if cmd[0] != "abort" and (held or (cmd[0] == "call" and cmd[4] and not self._is_quiet())):
+                        held.append(cmd)
+                    else:
+                        self._execute(cmd)
+                while held and (not held[0][0] == "call" or not held[0][4] or self._is_quiet()):
+                    self._execute(held.popleft())
+                if sched.has_work() and not self._paused:
                     sched.step()
             except TpWorkerError as exc:  # a rank is gone: fail everything and stop serving
                 logger.error("%s", exc)
@@ -126,12 +141,13 @@ class RolloutEngine:
                 box["error"] = exc
             done.set()
 
-    def _call(self, fn: Callable[[], Any], timeout: Optional[float] = None) -> Any:
-        """Run ``fn`` on the loop thread at a step boundary and return its result."""
+    def _call(self, fn: Callable[[], Any], timeout: Optional[float] = None, quiet: bool = False) -> Any:
+        """Run ``fn`` on the loop thread at a step boundary (``quiet``: once no request runs, or
+        generation is paused) and return its result."""
         self._check_alive()
         box: dict = {}
         done = threading.Event()
-        self._commands.put(("call", fn, box, done))
+        self._commands.put(("call", fn, box, done, quiet))
         if not done.wait(timeout):
             raise TimeoutError("the engine loop did not answer in time")
         if "error" in box:
@@ -166,6 +182,7 @@ class RolloutEngine:
     def _make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                        logprob_start_len: int, rid, on_update=None) -> list[Request]:
         self._check_alive()
+        self._check_memory_ready()
         ids_list = self._normalize_prompts(prompts, input_ids)
         if not ids_list:
             raise ValueError("no prompts given")
@@ -338,12 +355,6 @@ class RolloutEngine:
                     "num_blocks": bm.num_blocks}
         return self._call(read)
 
-    def get_weight_version(self) -> str:
-        return self.scheduler.weight_version
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._call(lambda: self.worker.get_weights_by_name(name, truncate_size))
-
     def shutdown(self) -> None:
         """Stop the loop (aborting what runs) and reap every worker process."""
         if getattr(self, "_thread", None) is not None and self._thread.is_alive():
@@ -353,6 +364,9 @@ class RolloutEngine:
         worker = getattr(self, "worker", None)
         if worker is not None and hasattr(worker, "shutdown"):
             worker.shutdown()
+        if getattr(self, "_shm", None) is not None:
+            self._shm.close()
+            self._shm = None
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -84,15 +84,21 @@ def _expected_shape(t: _Target) -> tuple[int, ...]:
     return tuple(shard_shape(t.param, t.shard_id)) if shard_shape else tuple(t.param.shape)
 
 
-def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]], *,
-                       strict_dtype: bool = False, require_complete: bool = True,
-                       check_finite: bool = False) -> LoadReport:
-    """Validate every item, then copy each into its parameter in place.
+@dataclass
+class LoadPlan:
+    """A validated set of (name, tensor, target): applying it cannot fail on names or shapes."""
+
+    items: list[tuple[str, TensorLike, _Target]]
+
+
+def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]], *, strict_dtype: bool = False,
+              require_complete: bool = True, check_finite: bool = False) -> LoadPlan:
+    """Validate every item and the coverage; raise ``WeightLoadError`` listing every problem.
 
     strict_dtype: the tensor's dtype must equal the parameter's (updates); otherwise any floating
     dtype is cast on copy (checkpoints saved in another precision).
     require_complete: every parameter must be covered (initial loads, full updates).
-    Raises ``WeightLoadError`` listing every problem; in that case nothing was copied.
+    check_finite: reject NaN/Inf (a lazy tensor is read once for the check).
     """
     name_map = weight_name_map(model)
     items: list[tuple[str, TensorLike, _Target]] = []
@@ -117,8 +123,10 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, Tens
             errors.append(f"{name}: dtype {tensor.dtype} does not match the model's {pdtype}")
         elif not tensor.dtype.is_floating_point:
             errors.append(f"{name}: dtype {tensor.dtype} is not a floating-point type")
-        if check_finite and isinstance(tensor, torch.Tensor) and not bool(torch.isfinite(tensor).all()):
-            errors.append(f"{name}: contains NaN or Inf values")
+        elif check_finite:
+            data = tensor.read() if isinstance(tensor, LazyTensor) else tensor
+            if not bool(torch.isfinite(data).all()):
+                errors.append(f"{name}: contains NaN or Inf values")
         items.append((name, tensor, target))
     if require_complete:
         covered = {(name_map[n].param_name, name_map[n].shard_id) for n in seen}
@@ -130,20 +138,35 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, Tens
     if errors:
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
         raise WeightLoadError("weights rejected, nothing was loaded:\n  " + "\n  ".join(errors[:20]) + more)
+    return LoadPlan(items)
 
+
+@torch.no_grad()
+def apply_load(plan: LoadPlan) -> LoadReport:
+    """Copy every planned tensor into its parameter, in place (each loader slices its shard)."""
     report = LoadReport()
-    for name, tensor, target in items:
+    for name, tensor, target in plan.items:
         full = tensor.read() if isinstance(tensor, LazyTensor) else tensor
         loader = getattr(target.param, "weight_loader", None)
-        with torch.no_grad():
-            if loader is None:
-                target.param.data.copy_(full)
-            else:
-                loader(target.param, full, target.shard_id)
+        if loader is None:
+            target.param.data.copy_(full)
+        else:
+            loader(target.param, full, target.shard_id)
         report.num_tensors += 1
         report.num_bytes += full.numel() * full.element_size()
         report.loaded_names.append(name)
     return report
+
+
+def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]], *,
+                       strict_dtype: bool = False, require_complete: bool = True,
+                       check_finite: bool = False) -> LoadReport:
+    """Validate every item (``plan_load``), then copy each into its parameter in place.
+
+    Raises ``WeightLoadError`` listing every problem; in that case nothing was copied.
+    """
+    return apply_load(plan_load(model, named_tensors, strict_dtype=strict_dtype,
+                                require_complete=require_complete, check_finite=check_finite))
 
 
 # ---------------------------------------------------------------------------------------------

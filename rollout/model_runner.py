@@ -77,7 +77,7 @@ def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dt
         offset = 0
         for p in group:
             new = nn.Parameter(flat[offset: offset + p.numel()].view(p.shape), requires_grad=False)
-            for attr in ("weight_loader", "shard_shape"):
+            for attr in ("weight_loader", "shard_shape", "local_part", "full_from_parts"):
                 if hasattr(p, attr):
                     setattr(new, attr, getattr(p, attr))
             replacement[id(p)] = new
@@ -118,6 +118,9 @@ class ModelRunner:
                                      attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
         self.use_paged_kernel = device.type == "cuda" and _has_triton()
+        self.kv_released = self.weights_released = False
+        self.weights_valid = True  # False after a release without backup, until a full update commits
+        self.weights_backup: Optional[dict] = None
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.cuda_graph_runner import CudaGraphRunner
@@ -181,6 +184,55 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         self.kv_buffer.index_copy_(2, dst, self.kv_buffer.index_select(2, src))
+
+    # ------------------------------------------------------------------ memory release / resume
+
+    def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
+        """Return the storage of whole buffers to the allocator (and, on CUDA, the driver).
+
+        Parameters and KV views keep their tensor objects: resuming regrows the same storages, so
+        nothing else needs rebinding (the storage address may change: the graph audit tells)."""
+        freed = 0
+        if "cuda_graph" in tags and self.graph_runner is not None:
+            self.graph_runner.free()
+        if "kv_cache" in tags and not self.kv_released:
+            freed += self.kv_nbytes()
+            self.kv_buffer.untyped_storage().resize_(0)
+            self.kv_released = True
+        if "weights" in tags and not self.weights_released:
+            self.weights_backup = {d: b.to("cpu", copy=True) for d, b in self.param_buffers.items()} \
+                if backup_weights else None
+            freed += self.weights_nbytes()
+            for buf in self.param_buffers.values():
+                buf.untyped_storage().resize_(0)
+            self.weights_released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"freed_bytes": freed}
+
+    def resume_memory(self, tags: list[str]) -> dict:
+        """Regrow released buffers. Weights come back from their backup if one was kept; else they
+        hold nothing valid (``weights_valid`` is False) until a full update commits."""
+        if "weights" in tags and self.weights_released:
+            for dtype, buf in self.param_buffers.items():
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                if self.weights_backup is not None:
+                    buf.copy_(self.weights_backup[dtype])
+                else:
+                    buf.zero_()
+            self.weights_valid = self.weights_backup is not None
+            self.weights_backup = None
+            self.weights_released = False
+        if "kv_cache" in tags and self.kv_released:
+            self.kv_buffer.untyped_storage().resize_(self.kv_buffer.numel() * self.kv_buffer.element_size())
+            self.kv_buffer.zero_()  # masked attention multiplies padding by 0: it must hold no NaN
+            self.kv_released = False
+        moved = []
+        if self.graph_runner is not None and not self.kv_released and not self.weights_released:
+            moved = self.graph_runner.needs_recapture()
+            if moved or "cuda_graph" in tags or not self.graph_runner.graphs:
+                self.graph_runner.capture()
+        return {"recaptured": bool(moved), "moved": moved[:5]}
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())

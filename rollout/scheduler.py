@@ -65,6 +65,7 @@ class Scheduler:
         self.eos_ids = tuple(eos_ids)
         self.detokenizer = detokenizer
         self.weight_version = config.weight_version
+        self.weights_epoch = 0  # bumped by every committed update: part of every prefix-cache key
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -74,7 +75,18 @@ class Scheduler:
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
 
+    @property
+    def cache_key(self) -> str:
+        """What prefix-cache hashes are keyed by: KV is only reused under the very same weights."""
+        return f"{self.weight_version}#{self.weights_epoch}"
+
     # ------------------------------------------------------------------ queue management
+
+    def retract_all(self) -> None:
+        """Send every running sequence back to the queue, dropping its KV (recomputed later)."""
+        self.drain()
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.rid] = req
@@ -178,7 +190,7 @@ class Scheduler:
         limit = len(seq.token_ids) - 1  # at least one token must run to produce logits
         if seq.num_output_tokens == 0 and req.needs_input_logprobs:
             limit = min(limit, req.next_input_logprob_pos)
-        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self.weight_version)
+        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self.cache_key)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         if seq.num_output_tokens == 0:
@@ -291,7 +303,7 @@ class Scheduler:
         first, last = start // self.block_size, min(end, seq.num_prompt_tokens) // self.block_size
         if last <= first:
             return
-        hashes = self.block_manager.block_hashes(seq.token_ids, last, self.weight_version)
+        hashes = self.block_manager.block_hashes(seq.token_ids, last, self.cache_key)
         for i in range(first, last):
             self.block_manager.register(seq.block_table[i], hashes[i])
 

@@ -97,7 +97,10 @@ class MessageHandler:
 
 
 # Methods of TpModelWorker that rank 0 may invoke on every rank.
-ALLOWED_CALLS = frozenset({"get_weights_by_name"})
+ALLOWED_CALLS = frozenset({"get_weights_by_name", "get_full_weight", "weights_checksum", "apply_named_tensors",
+                           "update_weights_from_shm", "update_weights_from_disk", "init_weights_update_group",
+                           "destroy_weights_update_group", "update_weights_from_distributed", "release_memory",
+                           "resume_memory"})
 
 
 def free_port() -> int:
@@ -154,8 +157,8 @@ def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, nu
             return
         try:
             has_reply, reply = handler.handle(msg)
-            if has_reply:
-                conn.send(("result", reply))
+            if has_reply:  # rank 0 answers for the group: a big tensor need not travel back
+                conn.send(("result", None if isinstance(reply, torch.Tensor) else reply))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return
@@ -253,9 +256,9 @@ class TpWorkerGroup(BaseTpWorker):
         self._dead = f"TP worker failure: {why}. The engine must be shut down and recreated."
         raise TpWorkerError(self._dead)
 
-    def _guard(self, fn, *args):
+    def _guard(self, fn, *args, **kwargs):
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except TpWorkerError:
             raise
         except Exception as exc:
@@ -279,14 +282,14 @@ class TpWorkerGroup(BaseTpWorker):
             result.delay_sample_func = sample_everywhere
         return result
 
-    def call_all(self, method: str, *args, **kwargs) -> Any:
+    def call_all(self, method: str, *args, reply_timeout_s: Optional[float] = None, **kwargs) -> Any:
         """Run an allowed worker method on every rank; returns rank 0's result."""
         if method not in ALLOWED_CALLS:
             raise ValueError(f"method {method!r} is not callable on TP workers")
         self._send_all(CallMsg(method, args, kwargs))
         result = self._guard(getattr(self.worker, method), *args, **kwargs)
         for rank, conn in enumerate(self.conns, start=1):
-            if not conn.poll(self.config.tp_timeout_s):
+            if not conn.poll(max(self.config.tp_timeout_s, reply_timeout_s or 0)):
                 self._fail(f"rank {rank} did not answer {method}")
             kind, payload = conn.recv()
             if kind == "error":

@@ -17,6 +17,7 @@ from rollout.config import EngineConfig
 from rollout.layers.parallel_state import TpState, tp_state_context
 from rollout.model_runner import ModelRunner
 from rollout.models import ModelConfig
+from rollout.weight_ops import WeightOpsMixin
 
 
 class BaseTpWorker(ABC):
@@ -29,12 +30,8 @@ class BaseTpWorker(ABC):
     def model_runner(self) -> ModelRunner:
         ...
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        param = self.model_runner.named_parameters()[name]
-        return param.detach().flatten()[:truncate_size].float().cpu().tolist()
 
-
-class TpModelWorker(BaseTpWorker):
+class TpModelWorker(BaseTpWorker, WeightOpsMixin):
     def __init__(self, config: EngineConfig, tp_state: TpState | None = None):
         self.config = config
         self.tp_state = tp_state or TpState()

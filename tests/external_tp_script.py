@@ -25,9 +25,23 @@ def main(model_path: str, out_path: str) -> None:
             pass
         again = engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(
             max_new_tokens=4, temperature=0, ignore_eos=True))
+        update = {}
+        if len(sys.argv) > 4:  # colocated-style updates: every rank passes the tensors it holds
+            from safetensors.torch import load_file
+
+            tensors = list(load_file(sys.argv[4] + "/model.safetensors").items())
+            ok = engine.update_weights_from_tensor(tensors, weight_version="b")
+            checksum = engine.get_weights_checksum()
+            if dist.get_rank() == 1:  # only this rank's part is bad: the vote must discard it everywhere
+                tensors = [(n, t * float("nan") if n.endswith("q_proj.weight") else t) for n, t in tensors]
+            bad = engine.update_weights_from_tensor(tensors, weight_version="bad")
+            update = {"ok": ok.success, "bad": bad.success, "bad_message": bad.message,
+                      "version": engine.get_weight_version(), "checksum_kept": engine.get_weights_checksum() == checksum,
+                      "after": engine.generate(input_ids=prompts, sampling_params=SamplingParams(
+                          max_new_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids}
     record = {"rank": dist.get_rank(), "greedy": [o.output_token_ids for o in greedy],
               "sampled": [o.output_token_ids for o in sampled], "logprobs": [o.output_logprobs for o in greedy],
-              "again": again[0].output_token_ids}
+              "again": again[0].output_token_ids, "update": update}
     with open(f"{out_path}.{dist.get_rank()}", "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()

@@ -102,7 +102,7 @@ def test_two_engines_side_by_side(llama_path):
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_external_launch_under_torchrun(llama_path, tmp_path):
+def test_external_launch_under_torchrun(llama_path, model_dir, tmp_path):
     import json
     import subprocess
     import sys
@@ -112,8 +112,9 @@ def test_external_launch_under_torchrun(llama_path, tmp_path):
     prompts = random_prompts(300, [5, 9], seed=32)
     out = tmp_path / "rec"
     script = os.path.join(os.path.dirname(__file__), "external_tp_script.py")
+    other = model_dir("external-b", "llama", seed=2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), script, llama_path, str(out), json.dumps(prompts)],
+                           "--master_port", str(free_port()), script, llama_path, str(out), json.dumps(prompts), other],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
@@ -128,3 +129,12 @@ def test_external_launch_under_torchrun(llama_path, tmp_path):
     assert recs[0]["again"] == greedy[0].output_token_ids[:4]
     for a, b in zip(recs[0]["logprobs"], greedy):
         assert a == pytest.approx(b.output_logprobs, abs=1e-5)
+    # weight updates: both ranks commit together; when only rank 1's part is bad, both discard
+    with RolloutEngine(other, dtype="float32", kv_cache_tokens=512) as fresh:
+        expected = fresh.generate(input_ids=prompts[:1], sampling_params=SamplingParams(
+            max_new_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids
+    for rec in recs:
+        up = rec["update"]
+        assert up["ok"] and not up["bad"] and up["version"] == "b" and up["checksum_kept"]
+        assert up["after"] == expected
+    assert "NaN" in recs[1]["update"]["bad_message"] and "another TP rank" in recs[0]["update"]["bad_message"]

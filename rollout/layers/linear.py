@@ -17,9 +17,12 @@ from torch import nn
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
 
-def _attach(param: nn.Parameter, loader, shard_shape) -> nn.Parameter:
-    param.weight_loader = loader
-    param.shard_shape = shard_shape
+def _attach(param: nn.Parameter, layer) -> nn.Parameter:
+    """Give a parameter its layer's loader hooks (the loader only ever sees the parameter)."""
+    param.weight_loader = layer.weight_loader
+    param.shard_shape = layer.shard_shape
+    param.local_part = layer.local_part  # this rank's slice of one (packed) piece
+    param.full_from_parts = layer.full_from_parts  # every rank's local_part -> the full tensor
     return param
 
 
@@ -37,10 +40,9 @@ class ColumnParallelLinear(nn.Module):
         self.shard_ids = shard_ids  # None: one unpacked weight
         out_local = sum(self.local_sizes)
         self.weight = _attach(nn.Parameter(torch.empty(out_local, input_size, dtype=params_dtype),
-                                           requires_grad=False), self.weight_loader, self.shard_shape)
+                                           requires_grad=False), self)
         if bias:
-            self.bias = _attach(nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False),
-                                self.weight_loader, self.shard_shape)
+            self.bias = _attach(nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False), self)
         else:
             self.register_parameter("bias", None)
 
@@ -64,6 +66,13 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         dst_off, src_off, n = self.local_slice(shard_id)
         param.data.narrow(0, dst_off, n).copy_(full.narrow(0, src_off, n))
+
+    def local_part(self, param: nn.Parameter, shard_id=None) -> torch.Tensor:
+        dst_off, _, n = self.local_slice(shard_id)
+        return param.data.narrow(0, dst_off, n)
+
+    def full_from_parts(self, parts: list[torch.Tensor], shard_id=None) -> torch.Tensor:
+        return torch.cat(parts, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -96,6 +105,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             return (self.full_kv_size, self.input_size) if param.dim() == 2 else (self.full_kv_size,)
         return super().shard_shape(param, shard_id)
 
+    def full_from_parts(self, parts, shard_id=None):
+        if shard_id == "q":
+            return torch.cat(parts, dim=0)
+        return torch.cat(parts[:: self.kv_replicas], dim=0)  # replicated KV heads: one copy each
+
     def weight_loader(self, param, full, shard_id=None):
         if shard_id == "q":
             return super().weight_loader(param, full, shard_id)
@@ -115,10 +129,9 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.local_in = divide(input_size, self.tp_size, "linear input")
         self.weight = _attach(nn.Parameter(torch.empty(output_size, self.local_in, dtype=params_dtype),
-                                           requires_grad=False), self.weight_loader, self.shard_shape)
+                                           requires_grad=False), self)
         if bias:
-            self.bias = _attach(nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False),
-                                self.weight_loader, self.shard_shape)
+            self.bias = _attach(nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False), self)
         else:
             self.register_parameter("bias", None)
 
@@ -130,6 +143,12 @@ class RowParallelLinear(nn.Module):
             param.data.copy_(full)
             return
         param.data.copy_(full.narrow(1, self.tp_rank * self.local_in, self.local_in))
+
+    def local_part(self, param, shard_id=None):
+        return param.data
+
+    def full_from_parts(self, parts, shard_id=None):
+        return torch.cat(parts, dim=1) if parts[0].dim() == 2 else parts[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(F.linear(x, self.weight), self.tp)

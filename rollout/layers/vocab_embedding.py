@@ -30,6 +30,8 @@ class VocabParallelEmbedding(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_shape = lambda param, shard_id=None: (self.vocab_size, self.hidden_size)
+        self.weight.local_part = lambda param, shard_id=None: param.data
+        self.weight.full_from_parts = lambda parts, shard_id=None: torch.cat(parts, dim=0)[: self.vocab_size]
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         n = max(0, min(self.num_local, self.vocab_size - self.vocab_start))

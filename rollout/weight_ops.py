@@ -1,0 +1,207 @@
+"""Weight operations on one TP rank (the runner does the tensor work; the worker routes).
+
+Every update is all-or-nothing across the TP group: each rank validates its part (names,
+shapes, dtypes, finiteness, coverage) without touching the model, then all ranks vote (a sum
+all-reduce of failures on the TP group); only a unanimous vote copies, in place. A rejected
+update leaves every rank's weights exactly as they were.
+
+Memory cost per path: in-process tensors and shared-memory buckets are validated where they lie
+and copied once (no staging); safetensors files are checked from their headers, then streamed a
+tensor at a time (the finite check reads each tensor once more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+
+import torch
+
+from rollout.loader import (
+    WeightLoadError,
+    apply_load,
+    iter_safetensors,
+    plan_load,
+    safetensors_files,
+    weight_name_map,
+)
+from weight_sync.checksum import checksum_named_tensors
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def validate_safetensors_file(path: str) -> None:
+    """Check a file's header, offsets and size before any byte of it is trusted."""
+    size = os.path.getsize(path)
+    name = os.path.basename(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightLoadError(f"{name}: truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100_000_000:
+            raise WeightLoadError(f"{name}: header length {n} exceeds the file ({size} bytes): corrupt or truncated")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise WeightLoadError(f"{name}: header is not valid JSON ({exc})") from None
+    data_len = size - 8 - n
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightLoadError(f"{name}: header entry {key!r} is malformed") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise WeightLoadError(f"{name}: {key} has unsupported dtype {dtype}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if not (0 <= begin <= end <= data_len) or end - begin != numel * _ST_ITEMSIZE[dtype]:
+            raise WeightLoadError(f"{name}: {key} has bad offsets [{begin}, {end}) for shape {shape} {dtype} "
+                                  f"in {data_len} data bytes (corrupt or truncated file)")
+        spans.append((begin, end))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise WeightLoadError(f"{name}: tensors overlap in the data region")
+    if spans and spans[-1][1] != data_len:
+        raise WeightLoadError(f"{name}: {data_len - spans[-1][1]} unexpected bytes after the last tensor")
+
+
+class WeightOpsMixin:
+    """Mixed into ``TpModelWorker``: needs ``model_runner``, ``tp_state`` and ``device``."""
+
+    def _vote(self, ok: bool) -> bool:
+        """True only if every TP rank is ok (every rank must call this, in the same order)."""
+        if self.tp_state.tp_size == 1:
+            return ok
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.tp_state.comm.all_reduce(failures)
+        return float(failures.item()) == 0.0
+
+    def apply_named_tensors(self, named_tensors: Iterable, *, strict_dtype: bool = True, check_finite: bool = True,
+                            require_complete: bool = True) -> dict:
+        error = None
+        try:
+            plan = plan_load(self.model_runner.model, named_tensors, strict_dtype=strict_dtype,
+                             check_finite=check_finite, require_complete=require_complete)
+        except (WeightLoadError, OSError, RuntimeError, ValueError) as exc:
+            plan, error = None, str(exc)
+        if not self._vote(error is None):
+            return {"success": False, "message": error or "another TP rank rejected the update; nothing was loaded",
+                    "num_bytes": 0}
+        report = apply_load(plan)
+        if require_complete:
+            self.model_runner.weights_valid = True
+        return {"success": True, "message": f"loaded {report.num_tensors} tensors", "num_bytes": report.num_bytes}
+
+    def update_weights_from_shm(self, handle: dict, **kwargs) -> dict:
+        from weight_sync.shm import open_shared_bucket
+
+        try:
+            opened = open_shared_bucket(handle)
+        except (ValueError, KeyError, OSError) as exc:
+            self._vote(False)
+            return {"success": False, "message": f"cannot read the shared-memory bucket: {exc}", "num_bytes": 0}
+        try:
+            return self.apply_named_tensors(opened.named_tensors, **kwargs)
+        finally:
+            opened.close()
+
+    def update_weights_from_disk(self, model_path: str, check_finite: bool = True) -> dict:
+        try:
+            for path in safetensors_files(model_path):
+                validate_safetensors_file(path)
+            named = list(iter_safetensors(model_path))
+        except (WeightLoadError, OSError, ValueError) as exc:
+            self._vote(False)
+            return {"success": False, "message": str(exc), "num_bytes": 0}
+        # Checkpoints may be saved in another precision: cast on copy, like the initial load.
+        return self.apply_named_tensors(named, strict_dtype=False, check_finite=check_finite)
+
+    def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
+        return self.model_runner.release_memory(tags, backup_weights)
+
+    def resume_memory(self, tags: list[str]) -> dict:
+        return self.model_runner.resume_memory(tags)
+
+    # ------------------------------------------------------------------ weight-update groups
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str | None = None, timeout_s: float = 60.0) -> dict:
+        from weight_sync.distributed import WeightGroupError, make_group
+
+        groups = self.__dict__.setdefault("_update_groups", {})
+        if group_name in groups:
+            return {"success": False, "message": f"weight update group {group_name!r} already exists; destroy it first"}
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        rank = rank_offset + self.tp_rank
+        try:
+            groups[group_name] = (make_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                                             group_name), timeout_s)
+        except WeightGroupError as exc:
+            return {"success": False, "message": str(exc)}
+        return {"success": True, "message": f"joined weight update group {group_name!r} as rank {rank}/{world_size}"}
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        groups = self.__dict__.setdefault("_update_groups", {})
+        if groups.pop(group_name, None) is None:
+            return {"success": False, "message": f"no weight update group {group_name!r}"}
+        return {"success": True, "message": f"destroyed weight update group {group_name!r}"}
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
+                                        bucket_bytes: int, load_format: str = "flattened_bucket",
+                                        check_finite: bool = True, partial: bool = False) -> dict:
+        """Receive every bucket into staging (a sender can die midway), then vote and commit."""
+        from weight_sync.bucket import dtype_from_name
+        from weight_sync.distributed import WeightGroupError, receive_buckets
+
+        groups = self.__dict__.setdefault("_update_groups", {})
+        error, staged = None, []
+        if group_name not in groups:
+            error = f"no weight update group {group_name!r}: call init_weights_update_group first"
+        elif not (len(names) == len(dtypes) == len(shapes)):
+            error = "names, dtypes and shapes must have the same length"
+        else:
+            try:
+                specs = [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(s))
+                         for n, d, s in zip(names, dtypes, shapes)]
+                staged = receive_buckets(groups[group_name][0], specs, 1 if load_format == "direct" else bucket_bytes,
+                                         self.device, group_name)
+            except (WeightGroupError, ValueError) as exc:
+                groups.pop(group_name, None)  # tear down only this group; re-initialising it works
+                error = f"{exc}; the group was torn down, re-initialise it" if isinstance(exc, WeightGroupError) \
+                    else str(exc)
+        if error is not None:
+            self._vote(False)
+            return {"success": False, "message": error, "num_bytes": 0}
+        return self.apply_named_tensors(staged, strict_dtype=True, check_finite=check_finite,
+                                        require_complete=not partial)
+
+    # ------------------------------------------------------------------ reading weights back
+
+    def get_full_weight(self, name: str) -> torch.Tensor:
+        """The full Hugging Face tensor ``name`` (collective over the TP group)."""
+        target = weight_name_map(self.model_runner.model).get(name)
+        if target is None:
+            raise KeyError(f"unknown weight name {name!r}")
+        param = target.param
+        local = param.local_part(param, target.shard_id) if hasattr(param, "local_part") else param.data
+        if self.tp_state.tp_size == 1:
+            parts = [local]
+        else:
+            parts = self.tp_state.comm.all_gather(local.contiguous(), self.tp_state.tp_size)
+        full = param.full_from_parts(parts, target.shard_id) if hasattr(param, "full_from_parts") else parts[0]
+        return full.detach().clone()
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self.get_full_weight(name).flatten()[:truncate_size].float().cpu().tolist()
+
+    def weights_checksum(self) -> str:
+        names = sorted(n for n in weight_name_map(self.model_runner.model)
+                       if not (n == "lm_head.weight" and self.model_config.tie_word_embeddings))
+        return checksum_named_tensors((n, self.get_full_weight(n)) for n in names)

@@ -1,0 +1,289 @@
+"""Weight updates: disk, in-process tensors, shared memory from another process; TP=1 and TP=2.
+All-or-nothing, versioned, and the prefix cache never serves KV from older weights."""
+
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from helpers import random_prompts
+from safetensors.torch import load_file
+
+from rollout import RolloutEngine, SamplingParams
+from weight_sync import SharedMemoryBucket, checksum_named_tensors
+
+SP = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+SP_SAMPLED = SamplingParams(max_new_tokens=8, temperature=0.9, seed=4, ignore_eos=True)
+PROMPTS = random_prompts(300, [37, 6], seed=50)
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir):
+    a = model_dir("sync-a", "llama", seed=1)
+    b = model_dir("sync-b", "llama", seed=2)
+    return a, b, list(load_file(os.path.join(b, "model.safetensors")).items())
+
+
+@pytest.fixture(scope="module")
+def fresh_b(weights):
+    with RolloutEngine(weights[1], dtype="float32", kv_cache_tokens=512) as e:
+        yield (e.generate(input_ids=PROMPTS, sampling_params=SP), e.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED),
+               e.get_weights_checksum())
+
+
+def _sender(handle_q, done_q, tensors):
+    bucket = SharedMemoryBucket()
+    handle_q.put(bucket.write(tensors))
+    done_q.get(timeout=120)  # keep the segment alive until the engine has loaded it
+    bucket.close()
+
+
+def _update(engine, path, weights, b_path):
+    if path == "disk":
+        return engine.update_weights_from_disk(b_path, weight_version="v1")
+    if path == "tensor":
+        return engine.update_weights_from_tensor(weights, weight_version="v1")
+    ctx = mp.get_context("spawn")
+    handle_q, done_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_sender, args=(handle_q, done_q, weights))
+    proc.start()
+    try:
+        return engine.update_weights_from_tensor(handle_q.get(timeout=120), weight_version="v1")
+    finally:
+        done_q.put("done")
+        proc.join(60)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_update_paths_match_fresh_engine(weights, fresh_b, tp):
+    a, b, tensors = weights
+    greedy_b, sampled_b, checksum_b = fresh_b
+    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
+        old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+        assert old[0].num_cached_tokens == 0 and old[0].weight_version == "default"
+        for i, path in enumerate(("disk", "tensor", "shm")):
+            if i:  # back to A first, so every path really changes the weights
+                assert engine.update_weights_from_disk(a, weight_version="v0").success
+                assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == \
+                    old[0].output_token_ids
+            result = _update(engine, path, tensors, b)
+            assert result.success, result.message
+            assert result.weight_version == engine.get_weight_version() == "v1"
+            greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+            sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
+            assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in greedy_b], path
+            assert [o.output_token_ids for o in sampled] == [o.output_token_ids for o in sampled_b], path
+            for x, y in zip(sampled, sampled_b):
+                assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+            # the cached 37-token prompt was recomputed under the new weights, not served from old KV
+            assert greedy[0].num_cached_tokens == 0 and greedy[0].weight_version == "v1"
+            name = "model.layers.1.self_attn.k_proj.weight"
+            assert engine.get_weights_by_name(name, 10) == pytest.approx(dict(tensors)[name].flatten()[:10].tolist())
+            assert engine.get_weights_checksum() == checksum_b == checksum_named_tensors(tensors, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine_a(weights):
+    with RolloutEngine(weights[0], dtype="float32", kv_cache_tokens=512) as e:
+        yield e
+
+
+def _damage(tensors, kind):
+    name = "model.layers.0.mlp.down_proj.weight"
+    out = dict(tensors)
+    if kind == "shape":
+        out[name] = out[name][:, :-1]
+    elif kind == "unknown":
+        out["model.layers.7.mlp.down_proj.weight"] = out[name]
+    elif kind == "missing":
+        del out[name]
+    elif kind == "dtype":
+        out[name] = out[name].to(torch.bfloat16)
+    elif kind == "nan":
+        out[name] = out[name].clone()
+        out[name][3, 3] = float("nan")
+    return list(out.items())
+
+
+@pytest.mark.parametrize("kind, match", [("shape", "shape"), ("unknown", "unknown weight name"),
+                                         ("missing", "missing weights"), ("dtype", "dtype"), ("nan", "NaN")])
+def test_bad_tensor_updates_leave_weights(engine_a, weights, kind, match):
+    before = engine_a.generate(input_ids=PROMPTS, sampling_params=SP)
+    checksum = engine_a.get_weights_checksum()
+    version = engine_a.get_weight_version()
+    result = engine_a.update_weights_from_tensor(_damage(weights[2], kind), weight_version="bad")
+    assert not result.success and match in result.message
+    assert engine_a.get_weight_version() == version == result.weight_version
+    assert engine_a.get_weights_checksum() == checksum
+    assert engine_a.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
+
+
+def test_finite_check_can_be_switched_off(model_dir, weights):
+    with RolloutEngine(weights[0], dtype="float32", kv_cache_tokens=256) as e:
+        assert e.update_weights_from_tensor(_damage(weights[2], "nan"), check_finite=False).success
+
+
+@pytest.mark.parametrize("damage", ["header", "offsets", "truncated"])
+def test_bad_safetensors_files_leave_weights(engine_a, weights, tmp_path, damage):
+    path = tmp_path / "ckpt"
+    shutil.copytree(weights[1], path)
+    st = path / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    if damage == "header":
+        raw[8:12] = b"\xff\xfe{["
+    elif damage == "offsets":
+        n = int.from_bytes(raw[:8], "little")
+        header = raw[8:8 + n].decode()
+        i = header.index('"data_offsets":[') + len('"data_offsets":[')
+        raw[8 + i: 8 + i + 1] = b"9"
+    else:
+        raw = raw[: len(raw) - 1000]
+    st.write_bytes(bytes(raw))
+    checksum = engine_a.get_weights_checksum()
+    result = engine_a.update_weights_from_disk(str(path), weight_version="bad")
+    assert not result.success and "model.safetensors" in result.message
+    assert engine_a.get_weights_checksum() == checksum
+
+
+def test_update_waits_for_running_requests_or_aborts_them(model_dir, weights):
+    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
+    sp = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
+        for abort in (False, True):
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
+            t.start()
+            while e.get_stats()["num_decode_tokens"] < 5:
+                time.sleep(0.01)
+            version = f"after-{abort}"
+            result = e.update_weights_from_tensor(weights[2], weight_version=version, abort_all_requests=abort)
+            t.join(60)
+            out = box["out"][0]
+            assert result.success
+            if abort:
+                assert out.finish_reason == "abort" and len(out.output_token_ids) < 1500
+            else:  # the update waited: every token of the running request came from the old weights
+                assert out.finish_reason == "length" and set(out.output_weight_versions) == {"default"}
+            assert e.generate(input_ids=[5, 6, 7], sampling_params=SP)[0].weight_version == version
+            e.update_weights_from_disk(path, weight_version="default")
+
+
+def test_pause_in_place_gives_per_token_versions(model_dir, weights):
+    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
+    sp = SamplingParams(max_new_tokens=600, temperature=0, ignore_eos=True)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
+        t.start()
+        while e.get_stats()["num_decode_tokens"] < 5:
+            time.sleep(0.01)
+        e.pause_generation(mode="in_place")
+        assert e.update_weights_from_tensor(weights[2], weight_version="v1").success
+        e.continue_generation()
+        t.join(60)
+        out = box["out"][0]
+        versions = out.output_weight_versions
+        assert out.finish_reason == "length" and len(versions) == 600
+        switch = versions.index("v1")
+        assert 0 < switch and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"v1"}
+        assert out.weight_version == "v1"
+
+
+def test_pause_retract_and_abort(model_dir):
+    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
+    sp = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
+        ref = e.generate(input_ids=[5, 6, 7], sampling_params=sp)[0]
+        for mode in ("retract", "abort"):
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7],
+                                                                                   sampling_params=sp)))
+            t.start()
+            while e.get_stats()["num_decode_tokens"] < 5:
+                time.sleep(0.01)
+            e.pause_generation(mode=mode)
+            stats = e.get_stats()
+            assert stats["num_free_blocks"] == stats["num_blocks"] or mode == "abort"
+            e.continue_generation()
+            t.join(60)
+            out = box["out"][0]
+            if mode == "retract":  # recomputed after the pause: the very same tokens
+                assert out.output_token_ids == ref.output_token_ids and out.num_preemptions == 1
+            else:
+                assert out.finish_reason == "abort" and len(out.output_logprobs) == len(out.output_token_ids)
+
+
+def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket):
+    import os as _os
+
+    from weight_sync.bucket import layout, views
+    from weight_sync.distributed import WeightUpdateSender, broadcast, bucket_specs
+
+    sender = WeightUpdateSender("127.0.0.1", port, world, "g", timeout_s=30)
+    if not die_after_first_bucket:
+        sender.send(tensors, bucket_bytes=bucket_bytes)
+        return
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    first = next(iter(bucket_specs(specs, bucket_bytes)))
+    metas, total = layout(first)
+    buf = torch.empty(total, dtype=torch.uint8)
+    for (name, view) in views(buf, metas):
+        view.copy_(dict(tensors)[name])
+    broadcast(sender.group, buf)
+    _os._exit(1)  # the trainer dies mid-transfer
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
+    from rollout.tp_group import free_port
+    from weight_sync.distributed import WeightUpdateSender
+
+    a, b, tensors = weights
+    names, dtypes, shapes = WeightUpdateSender.describe(tensors)
+    ctx = mp.get_context("spawn")
+    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
+        before = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+        checksum_a = engine.get_weights_checksum()
+        # 1. a sender that dies after its first bucket: the update fails, A stays, the group is torn down
+        port = free_port()
+        proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, True))
+        proc.start()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
+        result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
+                                                        bucket_bytes=64 << 10)
+        proc.join(30)
+        assert not result.success and "'g'" in result.message and "bucket 2/" in result.message
+        assert engine.get_weight_version() == "default" and engine.get_weights_checksum() == checksum_a
+        assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
+        # 2. re-initialising the group works, and a complete transfer commits B
+        port = free_port()
+        proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, False))
+        proc.start()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
+        result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
+                                                        bucket_bytes=64 << 10)
+        proc.join(30)
+        assert result.success, result.message
+        assert engine.get_weights_checksum() == fresh_b[2]
+        greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+        assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in fresh_b[0]]
+        sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
+        for x, y in zip(sampled, fresh_b[1]):
+            assert x.output_token_ids == y.output_token_ids
+            assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+        name = "model.embed_tokens.weight"
+        assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(tensors)[name].flatten()[:8].tolist())
+        assert engine.destroy_weights_update_group("g")["success"]
+
+
+def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
+    from rollout.tp_group import free_port
+
+    start = time.monotonic()
+    out = engine_a.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "lonely", timeout_s=3)
+    assert not out["success"] and "'lonely'" in out["message"] and "rendezvous" in out["message"]
+    assert time.monotonic() - start < 15
+    assert engine_a.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0].finish_reason == "length"

@@ -1,0 +1,112 @@
+"""``FlattenedTensorBucket``: many tensors in one contiguous byte buffer plus metadata.
+
+One buffer per bucket turns N transfers (and N IPC handles, N broadcasts) into one. Metadata is
+plain data (name, dtype, shape, byte offset): it travels as JSON, never as a pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+ALIGN = 64  # bytes: every tensor starts cache-line aligned
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the buffer
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_from_name(self.dtype).itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @staticmethod
+    def from_dict(d: dict) -> TensorMeta:
+        return TensorMeta(str(d["name"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]), int(d["offset"]))
+
+
+def layout(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[TensorMeta], int]:
+    """Byte offsets for (name, dtype, shape) specs; returns (metadata, total bytes)."""
+    metas, offset = [], 0
+    for name, dtype, shape in specs:
+        meta = TensorMeta(name, dtype_name(dtype), tuple(int(s) for s in shape), offset)
+        metas.append(meta)
+        offset += -(-meta.nbytes // ALIGN) * ALIGN
+    return metas, offset
+
+
+def views(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Zero-copy (name, tensor) views of a uint8 buffer, validating that each lies inside it."""
+    total = buffer.numel()
+    out = []
+    for m in metas:
+        if m.offset < 0 or m.offset + m.nbytes > total:
+            raise ValueError(f"bucket entry {m.name!r} [{m.offset}, {m.offset + m.nbytes}) lies outside "
+                             f"the {total}-byte buffer")
+        out.append((m.name, buffer[m.offset: m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)))
+    return out
+
+
+class FlattenedTensorBucket:
+    """Pack named tensors into one uint8 buffer (``buffer``) described by ``metadata``."""
+
+    def __init__(self, named_tensors: Optional[list[tuple[str, torch.Tensor]]] = None, *,
+                 buffer: Optional[torch.Tensor] = None, metadata: Optional[list[TensorMeta]] = None,
+                 device: Optional[torch.device] = None):
+        if named_tensors is not None:
+            metas, total = layout((n, t.dtype, tuple(t.shape)) for n, t in named_tensors)
+            device = device or (named_tensors[0][1].device if named_tensors else torch.device("cpu"))
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            for m, (_, t) in zip(metas, named_tensors):
+                buffer[m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            metadata = metas
+        if buffer is None or metadata is None:
+            raise ValueError("pass named_tensors, or buffer and metadata")
+        self.buffer, self.metadata = buffer, list(metadata)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return views(self.buffer, self.metadata)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+def split_into_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """Consecutive groups whose byte size stays under ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += -(-n // ALIGN) * ALIGN
+    if bucket:
+        yield bucket

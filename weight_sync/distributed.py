@@ -1,0 +1,138 @@
+"""Weights over a process group: the trainer's sender side and the engine's receiving side.
+
+A weight-update group is its own rendezvous (a TCP store hosted by the trainer's rank 0, which is
+rank 0 of the group; engine TP rank ``r`` joins as ``rank_offset + r``), separate from the
+engine's TP group and from any default group. Tensors travel as flattened buckets: both sides
+split the same (name, dtype, shape) list with the same ``bucket_bytes``, so one broadcast moves a
+whole bucket. Every rendezvous and every broadcast has a timeout; errors name the group and stage.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.bucket import ALIGN, dtype_name, layout, views
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class WeightGroupError(RuntimeError):
+    """A weight-update group failed (rendezvous or transfer); it has been torn down."""
+
+
+def make_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+               timeout_s: float, group_name: str):
+    """Join (rank 0: host) the group's rendezvous and build its process group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore(f"weights/{group_name}", store)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
+        raise WeightGroupError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} "
+                               f"as rank {rank}/{world_size} failed within {timeout_s}s ({exc})") from exc
+    return WeightGroup(pg, store)
+
+
+@dataclass
+class WeightGroup:
+    pg: dist.ProcessGroup
+    store: dist.Store  # the rendezvous lives as long as the group
+
+
+def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    group.pg.broadcast([tensor], opts).wait()
+
+
+def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int):
+    """Split specs into consecutive buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for spec in specs:
+        n = torch.empty((), dtype=spec[1]).element_size()
+        for s in spec[2]:
+            n *= s
+        n = -(-n // ALIGN) * ALIGN
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(spec)
+        size += n
+    if bucket:
+        yield bucket
+
+
+def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str):
+    """Receive every bucket into staging buffers; returns (name, view) pairs."""
+    buckets = list(bucket_specs(specs, bucket_bytes))
+    staged = []
+    for i, bucket in enumerate(buckets):
+        metas, total = layout(bucket)
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        try:
+            broadcast(group, buf)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
+            raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
+                                   f"({total} bytes) failed: {exc}") from exc
+        staged.extend(views(buf, metas))
+    return staged
+
+
+class WeightUpdateSender:
+    """The trainer side (rank 0 of the group): hosts the rendezvous and broadcasts buckets.
+
+    Typical use::
+
+        sender = WeightUpdateSender("127.0.0.1", port, world_size=1 + engine_tp, group_name="g")
+        # concurrently, the engine: engine.init_weights_update_group("127.0.0.1", port, 1, 1 + engine_tp, "g")
+        names, dtypes, shapes = sender.describe(named_tensors)
+        # concurrently: engine.update_weights_from_distributed(names, dtypes, shapes, "g", ...)
+        sender.send(named_tensors)
+    """
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                 backend: str = "gloo", timeout_s: float = 60.0):
+        self.group_name = group_name
+        self.group = make_group(master_address, master_port, 0, world_size, backend, timeout_s, group_name)
+
+    @staticmethod
+    def describe(named_tensors: list[tuple[str, torch.Tensor]]):
+        return ([n for n, _ in named_tensors], [dtype_name(t.dtype) for _, t in named_tensors],
+                [list(t.shape) for _, t in named_tensors])
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             load_format: str = "flattened_bucket") -> int:
+        """Broadcast the tensors (one broadcast per bucket; per tensor with ``load_format="direct"``)."""
+        named = list(named_tensors)
+        if load_format == "direct":
+            bucket_bytes = 1
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+        tensors = dict(named)
+        sent = 0
+        for i, bucket in enumerate(bucket_specs(specs, bucket_bytes)):
+            metas, total = layout(bucket)
+            first = tensors[bucket[0][0]]
+            buf = torch.empty(total, dtype=torch.uint8, device=first.device)
+            for (name, view) in views(buf, metas):
+                view.copy_(tensors[name])
+            try:
+                broadcast(self.group, buf)
+            except Exception as exc:  # noqa: BLE001
+                raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {i + 1} "
+                                       f"failed: {exc}") from exc
+            sent += total
+        return sent
+
+    def close(self) -> None:
+        self.group = None
