@@ -61,8 +61,25 @@ class _Target:
     shard_id: object
 
 
+def is_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf. One fp32 sum (NaN and Inf propagate) reads the data once; only a non-finite
+    sum (or an overflow of huge values) pays for the exact element-wise check."""
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 def weight_name_map(model: nn.Module) -> dict[str, _Target]:
-    """Hugging Face name -> target parameter and shard, for every name the model accepts."""
+    """Hugging Face name -> target parameter and shard, for every name the model accepts
+    (computed once per model: parameters never change identity)."""
+    cached = model.__dict__.get("_rollout_name_map")
+    if cached is not None:
+        return cached
+    model.__dict__["_rollout_name_map"] = names = _build_name_map(model)
+    return names
+
+
+def _build_name_map(model: nn.Module) -> dict[str, _Target]:
     mapping = getattr(model, "packed_modules_mapping", {})
     names: dict[str, _Target] = {}
     for pname, param in model.named_parameters():
@@ -125,7 +142,7 @@ def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]],
             errors.append(f"{name}: dtype {tensor.dtype} is not a floating-point type")
         elif check_finite:
             data = tensor.read() if isinstance(tensor, LazyTensor) else tensor
-            if not bool(torch.isfinite(data).all()):
+            if not is_finite(data):
                 errors.append(f"{name}: contains NaN or Inf values")
         items.append((name, tensor, target))
     if require_complete:

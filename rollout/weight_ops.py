@@ -124,6 +124,8 @@ class WeightOpsMixin:
         return self.apply_named_tensors(named, strict_dtype=False, check_finite=check_finite)
 
     def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
+        if "weights" in tags:
+            self._staging = None  # the distributed path's staging buffer goes too
         return self.model_runner.release_memory(tags, backup_weights)
 
     def resume_memory(self, tags: list[str]) -> dict:
@@ -170,8 +172,9 @@ class WeightOpsMixin:
             try:
                 specs = [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(s))
                          for n, d, s in zip(names, dtypes, shapes)]
-                staged = receive_buckets(groups[group_name][0], specs, 1 if load_format == "direct" else bucket_bytes,
-                                         self.device, group_name)
+                staged, self._staging = receive_buckets(
+                    groups[group_name][0], specs, 1 if load_format == "direct" else bucket_bytes, self.device,
+                    group_name, self.__dict__.get("_staging"))
             except (WeightGroupError, ValueError) as exc:
                 groups.pop(group_name, None)  # tear down only this group; re-initialising it works
                 error = f"{exc}; the group was torn down, re-initialise it" if isinstance(exc, WeightGroupError) \
@@ -181,6 +184,17 @@ class WeightOpsMixin:
             return {"success": False, "message": error, "num_bytes": 0}
         return self.apply_named_tensors(staged, strict_dtype=True, check_finite=check_finite,
                                         require_complete=not partial)
+
+    def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
+        """Seconds to receive one bare broadcast of ``nbytes`` (the raw transport, for benchmarks)."""
+        import time
+
+        from weight_sync.distributed import broadcast
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
+        broadcast(self.__dict__["_update_groups"][group_name][0], buf)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ reading weights back
 

@@ -73,20 +73,25 @@ def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
         yield bucket
 
 
-def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str):
-    """Receive every bucket into staging buffers; returns (name, view) pairs."""
-    buckets = list(bucket_specs(specs, bucket_bytes))
-    staged = []
-    for i, bucket in enumerate(buckets):
-        metas, total = layout(bucket)
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
+def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
+                    staging: torch.Tensor | None = None):
+    """Receive every bucket into one staging buffer (reused across updates when it is big enough:
+    fresh pages cost more than the copy); returns ((name, view) pairs, the staging buffer)."""
+    buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
+    need = sum(total for _, total in buckets)
+    if staging is None or staging.numel() < need or staging.device != device:
+        staging = torch.empty(need, dtype=torch.uint8, device=device)
+    staged, offset = [], 0
+    for i, (metas, total) in enumerate(buckets):
+        buf = staging[offset: offset + total]
+        offset += total
         try:
             broadcast(group, buf)
         except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
         staged.extend(views(buf, metas))
-    return staged
+    return staged, staging
 
 
 class WeightUpdateSender:

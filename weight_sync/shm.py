@@ -15,8 +15,6 @@ import torch
 
 from weight_sync.bucket import TensorMeta, layout, views
 
-_CREATED_HERE: set[str] = set()  # segments this process owns (its tracker entry must stay)
-
 
 class SharedMemoryBucket:
     def __init__(self, capacity_bytes: int = 0, prefix: str = "rollout-weights"):
@@ -33,7 +31,6 @@ class SharedMemoryBucket:
         self.shm = shared_memory.SharedMemory(create=True, size=max(nbytes, 1),
                                               name=f"{self.prefix}-{uuid.uuid4().hex[:12]}")
         self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
-        _CREATED_HERE.add(self.shm._name)
 
     def write(self, named_tensors: list[tuple[str, torch.Tensor]]) -> dict:
         """Copy the tensors in (one copy each) and return the JSON-able handle for the receiver."""
@@ -48,7 +45,6 @@ class SharedMemoryBucket:
             self.buffer = None
             self.shm.close()
             self.shm.unlink()
-            _CREATED_HERE.discard(self.shm._name)
             self.shm = None
 
     def __del__(self):
@@ -62,13 +58,7 @@ class OpenedBucket:
     """A receiver's mapping of a sender's segment; ``close()`` after the views are dropped."""
 
     def __init__(self, handle: dict):
-        try:
-            self.shm = shared_memory.SharedMemory(name=str(handle["shm_name"]))
-        except FileNotFoundError:
-            raise ValueError(f"shared-memory segment {handle.get('shm_name')!r} does not exist") from None
-        # The sender owns the segment: keep this process's tracker from unlinking it at exit.
-        if self.shm._name not in _CREATED_HERE:
-            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.shm = _attach(str(handle["shm_name"]))
         metas = [TensorMeta.from_dict(m) for m in handle["metadata"]]
         nbytes = int(handle.get("nbytes", self.shm.size))
         if nbytes > self.shm.size:
@@ -85,6 +75,19 @@ class OpenedBucket:
 
             gc.collect()
             self.shm.close()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without registering it with this process's resource tracker: the
+    sender owns it, and the tracker would otherwise unlink it when this process exits."""
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        raise ValueError(f"shared-memory segment {name!r} does not exist") from None
+    finally:
+        resource_tracker.register = register
 
 
 def open_shared_bucket(handle: dict) -> OpenedBucket:

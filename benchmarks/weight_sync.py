@@ -1,0 +1,192 @@
+"""Weight-sync benchmark: every update path against its raw transport, in the same run.
+
+- tensor (in-process): ``update_weights_from_tensor`` vs a bare ``copy_`` of the same bytes into
+  a destination of the same dtype; also the fixed overhead of an update (a one-tensor update);
+- shared memory (from a second process): sender write + engine load vs a bare copy out of the
+  same shared segment;
+- distributed (a separate sender process over gloo, several bucket sizes): the update vs a bare
+  broadcast of the same bytes on the same group;
+- disk: ``update_weights_from_disk`` vs a plain read of the same files with a warm page cache.
+
+Writes JSON and a PNG to ``--out-dir``. Models: SmolLM2-135M-sized and Qwen2-0.5B-sized (bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from rollout import RolloutEngine  # noqa: E402
+from rollout.bench_throughput import build_model  # noqa: E402
+from rollout.tp_group import free_port  # noqa: E402
+from weight_sync import SharedMemoryBucket  # noqa: E402
+from weight_sync.distributed import WeightUpdateSender  # noqa: E402
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sender(port, world, tensors, bucket_sizes, repeats, nbytes_total):
+    sender = WeightUpdateSender("127.0.0.1", port, world, "bench", timeout_s=120)
+    from weight_sync.distributed import broadcast
+
+    for bucket in bucket_sizes:
+        for _ in range(repeats):
+            buf = torch.empty(nbytes_total, dtype=torch.uint8)
+            broadcast(sender.group, buf)  # the raw transport
+            sender.send(tensors, bucket_bytes=bucket)
+
+
+def _shm_sender(handle_q, go_q, tensors, repeats):
+    bucket = SharedMemoryBucket()
+    for _ in range(repeats):
+        go_q.get()
+        t0 = time.perf_counter()
+        handle = bucket.write(tensors)
+        handle_q.put((handle, time.perf_counter() - t0))
+    go_q.get()
+    bucket.close()
+
+
+def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_sizes: list[int]) -> dict:
+    tensors = [(n, t.to(dtype).contiguous()) for n, t in load_file(os.path.join(path, "model.safetensors")).items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    res = {"model": name, "bytes": nbytes, "dtype": str(dtype)}
+    with RolloutEngine(path, dtype=str(dtype).replace("torch.", ""), kv_cache_tokens=256) as engine:
+        # tensor, in-process
+        dests = [torch.empty_like(t) for _, t in tensors]
+        raw = best(lambda: [d.copy_(t) for d, (_, t) in zip(dests, tensors)], repeats)
+        upd = best(lambda: engine.update_weights_from_tensor(tensors, check_finite=False), repeats)
+        upd_checked = best(lambda: engine.update_weights_from_tensor(tensors), repeats)
+        one = [tensors[-1]]
+        overhead = best(lambda: engine.update_weights_from_tensor(one, partial=True, check_finite=False), repeats * 3)
+        res["tensor"] = {"raw_copy_s": raw, "update_s": upd, "update_finite_check_s": upd_checked,
+                         "fraction_of_raw": raw / upd, "fixed_overhead_ms": 1e3 * overhead}
+        # shared memory from another process
+        ctx = mp.get_context("spawn")
+        handle_q, go_q = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_shm_sender, args=(handle_q, go_q, tensors, repeats))
+        proc.start()
+        shm_times, raw_shm = [], []
+        from weight_sync.shm import open_shared_bucket
+
+        for _ in range(repeats):
+            go_q.put(1)
+            handle, write_s = handle_q.get(timeout=300)
+            opened = open_shared_bucket(handle)
+            t0 = time.perf_counter()
+            for d, (_, t) in zip(dests, opened.named_tensors):
+                d.copy_(t)
+            raw_shm.append(time.perf_counter() - t0)
+            opened.close()
+            t0 = time.perf_counter()
+            out = engine.update_weights_from_tensor(handle, check_finite=False)
+            shm_times.append(time.perf_counter() - t0)
+            assert out.success, out.message
+        go_q.put(1)
+        proc.join(60)
+        res["shared_memory"] = {"raw_shm_copy_s": min(raw_shm), "update_s": min(shm_times),
+                                "sender_write_s": write_s, "fraction_of_raw": min(raw_shm) / min(shm_times)}
+        # distributed over gloo with a separate sender
+        port = free_port()
+        proc = ctx.Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats, nbytes))
+        proc.start()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench", timeout_s=120)["success"]
+        names = [n for n, _ in tensors]
+        dtypes = [str(t.dtype).replace("torch.", "") for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        res["distributed"] = {}
+        for bucket in bucket_sizes:
+            raw_b, upd_b = [], []
+            for _ in range(repeats):
+                raw_b.append(engine._call(lambda: engine._worker_call("probe_weights_update_group", "bench", nbytes)))
+                t0 = time.perf_counter()
+                out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench", bucket_bytes=bucket,
+                                                             check_finite=False)
+                upd_b.append(time.perf_counter() - t0)
+                assert out.success, out.message
+            res["distributed"][f"{bucket >> 20}MiB"] = {"raw_broadcast_s": min(raw_b), "update_s": min(upd_b),
+                                                         "fraction_of_raw": min(raw_b) / min(upd_b)}
+        proc.join(120)
+        engine.destroy_weights_update_group("bench")
+        # disk, warm page cache
+        files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+        disk_bytes = sum(os.path.getsize(f) for f in files)
+        buf = bytearray(max(os.path.getsize(f) for f in files))
+
+        def read_all():
+            for f in files:
+                with open(f, "rb", buffering=0) as fh:
+                    fh.readinto(buf)
+        read_all()
+        raw_read = best(read_all, repeats)
+        disk = best(lambda: engine.update_weights_from_disk(path, check_finite=False), repeats)
+        disk_checked = best(lambda: engine.update_weights_from_disk(path), repeats)
+        res["disk"] = {"file_bytes": disk_bytes, "raw_read_s": raw_read, "update_s": disk,
+                       "update_finite_check_s": disk_checked, "fraction_of_raw": raw_read / disk}
+    return res
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,qwen2-0.5b-random")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mib", default="32,128,512")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    buckets = [int(b) << 20 for b in args.bucket_mib.split(",")]
+    results = {"threads": torch.get_num_threads(), "models": []}
+    for name in args.models.split(","):
+        res = bench_model(name, build_model(name, args.workdir), dtype, args.repeats, buckets)
+        print(json.dumps(res, indent=1), flush=True)
+        results["models"].append(res)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "weight_sync.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    _plot(results, os.path.join(args.out_dir, "weight_sync.png"))
+    return results
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["models"]), figsize=(5 * len(results["models"]), 3.5), squeeze=False)
+    for ax, res in zip(axes[0], results["models"]):
+        labels = ["tensor", "shm", "disk"] + [f"dist {k}" for k in res["distributed"]]
+        vals = [res["tensor"]["fraction_of_raw"], res["shared_memory"]["fraction_of_raw"],
+                res["disk"]["fraction_of_raw"]] + [v["fraction_of_raw"] for v in res["distributed"].values()]
+        bars = ax.bar(labels, vals)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax.axhline(0.8, ls="--", lw=0.8, color="gray")
+        ax.axhline(0.7, ls=":", lw=0.8, color="gray")
+        ax.set_ylabel("raw transport time / update time")
+        ax.set_title(f"{res['model']} ({res['bytes'] / 1e6:.0f} MB {res['dtype']})", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
