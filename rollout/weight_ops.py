@@ -191,7 +191,9 @@ class WeightOpsMixin:
 
         from weight_sync.distributed import broadcast
 
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buf = self.__dict__.get("_probe_buf")
+        if buf is None or buf.numel() != nbytes:  # reused, like the update's staging buffer
+            self._probe_buf = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
         broadcast(self.__dict__["_update_groups"][group_name][0], buf)
         return time.perf_counter() - t0

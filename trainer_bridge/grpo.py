@@ -1,0 +1,206 @@
+"""GRPO with a colocated rollout engine.
+
+Each step: rollouts with processed logprobs (the behaviour policy) -> rewards -> group-normalised
+advantages over the ``n`` samples of a prompt -> the trainer recomputes the same tokens' logprobs
+(logits / sampling temperature; sampling runs without top-k/top-p/min-p so no mask applies) and
+reports the train/rollout mismatch -> clipped policy-gradient loss (optional KL to a frozen
+reference, optional truncated importance sampling) -> one DeepSpeed step -> the new weights are
+pushed into the engine as one transaction whose version is the step. Colocated cycle: release the
+engine's KV and weights -> train -> resume weights -> push -> resume KV -> generate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from trainer_bridge.push import push_weights
+from trainer_bridge.targets import ColocatedTarget
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 25
+    prompts_per_step: int = 8
+    n: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    lr: float = 1e-2
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    tis_cap: Optional[float] = None  # truncated importance sampling: weight min(exp(train - rollout), cap)
+    push_weights: bool = True  # False: the engine keeps the initial weights (a control run)
+    release_memory: bool = True  # colocated: free the engine's KV and weights while training
+    bucket_bytes: int = 256 << 20
+    seed: int = 0
+    out_dir: str = "rl_runs/demo"
+    verify_push: bool = True  # after each push, read a few weights back from the engine and compare
+
+
+@dataclass
+class StepLog:
+    step: int
+    reward: float
+    rollout_tok_s: float
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    mismatch_mean: float
+    mismatch_max: float
+    loss: float
+    engine_released_bytes: int = 0
+    rss_peak_mb: float = 0.0
+    sync_phases: dict = field(default_factory=dict)
+    push_verified: Optional[bool] = None
+
+
+def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
+    """Per-token log-probabilities (logits / temperature) of each completion under ``model``."""
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return [lp[i, p - 1: len(s) - 1] for i, (s, p) in enumerate(zip(seqs, prompt_lens))]
+
+
+def verify_pushed(ds_engine, rollout_engine, truncate: int = 64) -> bool:
+    """The engine's copy of a few weights equals the trainer's (gathered) parameters, exactly in
+    the engine's dtype. Collective on every trainer rank (ZeRO-3 gathers the picked ones)."""
+    from trainer_bridge.names import to_hf_name
+    from trainer_bridge.push import PushStats, gather_bucket
+
+    module = getattr(ds_engine, "module", ds_engine)
+    named = [(to_hf_name(n), p) for n, p in module.named_parameters()]
+    picks = [named[0], named[len(named) // 2], named[-1]]
+    ok = True
+    for name, full in gather_bucket(picks, rollout_engine.worker.model_runner.dtype, PushStats()):
+        got = torch.tensor(rollout_engine.get_weights_by_name(name, truncate))
+        ok &= bool(torch.equal(got, full.flatten()[:truncate].float()))
+    return ok
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]],
+             reward_fn: Callable[[list[int], list[int]], float], ref_model=None,
+             tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None) -> list[StepLog]:
+    from rollout import SamplingParams
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    target = ColocatedTarget(rollout_engine)
+    logs: list[StepLog] = []
+    g = torch.Generator().manual_seed(cfg.seed)
+    for step in range(cfg.steps):
+        # ---- rollout (every rank calls generate with the same arguments: SPMD)
+        pick = torch.randperm(len(prompts), generator=g)[: cfg.prompts_per_step].tolist()
+        batch_prompts = [prompts[i] for i in pick]
+        sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=-1, top_p=1.0)
+        t0 = time.perf_counter()
+        outs = rollout_engine.generate(input_ids=batch_prompts, sampling_params=sp)
+        rollout_s = time.perf_counter() - t0
+        n_tok = sum(len(o.output_token_ids) for o in outs)
+        rewards = torch.tensor([reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
+        grouped = rewards.view(len(batch_prompts), cfg.n)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+        # ---- train (data parallel: each rank takes its slice of the samples)
+        released = 0
+        if cfg.release_memory:
+            released = rollout_engine.release_memory_occupation(["kv_cache", "weights"])["freed_bytes"]
+        peak = rss_mb()
+        t1 = time.perf_counter()
+        mine = list(range(rank, len(outs), world))
+        seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
+        plens = [len(outs[i].prompt_token_ids) for i in mine]
+        new_lp = sequence_logprobs(ds_engine, seqs, plens, cfg.temperature)
+        engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
+        diffs = torch.cat([(a.detach() - b).abs() for a, b in zip(new_lp, engine_lp)])
+        stats = torch.tensor([float(diffs.sum()), float(diffs.numel()), float(diffs.max())])
+        losses = []
+        for lp, old, i in zip(new_lp, engine_lp, mine):
+            ratio = torch.exp(lp - old)
+            a = adv[i]
+            pg = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
+            if cfg.tis_cap is not None:
+                pg = pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap)
+            losses.append(pg.mean())
+        loss = torch.stack(losses).mean()
+        if cfg.kl_coef and ref_model is not None:
+            with torch.no_grad():
+                ref_lp = sequence_logprobs(ref_model, seqs, plens, cfg.temperature)
+            kl = torch.stack([(torch.exp(r - lp) - (r - lp) - 1).mean() for r, lp in zip(ref_lp, new_lp)]).mean()
+            loss = loss + cfg.kl_coef * kl
+        ds_engine.backward(loss)
+        ds_engine.step()
+        peak = max(peak, rss_mb())
+        train_s = time.perf_counter() - t1
+        # ---- sync
+        t2 = time.perf_counter()
+        if cfg.release_memory:
+            rollout_engine.resume_memory_occupation(["weights"])
+        phases, verified = {}, None
+        if cfg.push_weights:
+            push = push_weights(ds_engine, target, version=f"step-{step + 1}", bucket_bytes=cfg.bucket_bytes,
+                                tie_word_embeddings=tie_word_embeddings)
+            if not push.result.success:
+                raise RuntimeError(f"weight push failed at step {step + 1}: {push.result.message}")
+            phases = push.phases
+            if cfg.verify_push:
+                verified = verify_pushed(ds_engine, rollout_engine)
+        elif cfg.release_memory:
+            raise ValueError("release_memory without push_weights would leave the engine without weights")
+        if cfg.release_memory:
+            rollout_engine.resume_memory_occupation(["kv_cache"])
+        sync_s = time.perf_counter() - t2
+        peak = max(peak, rss_mb())
+        if dist.is_initialized():
+            dist.all_reduce(stats[:2])
+            dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX)
+        log = StepLog(step=step + 1, reward=float(rewards.mean()), rollout_tok_s=n_tok / rollout_s,
+                      rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+                      mismatch_mean=float(stats[0] / stats[1]), mismatch_max=float(stats[2]), loss=float(loss.detach()),
+                      engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified)
+        logs.append(log)
+        if log_fn is not None and rank == 0:
+            log_fn(log)
+    return logs
+
+
+def write_logs(logs: list[StepLog], out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "steps.json"), "w") as f:
+        json.dump([asdict(x) for x in logs], f, indent=1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([x.step for x in logs], [x.reward for x in logs], marker="o")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax.set_title("GRPO reward (colocated rollout-worker)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "reward_curve.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

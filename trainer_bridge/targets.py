@@ -1,0 +1,48 @@
+"""Where pushed weights go. The interface is the same for every deployment, so a disaggregated
+deployment (engines on other devices or hosts, over ``weight_sync.WeightUpdateSender``) only
+adds a target."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class WeightTarget(ABC):
+    """One transaction per push: ``begin(version)`` -> ``add(bucket)``* -> ``commit()``."""
+
+    @abstractmethod
+    def begin(self, version: str) -> None: ...
+
+    @abstractmethod
+    def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...
+
+    @abstractmethod
+    def commit(self):
+        """Apply everything added, all-or-nothing; returns the engine's ``UpdateWeightsResult``."""
+
+
+class ColocatedTarget(WeightTarget):
+    """The engine shares this process (external launch: every trainer rank hosts one engine TP
+    rank). Buckets hold full tensors already cast to the engine's dtype; each engine rank slices
+    its own shard at commit, with no extra communication. Every trainer rank pushes (SPMD)."""
+
+    def __init__(self, engine, flush_cache: bool = True):
+        self.engine = engine
+        self.flush_cache = flush_cache
+        self.dtype = engine.worker.model_runner.dtype
+        self.device = engine.worker.model_runner.device
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._version = None
+
+    def begin(self, version: str) -> None:
+        self._pending, self._version = [], version
+
+    def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._pending.extend(named_tensors)
+
+    def commit(self):
+        pending, self._pending = self._pending, []
+        return self.engine.update_weights_from_tensor(pending, weight_version=self._version,
+                                                      flush_cache=self.flush_cache)
