@@ -41,6 +41,9 @@ def parse(argv=None):
     ap.add_argument("--tis-cap", type=float, default=None)
     ap.add_argument("--no-push", action="store_true", help="control run: never push weights to the engine")
     ap.add_argument("--no-release", action="store_true", help="keep the engine's memory while training")
+    ap.add_argument("--push-per-parameter", action="store_true",
+                    help="gather and push one parameter at a time (the slow baseline) instead of buckets")
+    ap.add_argument("--bucket-mb", type=int, default=256, help="push bucket size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")
@@ -108,7 +111,8 @@ def main(argv=None) -> list:
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
                      kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
-                     release_memory=not args.no_release and not args.no_push, seed=args.seed, out_dir=args.out_dir)
+                     release_memory=not args.no_release and not args.no_push, seed=args.seed, out_dir=args.out_dir,
+                     push_per_parameter=args.push_per_parameter, bucket_bytes=args.bucket_mb << 20)
     run = None
     if rank == 0 and not args.no_wandb:
         import wandb

@@ -62,7 +62,8 @@ class EngineWeightsMixin:
     def update_weights_from_tensor(self, named_tensors: Union[list, FlattenedTensorBucket, dict],
                                    load_format: Optional[str] = None, flush_cache: bool = True,
                                    weight_version: Optional[str] = None, abort_all_requests: bool = False,
-                                   check_finite: bool = True, partial: bool = False) -> UpdateWeightsResult:
+                                   check_finite: bool = True, partial: bool = False,
+                                   transaction: bool = False) -> Union[UpdateWeightsResult, dict]:
         """Load full tensors under Hugging Face names, all-or-nothing.
 
         named_tensors: a list of (name, tensor) (``load_format`` None or "direct"), a
@@ -74,6 +75,14 @@ class EngineWeightsMixin:
         kw = dict(strict_dtype=True, check_finite=check_finite, require_complete=not partial)
         if isinstance(named_tensors, FlattenedTensorBucket):
             named_tensors = named_tensors.named_tensors()
+        if transaction:  # stage one bucket of an open transaction; returns {"success", "message"}
+            if isinstance(named_tensors, dict):
+                return self._staging_call("stage_from_shm", named_tensors)
+            named = list(named_tensors)
+            if self.config.tp_size > 1 and self._ext is None:
+                handle = self._shm_bucket().write([(n, t.detach()) for n, t in named])
+                return self._staging_call("stage_from_shm", handle)
+            return self._staging_call("stage_named_tensors", named, copy=False)
         if isinstance(named_tensors, dict):
             handle = named_tensors
 
@@ -96,6 +105,34 @@ class EngineWeightsMixin:
                     return self._commit(self._worker_call("apply_named_tensors", named, **kw), weight_version,
                                         flush_cache, t0)
         return self._run_update(fn, abort_all_requests)
+
+    # ------------------------------------------------------------------ multi-call transactions
+
+    def begin_weight_update(self, weight_version: Optional[str] = None) -> dict:
+        """Open a transaction: the following ``update_weights_from_tensor(..., transaction=True)`` /
+        ``update_weights_from_distributed(..., transaction=True)`` calls only stage (the engine keeps
+        serving the old weights); ``commit_weight_update`` applies everything on every rank, or nothing."""
+        self._txn_version = weight_version
+        return self._staging_call("begin_transaction")
+
+    def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
+                             abort_all_requests: bool = False) -> UpdateWeightsResult:
+        t0 = time.perf_counter()
+        version = getattr(self, "_txn_version", None)
+
+        def fn():
+            return self._commit(self._worker_call("commit_transaction", check_finite, partial), version,
+                                flush_cache, t0)
+        return self._run_update(fn, abort_all_requests)
+
+    def abort_weight_update(self) -> dict:
+        return self._staging_call("abort_transaction")
+
+    def _staging_call(self, method: str, *args, **kwargs) -> dict:
+        """Staging touches no weight: it runs at the next step boundary, not at a quiet point."""
+        if self.is_follower:
+            return self._worker_call(method, *args, **kwargs)
+        return self._call(lambda: self._worker_call(method, *args, **kwargs))
 
     def _shm_bucket(self) -> SharedMemoryBucket:
         if getattr(self, "_shm", None) is None:
@@ -136,13 +173,17 @@ class EngineWeightsMixin:
                                         flush_cache: bool = True, weight_version: Optional[str] = None,
                                         load_format: str = "flattened_bucket", bucket_bytes: Optional[int] = None,
                                         abort_all_requests: bool = False, check_finite: bool = True,
-                                        partial: bool = False) -> UpdateWeightsResult:
+                                        partial: bool = False, transaction: bool = False):
         """Receive tensors broadcast by the trainer (``weight_sync.WeightUpdateSender.send`` with the same
         ``bucket_bytes``), staged until all arrived, then committed on every TP rank or on none."""
         from weight_sync.distributed import DEFAULT_BUCKET_BYTES
 
         t0 = time.perf_counter()
         kw = dict(load_format=load_format, check_finite=check_finite, partial=partial)
+        if transaction:  # one bucket call of an open transaction: receive and stage only
+            return self._staging_call("update_weights_from_distributed", list(names), list(dtypes),
+                                      [list(s) for s in shapes], group_name, bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                      transaction=True, **kw)
 
         def fn():
             out = self._worker_call("update_weights_from_distributed", list(names), list(dtypes),

@@ -99,6 +99,61 @@ class WeightOpsMixin:
             self.model_runner.weights_valid = True
         return {"success": True, "message": f"loaded {report.num_tensors} tensors", "num_bytes": report.num_bytes}
 
+    # ------------------------------------------------------------------ multi-call transactions
+
+    def begin_transaction(self) -> dict:
+        """Start staging an update that arrives in several calls; the model changes only at commit."""
+        self._txn: dict = {}
+        self._txn_error: str | None = None
+        return {"success": True, "message": "transaction started"}
+
+    def _stage(self, named_tensors, copy: bool) -> dict:
+        txn = self.__dict__.get("_txn")
+        if txn is None:
+            return {"success": False, "message": "no open transaction: call begin_weight_update first"}
+        named = list(named_tensors)
+        try:  # names, shapes and dtypes fail early; finiteness and coverage are checked at commit
+            plan_load(self.model_runner.model, named, strict_dtype=True, require_complete=False)
+            dup = sorted(set(n for n, _ in named) & set(txn))
+            if dup:
+                raise WeightLoadError(f"weights given twice in one transaction: {', '.join(dup[:8])}")
+        except (WeightLoadError, ValueError) as exc:
+            self._txn_error = self._txn_error or str(exc)
+            return {"success": False, "message": str(exc)}
+        for name, t in named:
+            txn[name] = t.clone() if copy else t
+        return {"success": True, "message": f"staged {len(named)} tensors ({len(txn)} in the transaction)"}
+
+    def stage_named_tensors(self, named_tensors, copy: bool = False) -> dict:
+        return self._stage(named_tensors, copy)
+
+    def stage_from_shm(self, handle: dict) -> dict:
+        from weight_sync.shm import open_shared_bucket
+
+        try:
+            opened = open_shared_bucket(handle)
+        except (ValueError, KeyError, OSError) as exc:
+            self._txn_error = self.__dict__.get("_txn_error") or str(exc)
+            return {"success": False, "message": f"cannot read the shared-memory bucket: {exc}"}
+        try:  # the sender reuses its segment for the next bucket: stage a copy
+            return self._stage(opened.named_tensors, copy=True)
+        finally:
+            opened.close()
+
+    def commit_transaction(self, check_finite: bool = True, partial: bool = False) -> dict:
+        txn, error = self.__dict__.pop("_txn", None), self.__dict__.pop("_txn_error", None)
+        if txn is None or error is not None:
+            self._vote(False)
+            why = error or "no open transaction: call begin_weight_update first"
+            return {"success": False, "message": f"transaction discarded: {why}", "num_bytes": 0}
+        return self.apply_named_tensors(list(txn.items()), strict_dtype=True, check_finite=check_finite,
+                                        require_complete=not partial)
+
+    def abort_transaction(self) -> dict:
+        self.__dict__.pop("_txn", None)
+        self.__dict__.pop("_txn_error", None)
+        return {"success": True, "message": "transaction discarded"}
+
     def update_weights_from_shm(self, handle: dict, **kwargs) -> dict:
         from weight_sync.shm import open_shared_bucket
 
@@ -157,7 +212,8 @@ class WeightOpsMixin:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
                                         bucket_bytes: int, load_format: str = "flattened_bucket",
-                                        check_finite: bool = True, partial: bool = False) -> dict:
+                                        check_finite: bool = True, partial: bool = False,
+                                        transaction: bool = False) -> dict:
         """Receive every bucket into staging (a sender can die midway), then vote and commit."""
         from weight_sync.bucket import dtype_from_name
         from weight_sync.distributed import WeightGroupError, receive_buckets
@@ -172,13 +228,20 @@ class WeightOpsMixin:
             try:
                 specs = [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(s))
                          for n, d, s in zip(names, dtypes, shapes)]
-                staged, self._staging = receive_buckets(
+                staged, staging = receive_buckets(
                     groups[group_name][0], specs, 1 if load_format == "direct" else bucket_bytes, self.device,
-                    group_name, self.__dict__.get("_staging"))
+                    group_name, None if transaction else self.__dict__.get("_staging"))
+                if not transaction:
+                    self._staging = staging
             except (WeightGroupError, ValueError) as exc:
                 groups.pop(group_name, None)  # tear down only this group; re-initialising it works
                 error = f"{exc}; the group was torn down, re-initialise it" if isinstance(exc, WeightGroupError) \
                     else str(exc)
+        if transaction:  # a bucket call of a multi-call transaction: stage only (its buffer is its own)
+            if error is not None:
+                self._txn_error = self.__dict__.get("_txn_error") or error
+                return {"success": False, "message": error}
+            return self._stage(staged, copy=False)
         if error is not None:
             self._vote(False)
             return {"success": False, "message": error, "num_bytes": 0}

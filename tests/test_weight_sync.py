@@ -287,3 +287,38 @@ def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
     assert not out["success"] and "'lonely'" in out["message"] and "rendezvous" in out["message"]
     assert time.monotonic() - start < 15
     assert engine_a.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_multi_call_transaction(weights, fresh_b, tp):
+    a, b, tensors = weights
+    third = len(tensors) // 3
+    buckets = [tensors[:third], tensors[third: 2 * third], tensors[2 * third:]]
+    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
+        old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+        checksum_a = engine.get_weights_checksum()
+        assert engine.begin_weight_update(weight_version="t1")["success"]
+        for bucket in buckets:
+            assert engine.update_weights_from_tensor(bucket, transaction=True)["success"]
+            # staged only: the engine keeps serving the old weights under the old version
+            out = engine.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0]
+            assert out.output_token_ids == old[0].output_token_ids and out.weight_version == "default"
+        result = engine.commit_weight_update()
+        assert result.success and result.weight_version == "t1"
+        assert engine.get_weights_checksum() == fresh_b[2]
+        assert [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=SP)] == \
+            [o.output_token_ids for o in fresh_b[0]]
+        # a bad bucket poisons the transaction; an incomplete one is refused; both leave the weights
+        assert engine.update_weights_from_disk(a, weight_version="a").success
+        engine.begin_weight_update(weight_version="t2")
+        assert engine.update_weights_from_tensor(buckets[0], transaction=True)["success"]
+        name, tensor = buckets[1][0]
+        bad = engine.update_weights_from_tensor([(name, tensor[:1])], transaction=True)  # wrong shape
+        assert not bad["success"]
+        result = engine.commit_weight_update()
+        assert not result.success and "transaction discarded" in result.message and result.weight_version == "a"
+        engine.begin_weight_update(weight_version="t3")
+        engine.update_weights_from_tensor(buckets[0], transaction=True)
+        result = engine.commit_weight_update()
+        assert not result.success and "missing weights" in result.message
+        assert engine.get_weights_checksum() == checksum_a and engine.get_weight_version() == "a"

@@ -43,6 +43,7 @@ class GRPOConfig:
     push_weights: bool = True  # False: the engine keeps the initial weights (a control run)
     release_memory: bool = True  # colocated: free the engine's KV and weights while training
     bucket_bytes: int = 256 << 20
+    push_per_parameter: bool = False  # the baseline most integrations use: one gather + hand-off per parameter
     seed: int = 0
     out_dir: str = "rl_runs/demo"
     verify_push: bool = True  # after each push, read a few weights back from the engine and compare
@@ -159,7 +160,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         phases, verified = {}, None
         if cfg.push_weights:
             push = push_weights(ds_engine, target, version=f"step-{step + 1}", bucket_bytes=cfg.bucket_bytes,
-                                tie_word_embeddings=tie_word_embeddings)
+                                per_parameter=cfg.push_per_parameter, tie_word_embeddings=tie_word_embeddings)
             if not push.result.success:
                 raise RuntimeError(f"weight push failed at step {step + 1}: {push.result.message}")
             phases = push.phases
