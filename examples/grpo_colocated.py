@@ -96,7 +96,10 @@ def main(argv=None) -> list:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     ds_engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                          config=ds_config(args.zero_stage, args.lr, dtype == torch.bfloat16, world))
-    tp = args.tp_size or world
+    from rollout.models import ModelConfig
+
+    # default: the largest TP size that divides the world and splits the model (TP=1: one engine per rank)
+    tp = args.tp_size or max(t for t in ModelConfig.from_pretrained(path).valid_tp_sizes(world) if world % t == 0)
     engine = RolloutEngine(path, dtype=args.dtype, tp_size=tp, launch="external" if tp > 1 else "spawn",
                            kv_cache_tokens=4096, seed=args.seed, use_generation_config=False)
     vocab = engine.model_config.vocab_size

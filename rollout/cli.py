@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     _add_sampling_flags(gen)
     gen.set_defaults(func=_cmd_generate)
-    demo = sub.add_parser("demo", help="the main job on the embedded tiny model (see `rollout demo -- --help`)",
+    demo = sub.add_parser("demo", help="a rollout demo on the embedded tiny model (the RL main job is `make demo`)",
                           add_help=False)
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_cmd_demo)

@@ -1,6 +1,7 @@
-"""The main job (for now): build the embedded tiny model locally and run an RL-shaped rollout on
-it — chat prompts, ``n`` samples each, per-token processed logprobs — then print a table and the
-engine's counters. The DeepSpeed RL loop replaces this demo when the trainer bridge lands.
+"""A rollout demo: build the embedded tiny model locally and run an RL-shaped rollout on it —
+chat prompts, ``n`` samples each, per-token processed logprobs — then print a table and the
+engine's counters. (The RL main job, GRPO with DeepSpeed, is ``make demo`` /
+``examples/grpo_colocated.py``.)
 """
 
 from __future__ import annotations

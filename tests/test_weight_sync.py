@@ -247,25 +247,23 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
     with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
         before = engine.generate(input_ids=PROMPTS, sampling_params=SP)
         checksum_a = engine.get_weights_checksum()
+        def update(die: bool):
+            port = free_port()
+            proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, die))
+            proc.start()
+            assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
+            result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
+                                                            bucket_bytes=64 << 10)
+            proc.join(30)
+            return result
+
         # 1. a sender that dies after its first bucket: the update fails, A stays, the group is torn down
-        port = free_port()
-        proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, True))
-        proc.start()
-        assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
-        result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
-                                                        bucket_bytes=64 << 10)
-        proc.join(30)
+        result = update(die=True)
         assert not result.success and "'g'" in result.message and "bucket 2/" in result.message
         assert engine.get_weight_version() == "default" and engine.get_weights_checksum() == checksum_a
         assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
         # 2. re-initialising the group works, and a complete transfer commits B
-        port = free_port()
-        proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, False))
-        proc.start()
-        assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
-        result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
-                                                        bucket_bytes=64 << 10)
-        proc.join(30)
+        result = update(die=False)
         assert result.success, result.message
         assert engine.get_weights_checksum() == fresh_b[2]
         greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)

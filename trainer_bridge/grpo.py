@@ -66,6 +66,18 @@ class StepLog:
     push_verified: Optional[bool] = None
 
 
+def _rollout(engine, prompts, sp, rank: int, world: int):
+    """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
+    engine of its own, so each generates its share of the prompts and the outputs are gathered."""
+    if engine.config.tp_size > 1 or world == 1:
+        return engine.generate(input_ids=prompts, sampling_params=sp)
+    mine = engine.generate(input_ids=prompts[rank::world], sampling_params=sp)
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    n = sp.n
+    return [o for i in range(len(prompts)) for o in parts[i % world][(i // world) * n: (i // world + 1) * n]]
+
+
 def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
     """Per-token log-probabilities (logits / temperature) of each completion under ``model``."""
     width = max(map(len, seqs))
@@ -116,7 +128,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=-1, top_p=1.0)
         t0 = time.perf_counter()
-        outs = rollout_engine.generate(input_ids=batch_prompts, sampling_params=sp)
+        outs = _rollout(rollout_engine, batch_prompts, sp, rank, world)
         rollout_s = time.perf_counter() - t0
         n_tok = sum(len(o.output_token_ids) for o in outs)
         rewards = torch.tensor([reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])

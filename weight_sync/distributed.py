@@ -110,6 +110,7 @@ class WeightUpdateSender:
                  backend: str = "gloo", timeout_s: float = 60.0):
         self.group_name = group_name
         self.group = make_group(master_address, master_port, 0, world_size, backend, timeout_s, group_name)
+        self._buffers: list[torch.Tensor] | None = None
 
     @staticmethod
     def describe(named_tensors: list[tuple[str, torch.Tensor]]):
@@ -118,26 +119,40 @@ class WeightUpdateSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              load_format: str = "flattened_bucket") -> int:
-        """Broadcast the tensors (one broadcast per bucket; per tensor with ``load_format="direct"``)."""
+        """Broadcast the tensors, one broadcast per bucket (per tensor with ``load_format="direct"``).
+
+        Two pack buffers, allocated once and reused: bucket i+1 is packed while bucket i is on the
+        wire (the broadcast runs asynchronously)."""
         named = list(named_tensors)
         if load_format == "direct":
             bucket_bytes = 1
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
         tensors = dict(named)
-        sent = 0
-        for i, bucket in enumerate(bucket_specs(specs, bucket_bytes)):
-            metas, total = layout(bucket)
-            first = tensors[bucket[0][0]]
-            buf = torch.empty(total, dtype=torch.uint8, device=first.device)
-            for (name, view) in views(buf, metas):
-                view.copy_(tensors[name])
-            try:
-                broadcast(self.group, buf)
-            except Exception as exc:  # noqa: BLE001
-                raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {i + 1} "
-                                       f"failed: {exc}") from exc
-            sent += total
+        buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
+        if not buckets:
+            return 0
+        need = max(total for _, total in buckets)
+        device = named[0][1].device
+        if self._buffers is None or self._buffers[0].numel() < need or self._buffers[0].device != device:
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pending, sent = None, 0
+        try:
+            for i, (metas, total) in enumerate(buckets):
+                buf = self._buffers[i % 2][:total]
+                for name, view in views(buf, metas):
+                    view.copy_(tensors[name])
+                if pending is not None:
+                    pending.wait()  # the other buffer is free again once its bucket is out
+                pending = self.group.pg.broadcast([buf], opts)
+                sent += total
+            pending.wait()
+        except Exception as exc:  # noqa: BLE001
+            raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {i + 1}/"
+                                   f"{len(buckets)} failed: {exc}") from exc
         return sent
 
     def close(self) -> None:
         self.group = None
+        self._buffers = None
