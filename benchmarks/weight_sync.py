@@ -131,8 +131,11 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
                                                              check_finite=False)
                 upd_b.append(time.perf_counter() - t0)
                 assert out.success, out.message
+                split = engine._last_update_detail
             res["distributed"][f"{bucket >> 20}MiB"] = {"raw_broadcast_s": min(raw_b), "update_s": min(upd_b),
-                                                         "fraction_of_raw": min(raw_b) / min(upd_b)}
+                                                         "fraction_of_raw": min(raw_b) / min(upd_b),
+                                                         "last_receive_s": split.get("receive_s"),
+                                                         "last_commit_s": split.get("commit_s")}
         proc.join(120)
         engine.destroy_weights_update_group("bench")
         # disk, warm page cache

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Iterable
 
 import torch
@@ -220,6 +221,7 @@ class WeightOpsMixin:
 
         groups = self.__dict__.setdefault("_update_groups", {})
         error, staged = None, []
+        t_start = time.perf_counter()
         if group_name not in groups:
             error = f"no weight update group {group_name!r}: call init_weights_update_group first"
         elif not (len(names) == len(dtypes) == len(shapes)):
@@ -245,13 +247,14 @@ class WeightOpsMixin:
         if error is not None:
             self._vote(False)
             return {"success": False, "message": error, "num_bytes": 0}
-        return self.apply_named_tensors(staged, strict_dtype=True, check_finite=check_finite,
-                                        require_complete=not partial)
+        t_received = time.perf_counter()
+        out = self.apply_named_tensors(staged, strict_dtype=True, check_finite=check_finite,
+                                       require_complete=not partial)
+        out["receive_s"], out["commit_s"] = t_received - t_start, time.perf_counter() - t_received
+        return out
 
     def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
         """Seconds to receive one bare broadcast of ``nbytes`` (the raw transport, for benchmarks)."""
-        import time
-
         from weight_sync.distributed import broadcast
 
         buf = self.__dict__.get("_probe_buf")
