@@ -328,7 +328,7 @@ class RolloutEngine(EngineWeightsMixin):
 
         if stream:
             return events()
-        async for _ in events():
+        async for _ in events():  # drain until every request reports its final update
             pass
         return self._collect(reqs)
 
@@ -377,5 +377,5 @@ class RolloutEngine(EngineWeightsMixin):
     def __del__(self) -> None:
         try:
             self.shutdown()
-        except Exception:
+        except Exception:  # interpreter teardown: best effort only
             pass

@@ -97,8 +97,5 @@ class ExternalLeaderWorker(BaseTpWorker):
         self.ext.broadcast(CallMsg(method, args, kwargs))
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self.worker.get_weights_by_name(name, truncate_size)
-
     def send_done(self, outputs: list | None, error: str | None = None) -> None:
         self.ext.broadcast(DoneMsg(outputs, error))

@@ -63,7 +63,7 @@ class CallMsg:
 
 @dataclass
 class StopMsg:
-    pass
+    """Leave the message loop and exit."""
 
 
 @dataclass
@@ -241,7 +241,7 @@ class TpWorkerGroup(BaseTpWorker):
                     if kind == "error":
                         errors.append(f"rank {rank}: {payload.strip().splitlines()[-1]}")
             except (EOFError, OSError):
-                pass
+                pass  # a dead pipe says nothing more; the exit code below does
             if not p.is_alive():
                 errors.append(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
         return errors
@@ -297,15 +297,12 @@ class TpWorkerGroup(BaseTpWorker):
                 self._fail(f"rank {rank} failed in {method}: {payload.strip().splitlines()[-1]}")
         return result
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self.worker.get_weights_by_name(name, truncate_size)
-
     def shutdown(self) -> None:
         for conn in self.conns:
             try:
                 conn.send(StopMsg())
             except (BrokenPipeError, OSError):
-                pass
+                pass  # already gone: joined (or killed) below
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():

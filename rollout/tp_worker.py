@@ -78,7 +78,11 @@ class TpModelWorker(BaseTpWorker, WeightOpsMixin):
         result.forward_time_s = time.perf_counter() - t0
         if batch.is_prefill_only:
             return result
-        sample_logits = logits.index_select(0, torch.tensor(batch.sample_logits_idx, device=logits.device))
+        idx = batch.sample_logits_idx
+        if idx == list(range(logits.shape[0])):  # one sample per logits row (decode): no copy of [S, vocab]
+            sample_logits = logits
+        else:
+            sample_logits = logits.index_select(0, torch.tensor(idx, device=logits.device))
 
         def sample_batch_func(sampling: SamplingInputs) -> GenerationBatchResult:
             t1 = time.perf_counter()

@@ -50,7 +50,7 @@ class SharedMemoryBucket:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # interpreter teardown: best effort only
             pass
 
 
