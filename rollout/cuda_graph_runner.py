@@ -63,11 +63,16 @@ class CudaGraphRunner:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         bsz = self.runner.block_size
-        keys = torch.arange(self.max_blocks * bsz, device=self.ctx_lens.device)
-        mask = (keys.unsqueeze(0) < self.ctx_lens[:bs].unsqueeze(1)).view(bs, 1, 1, -1)
+        keys = torch.arange(self.max_blocks * bsz, device=self.ctx_lens.device).unsqueeze(0)
+        lens = self.ctx_lens[:bs].unsqueeze(1)
+        mask = keys < lens
+        window = self.runner.model_config.sliding_window
+        if window is not None:
+            mask &= keys > lens - 1 - window
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], decode_rows=torch.arange(bs, device=keys.device),
-                                 decode_blocks=self.block_tables[:bs], decode_mask=mask,
-                                 decode_ctx_lens=self.ctx_lens[:bs], use_paged_kernel=self.runner.use_paged_kernel)
+                                 decode_blocks=self.block_tables[:bs], decode_mask=mask.view(bs, 1, 1, -1),
+                                 decode_ctx_lens=self.ctx_lens[:bs], use_paged_kernel=self.runner.use_paged_kernel,
+                                 sliding_window=window)
 
     def _run(self, bs: int) -> torch.Tensor:
         model = self.runner.model
@@ -114,7 +119,11 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, batch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Decode ``batch`` (all q_len == 1) with a captured graph; returns logits [B, vocab]."""
+        """Decode ``batch`` (all q_len == 1) with a captured graph; returns logits [B, vocab].
+
+        The logits are a view of the graph's static output: read them (sample) before the next
+        replay. The worker samples each step before the next forward is launched, also under
+        overlap (one forward thread, in launch order)."""
         n = len(batch.q_lens)
         bs = next(b for b in self.batch_sizes if b >= n)
         bsz = self.runner.block_size

@@ -7,6 +7,8 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``overlap_parity``: overlap scheduling on/off gives identical tokens and logprobs;
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
+- ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
+- ``release_resume_memory``: release frees >= 90% of the engine's device memory; outputs right after resume;
 - ``throughput_vs_hf``: the RL-shaped throughput benchmark vs transformers generate (bf16,
   Qwen2-0.5B-shaped random model).
 ``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
@@ -91,6 +93,56 @@ def check_graph_vs_eager(device, workdir, quick):
             "storage_moved": moved}
 
 
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return list(load_file(os.path.join(path, "model.safetensors")).items())
+
+
+def check_inplace_update_no_recapture(device, workdir, quick):
+    """An in-place weight update keeps every graph pointer: no recapture, replay == eager on B."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    a = _model(workdir, "upd-a", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+               num_kv_heads=2, seed=1)
+    b = _model(workdir, "upd-b", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+               num_kv_heads=2, seed=2)
+    prompts = _prompts(8)
+    sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    with RolloutEngine(b, dtype="float32", device="cuda", enable_cuda_graph=False, kv_cache_tokens=8192) as e:
+        ref = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
+        graphs = e.worker.model_runner.graph_runner
+        result = e.update_weights_from_tensor([(n, t.cuda()) for n, t in _tensors(b)], weight_version="b")
+        moved = graphs.needs_recapture()
+        got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    return {"ok": result.success and not moved and got == ref, "moved": moved[:5], "tokens_equal": got == ref,
+            "update_s": result.seconds}
+
+
+def check_release_resume_memory(device, workdir, quick):
+    """Release frees >= 90% of the engine's device memory; after resume (+ recapture) outputs are right."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    path = _model(workdir, "mem-qwen2", arch="qwen2", hidden_size=1024, intermediate_size=2816, num_layers=8,
+                  num_heads=16, num_kv_heads=2, embed_std=0.02, head_std=0.02)
+    prompts = _prompts(8)
+    sp = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    with RolloutEngine(path, dtype="bfloat16", device="cuda", kv_cache_tokens=262144) as e:
+        ref = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+        runner = e.worker.model_runner
+        owned = runner.weights_nbytes() + runner.kv_nbytes()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        e.release_memory_occupation(backup_weights=True)
+        torch.cuda.synchronize()
+        freed = torch.cuda.mem_get_info()[0] - free_before
+        e.resume_memory_occupation()
+        got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    return {"ok": freed >= 0.9 * owned and got == ref, "freed_bytes": freed, "engine_bytes": owned,
+            "fraction": freed / owned, "tokens_equal": got == ref}
+
+
 def check_overlap_parity(device, workdir, quick):
     path = _model(workdir, "tiny-llama", arch="llama")
     prompts = _prompts(6)
@@ -163,6 +215,8 @@ CHECKS = {
     "graph_vs_eager": check_graph_vs_eager,
     "overlap_parity": check_overlap_parity,
     "nccl_tp1": check_nccl_tp1,
+    "inplace_update_no_recapture": check_inplace_update_no_recapture,
+    "release_resume_memory": check_release_resume_memory,
     "cuda_graph_speedup": check_cuda_graph_speedup,
     "throughput_vs_hf": check_throughput_vs_hf,
 }
