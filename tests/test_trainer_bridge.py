@@ -55,3 +55,29 @@ def test_grpo_without_pushes_does_not_learn(tmp_path):
 def test_grpo_zero0_exact_logprobs(tmp_path):
     logs, _ = run_demo(tmp_path, "--zero-stage", "0", steps=4)
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
+def test_other_launchers_run_the_same_loop(tmp_path, launcher):
+    import shutil
+
+    from rollout.tp_group import free_port
+
+    exe = shutil.which(launcher)
+    if exe is None:
+        pytest.skip(f"{launcher} launcher not installed")
+    out = tmp_path / launcher
+    script = [os.path.join(ROOT, "examples", "grpo_colocated.py"), "--steps", "2", "--no-wandb", "--out-dir", str(out)]
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [exe, "--num_gpus", "2", "--master_port", port, *script]
+    else:
+        cmd = [exe, "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, *script]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    logs = json.load(open(out / "steps.json"))
+    reference, _ = run_demo(tmp_path, "--zero-stage", "3", steps=2)
+    assert [x["reward"] for x in logs] == [x["reward"] for x in reference]
+    assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
