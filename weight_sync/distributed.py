@@ -56,17 +56,21 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
     group.pg.broadcast([tensor], opts).wait()
 
 
+FIRST_BUCKET_BYTES = 8 << 20  # the first bucket is small: the wire starts while the rest is packed
+
+
 def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int):
-    """Split specs into consecutive buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
+    """Split specs into consecutive buckets of at most ``bucket_bytes`` (a larger tensor goes alone);
+    the first bucket holds at most ``FIRST_BUCKET_BYTES``. Sender and receiver share this split."""
+    bucket, size, limit = [], 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
     for spec in specs:
         n = torch.empty((), dtype=spec[1]).element_size()
         for s in spec[2]:
             n *= s
         n = -(-n // ALIGN) * ALIGN
-        if bucket and size + n > bucket_bytes:
+        if bucket and size + n > limit:
             yield bucket
-            bucket, size = [], 0
+            bucket, size, limit = [], 0, bucket_bytes
         bucket.append(spec)
         size += n
     if bucket:
