@@ -9,6 +9,7 @@ validated in the caller's thread: a bad request raises there and never reaches t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -329,7 +330,7 @@ class RolloutEngine(EngineWeightsMixin):
         if stream:
             return events()
         async for _ in events():  # drain until every request reports its final update
-            pass
+            continue
         return self._collect(reqs)
 
     # ------------------------------------------------------------------ control
@@ -375,7 +376,5 @@ class RolloutEngine(EngineWeightsMixin):
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter teardown: best effort only
             self.shutdown()
-        except Exception:  # interpreter teardown: best effort only
-            pass

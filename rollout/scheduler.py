@@ -121,8 +121,7 @@ class Scheduler:
             return False
         result = self.worker.forward_batch_generation(sb.batch)
         if result.delay_sample_func is not None:
-            result = result.delay_sample_func(sb.batch.sampling or SamplingInputs.from_seqs(
-                sb.samplers, self.eos_ids, self.config.logprob_mode == "raw"))
+            result = result.delay_sample_func(sb.batch.sampling or self._sampling_inputs(sb.samplers))
         self.process_batch_result(sb, result)
         return True
 
@@ -138,8 +137,7 @@ class Scheduler:
                 self.process_batch_result(inflight[0], inflight[1].result())
         finally:
             if forward is not None:
-                sampling = (SamplingInputs.from_seqs(sb.samplers, self.eos_ids, self.config.logprob_mode == "raw")
-                            if sb.samplers else None)
+                sampling = self._sampling_inputs(sb.samplers) if sb.samplers else None
 
                 def sample(fwd=forward, sampling=sampling):
                     result = fwd.result()
@@ -147,6 +145,10 @@ class Scheduler:
 
                 self._inflight = (sb, self._executor.submit(sample))
         return sb is not None or inflight is not None
+
+    def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
+        """Built from sequence state when sampling happens (late, under overlap)."""
+        return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.logprob_mode == "raw")
 
     def drain(self) -> None:
         """Finish the launched batch (overlap mode) so the model is quiet: for flushes, updates, stops."""
@@ -288,8 +290,7 @@ class Scheduler:
         batch = ModelWorkerBatch(
             input_ids=input_ids, block_tables=tables, ctx_lens=ctx_lens, q_lens=q_lens,
             logits_rows=logits_rows, sample_logits_idx=sample_idx,
-            sampling=None if self.config.enable_overlap or not samplers else
-            SamplingInputs.from_seqs(samplers, self.eos_ids, raw),
+            sampling=None if self.config.enable_overlap or not samplers else self._sampling_inputs(samplers),
             input_logprob_idx=in_idx, input_logprob_targets=in_targets, input_logprob_temps=in_temps,
             input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
             has_placeholders=has_placeholders,

@@ -16,12 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers.parallel_state import Communicator, TpState
-from rollout.model_runner import ModelRunner
-from rollout.tp_group import ALLOWED_CALLS, CallMsg, DoneMsg, MessageHandler, SampleMsg, StepMsg
-from rollout.tp_worker import BaseTpWorker, TpModelWorker
+from rollout.tp_group import DoneMsg, LeaderWorker, MessageHandler
+from rollout.tp_worker import TpModelWorker
 
 
 class ExternalTp:
@@ -65,37 +63,16 @@ class ExternalTp:
             handler.handle(msg)
 
 
-class ExternalLeaderWorker(BaseTpWorker):
-    """The leader's worker: broadcasts every step (and delayed sampling) before running it."""
+class ExternalLeaderWorker(LeaderWorker):
+    """The leader's worker: broadcasts every step (and delayed sampling) before running it. Weight
+    operations are not broadcast: under external launch every rank calls them itself (SPMD)."""
 
     def __init__(self, ext: ExternalTp):
         self.ext = ext
         self.worker = ext.worker
-        for name in ("model_config", "context_len", "max_total_num_tokens", "max_req_len", "max_req_input_len"):
-            setattr(self, name, getattr(self.worker, name))
 
-    @property
-    def model_runner(self) -> ModelRunner:
-        return self.worker.model_runner
-
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        self.ext.broadcast(StepMsg(batch))
-        result = self.worker.forward_batch_generation(batch)
-        if result.delay_sample_func is not None:
-            inner = result.delay_sample_func
-
-            def sample_everywhere(sampling: SamplingInputs) -> GenerationBatchResult:
-                self.ext.broadcast(SampleMsg(sampling))
-                return inner(sampling)
-
-            result.delay_sample_func = sample_everywhere
-        return result
-
-    def call_all(self, method: str, *args, **kwargs) -> Any:
-        if method not in ALLOWED_CALLS:
-            raise ValueError(f"method {method!r} is not callable on TP workers")
-        self.ext.broadcast(CallMsg(method, args, kwargs))
-        return getattr(self.worker, method)(*args, **kwargs)
+    def _send_all(self, msg) -> None:
+        self.ext.broadcast(msg)
 
     def send_done(self, outputs: list | None, error: str | None = None) -> None:
         self.ext.broadcast(DoneMsg(outputs, error))

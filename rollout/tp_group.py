@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -165,7 +166,46 @@ def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, nu
             return
 
 
-class TpWorkerGroup(BaseTpWorker):
+class LeaderWorker(BaseTpWorker):
+    """Rank 0's own ``TpModelWorker`` plus a channel to the other ranks: every step (and its
+    delayed sampling) is sent before rank 0 runs it. Subclasses give the transport (``_send_all``)
+    and may guard execution (``_run``); everything else delegates to rank 0's worker."""
+
+    worker: TpModelWorker
+
+    @abstractmethod
+    def _send_all(self, msg) -> None:
+        """Deliver a control message to every other rank, in order."""
+
+    def _run(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.worker.model_runner
+
+    # The limits are rank 0's (every rank computes the same), read through, never copied.
+    model_config = property(lambda self: self.worker.model_config)
+    context_len = property(lambda self: self.worker.context_len)
+    max_total_num_tokens = property(lambda self: self.worker.max_total_num_tokens)
+    max_req_len = property(lambda self: self.worker.max_req_len)
+    max_req_input_len = property(lambda self: self.worker.max_req_input_len)
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        self._send_all(StepMsg(batch))
+        result = self._run(self.worker.forward_batch_generation, batch)
+        if result.delay_sample_func is not None:
+            inner = result.delay_sample_func
+
+            def sample_everywhere(sampling: SamplingInputs) -> GenerationBatchResult:
+                self._send_all(SampleMsg(sampling))
+                return self._run(inner, sampling)
+
+            result.delay_sample_func = sample_everywhere
+        return result
+
+
+class TpWorkerGroup(LeaderWorker):
     """Rank 0's worker plus the spawned workers of ranks 1..N-1, driven as one."""
 
     def __init__(self, config: EngineConfig):
@@ -196,15 +236,6 @@ class TpWorkerGroup(BaseTpWorker):
             if errors:
                 raise TpWorkerError(f"TP workers failed to start: {errors}") from exc
             raise
-        self.model_config = self.worker.model_config
-        self.context_len = self.worker.context_len
-        self.max_total_num_tokens = self.worker.max_total_num_tokens
-        self.max_req_len = self.worker.max_req_len
-        self.max_req_input_len = self.worker.max_req_input_len
-
-    @property
-    def model_runner(self) -> ModelRunner:
-        return self.worker.model_runner
 
     def _wait_for(self, expected: str) -> None:
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
@@ -257,7 +288,8 @@ class TpWorkerGroup(BaseTpWorker):
         self._dead = f"TP worker failure: {why}. The engine must be shut down and recreated."
         raise TpWorkerError(self._dead)
 
-    def _guard(self, fn, *args, **kwargs):
+    def _run(self, fn, *args, **kwargs):
+        """Run on rank 0; a failed collective is reported as the worker failure that caused it."""
         try:
             return fn(*args, **kwargs)
         except TpWorkerError:
@@ -270,25 +302,12 @@ class TpWorkerGroup(BaseTpWorker):
 
     # ------------------------------------------------------------------ BaseTpWorker
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        self._send_all(StepMsg(batch))
-        result = self._guard(self.worker.forward_batch_generation, batch)
-        if result.delay_sample_func is not None:
-            inner = result.delay_sample_func
-
-            def sample_everywhere(sampling: SamplingInputs) -> GenerationBatchResult:
-                self._send_all(SampleMsg(sampling))
-                return self._guard(inner, sampling)
-
-            result.delay_sample_func = sample_everywhere
-        return result
-
     def call_all(self, method: str, *args, reply_timeout_s: Optional[float] = None, **kwargs) -> Any:
         """Run an allowed worker method on every rank; returns rank 0's result."""
         if method not in ALLOWED_CALLS:
             raise ValueError(f"method {method!r} is not callable on TP workers")
         self._send_all(CallMsg(method, args, kwargs))
-        result = self._guard(getattr(self.worker, method), *args, **kwargs)
+        result = self._run(getattr(self.worker, method), *args, **kwargs)
         for rank, conn in enumerate(self.conns, start=1):
             if not conn.poll(max(self.config.tp_timeout_s, reply_timeout_s or 0)):
                 self._fail(f"rank {rank} did not answer {method}")

@@ -73,6 +73,20 @@ def validate_safetensors_file(path: str) -> None:
         raise WeightLoadError(f"{name}: {data_len - spans[-1][1]} unexpected bytes after the last tensor")
 
 
+def _with_shm_bucket(handle: dict, use, on_error) -> dict:
+    """Map a sender's shared-memory bucket, hand its (name, view) pairs to ``use``, unmap."""
+    from weight_sync.shm import open_shared_bucket
+
+    try:
+        opened = open_shared_bucket(handle)
+    except (ValueError, KeyError, OSError) as exc:
+        return on_error(f"cannot read the shared-memory bucket: {exc}")
+    try:
+        return use(opened.named_tensors)
+    finally:
+        opened.close()
+
+
 class WeightOpsMixin:
     """Mixed into ``TpModelWorker``: needs ``model_runner``, ``tp_state`` and ``device``."""
 
@@ -129,17 +143,12 @@ class WeightOpsMixin:
         return self._stage(named_tensors, copy)
 
     def stage_from_shm(self, handle: dict) -> dict:
-        from weight_sync.shm import open_shared_bucket
+        def on_error(message: str) -> dict:
+            self._txn_error = self.__dict__.get("_txn_error") or message
+            return {"success": False, "message": message}
 
-        try:
-            opened = open_shared_bucket(handle)
-        except (ValueError, KeyError, OSError) as exc:
-            self._txn_error = self.__dict__.get("_txn_error") or str(exc)
-            return {"success": False, "message": f"cannot read the shared-memory bucket: {exc}"}
-        try:  # the sender reuses its segment for the next bucket: stage a copy
-            return self._stage(opened.named_tensors, copy=True)
-        finally:
-            opened.close()
+        # the sender reuses its segment for the next bucket: stage a copy
+        return _with_shm_bucket(handle, lambda named: self._stage(named, copy=True), on_error)
 
     def commit_transaction(self, check_finite: bool = True, partial: bool = False) -> dict:
         txn, error = self.__dict__.pop("_txn", None), self.__dict__.pop("_txn_error", None)
@@ -156,17 +165,11 @@ class WeightOpsMixin:
         return {"success": True, "message": "transaction discarded"}
 
     def update_weights_from_shm(self, handle: dict, **kwargs) -> dict:
-        from weight_sync.shm import open_shared_bucket
+        def on_error(message: str) -> dict:
+            self._vote(False)  # the other ranks still vote: they must learn this rank failed
+            return {"success": False, "message": message, "num_bytes": 0}
 
-        try:
-            opened = open_shared_bucket(handle)
-        except (ValueError, KeyError, OSError) as exc:
-            self._vote(False)
-            return {"success": False, "message": f"cannot read the shared-memory bucket: {exc}", "num_bytes": 0}
-        try:
-            return self.apply_named_tensors(opened.named_tensors, **kwargs)
-        finally:
-            opened.close()
+        return _with_shm_bucket(handle, lambda named: self.apply_named_tensors(named, **kwargs), on_error)
 
     def update_weights_from_disk(self, model_path: str, check_finite: bool = True) -> dict:
         try:

@@ -7,6 +7,7 @@ plain JSON (segment name + metadata). The receiver maps the segment and reads ze
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 from typing import Optional
@@ -48,10 +49,8 @@ class SharedMemoryBucket:
             self.shm = None
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # interpreter teardown: best effort only
             self.close()
-        except Exception:  # interpreter teardown: best effort only
-            pass
 
 
 class OpenedBucket:
