@@ -19,10 +19,11 @@ def main(model_path: str, out_path: str) -> None:
             max_new_tokens=8, temperature=0, ignore_eos=True))
         sampled = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
             max_new_tokens=8, temperature=0.8, seed=3, n=2, ignore_eos=True))
+        rejected = False
         try:  # a bad request fails on every rank alike, and the engine keeps serving
             engine.generate(input_ids=[[1] * 100000], sampling_params=SamplingParams())
         except ValueError:
-            pass
+            rejected = True
         again = engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(
             max_new_tokens=4, temperature=0, ignore_eos=True))
         update = {}
@@ -41,7 +42,7 @@ def main(model_path: str, out_path: str) -> None:
                           max_new_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids}
     record = {"rank": dist.get_rank(), "greedy": [o.output_token_ids for o in greedy],
               "sampled": [o.output_token_ids for o in sampled], "logprobs": [o.output_logprobs for o in greedy],
-              "again": again[0].output_token_ids, "update": update}
+              "again": again[0].output_token_ids, "update": update, "rejected": rejected}
     with open(f"{out_path}.{dist.get_rank()}", "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()

@@ -119,6 +119,7 @@ def test_external_launch_under_torchrun(llama_path, model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
     assert recs[0]["greedy"] == recs[1]["greedy"] and recs[0]["sampled"] == recs[1]["sampled"]
+    assert recs[0]["rejected"] and recs[1]["rejected"]  # the over-long prompt raised on both ranks
     with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=512, tp_size=2) as spawned:
         greedy = spawned.generate(input_ids=prompts, sampling_params=SamplingParams(
             max_new_tokens=8, temperature=0, ignore_eos=True))
