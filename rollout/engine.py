@@ -365,9 +365,10 @@ class RolloutEngine(EngineWeightsMixin):
         worker = getattr(self, "worker", None)
         if worker is not None and hasattr(worker, "shutdown"):
             worker.shutdown()
-        if getattr(self, "_shm", None) is not None:
-            self._shm.close()
-            self._shm = None
+        for attr in ("_shm", "_ipc"):  # this engine's own buckets for its spawned ranks
+            if getattr(self, attr, None) is not None:
+                getattr(self, attr).close()
+                setattr(self, attr, None)
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -68,8 +68,9 @@ class EngineWeightsMixin:
         """Load full tensors under Hugging Face names, all-or-nothing.
 
         named_tensors: a list of (name, tensor) (``load_format`` None or "direct"), a
-        ``FlattenedTensorBucket`` ("flattened_bucket"), or a shared-memory handle from
-        ``weight_sync.SharedMemoryBucket.write`` ("shared_memory", from another process).
+        ``FlattenedTensorBucket`` ("flattened_bucket"), or a handle from another process on this
+        machine: ``weight_sync.SharedMemoryBucket.write`` (CPU) or ``weight_sync.CudaIpcBucket.write``
+        (GPU; the sender's buffer is exported once and mapped once, however many updates follow).
         Dtypes must equal the engine's; every weight must be present unless ``partial``.
         """
         t0 = time.perf_counter()
@@ -78,17 +79,16 @@ class EngineWeightsMixin:
             named_tensors = named_tensors.named_tensors()
         if transaction:  # stage one bucket of an open transaction; returns {"success", "message"}
             if isinstance(named_tensors, dict):
-                return self._staging_call("stage_from_shm", named_tensors)
+                return self._staging_call("stage_from_handle", named_tensors)
             named = list(named_tensors)
             if self.config.tp_size > 1 and self._ext is None:
-                handle = self._shm_bucket().write([(n, t.detach()) for n, t in named])
-                return self._staging_call("stage_from_shm", handle)
+                return self._staging_call("stage_from_handle", self._write_bucket(named))
             return self._staging_call("stage_named_tensors", named, copy=False)
         if isinstance(named_tensors, dict):
             handle = named_tensors
 
             def fn():
-                return self._commit(self._worker_call("update_weights_from_shm", handle, **kw), weight_version,
+                return self._commit(self._worker_call("update_weights_from_handle", handle, **kw), weight_version,
                                     flush_cache, t0)
         else:
             named = list(named_tensors)
@@ -96,11 +96,11 @@ class EngineWeightsMixin:
                 raise ValueError(f"load_format={load_format!r}: use None/'direct', 'flattened_bucket' or pass a "
                                  "shared-memory handle")
             if self.config.tp_size > 1 and self._ext is None:
-                # Spawned ranks live in other processes: hand them the tensors through shared memory.
+                # Spawned ranks live in other processes: hand them the tensors through shared memory
+                # (CPU tensors) or CUDA IPC (GPU tensors).
                 def fn():
-                    handle = self._shm_bucket().write([(n, t.detach()) for n, t in named])
-                    return self._commit(self._worker_call("update_weights_from_shm", handle, **kw), weight_version,
-                                        flush_cache, t0)
+                    return self._commit(self._worker_call("update_weights_from_handle", self._write_bucket(named),
+                                                          **kw), weight_version, flush_cache, t0)
             else:
                 def fn():
                     return self._commit(self._worker_call("apply_named_tensors", named, **kw), weight_version,
@@ -135,10 +135,19 @@ class EngineWeightsMixin:
             return self._worker_call(method, *args, **kwargs)
         return self._call(lambda: self._worker_call(method, *args, **kwargs))
 
-    def _shm_bucket(self) -> SharedMemoryBucket:
+    def _write_bucket(self, named: list) -> dict:
+        """Write tensors for the spawned ranks into this engine's own bucket (created once, reused by
+        every update): shared memory for CPU tensors, CUDA IPC for GPU tensors."""
+        named = [(n, t.detach()) for n, t in named]
+        if named and named[0][1].is_cuda:
+            if getattr(self, "_ipc", None) is None:
+                from weight_sync.cuda_ipc import CudaIpcBucket
+
+                self._ipc = CudaIpcBucket(named[0][1].device)
+            return self._ipc.write(named)
         if getattr(self, "_shm", None) is None:
-            self._shm = SharedMemoryBucket()  # created once, reused by every update
-        return self._shm
+            self._shm = SharedMemoryBucket()
+        return self._shm.write(named)
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True,
                                  weight_version: Optional[str] = None, recapture_cuda_graph: bool = False,

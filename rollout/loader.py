@@ -21,6 +21,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from rollout.layers.linear import LoadSlice
+
 # Checkpoint entries that are derived state, never weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -59,6 +61,12 @@ class _Target:
     param_name: str
     param: nn.Parameter
     shard_id: object
+    slice: LoadSlice  # where a full tensor of this name lands (views stay valid: storage never moves)
+
+
+def _target(pname: str, param: nn.Parameter, shard_id) -> _Target:
+    load_slice = getattr(param, "load_slice", None)
+    return _Target(pname, param, shard_id, load_slice(param, shard_id) if load_slice else LoadSlice(param.data))
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -87,9 +95,9 @@ def _build_name_map(model: nn.Module) -> dict[str, _Target]:
         if packed:
             ours = mapping[packed[0][0]][0]
             for hf, shard in packed:
-                names[pname.replace(f".{ours}.", f".{hf}.")] = _Target(pname, param, shard)
+                names[pname.replace(f".{ours}.", f".{hf}.")] = _target(pname, param, shard)
         else:
-            names[pname] = _Target(pname, param, None)
+            names[pname] = _target(pname, param, None)
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and _TIED_ALIAS not in names:
         names[_TIED_ALIAS] = names["model.embed_tokens.weight"]  # accepted, never required
@@ -160,18 +168,30 @@ def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]],
 
 @torch.no_grad()
 def apply_load(plan: LoadPlan) -> LoadReport:
-    """Copy every planned tensor into its parameter, in place (each loader slices its shard)."""
+    """Copy every planned tensor into its parameter slice, in place.
+
+    Tensors already in memory go in one batched copy call; lazy (file) tensors are read and
+    copied one at a time, so memory holds one tensor, not the model twice."""
     report = LoadReport()
+    dsts, srcs, tails = [], [], []
     for name, tensor, target in plan.items:
-        full = tensor.read() if isinstance(tensor, LazyTensor) else tensor
-        loader = getattr(target.param, "weight_loader", None)
-        if loader is None:
-            target.param.data.copy_(full)
+        sl = target.slice
+        if isinstance(tensor, LazyTensor):
+            full = tensor.read()
+            sl.copy_from(full)
         else:
-            loader(target.param, full, target.shard_id)
+            full = tensor
+            dsts.append(sl.dst)
+            srcs.append(sl.source(full))
+            if sl.zero_tail is not None:
+                tails.append(sl.zero_tail)
         report.num_tensors += 1
         report.num_bytes += full.numel() * full.element_size()
         report.loaded_names.append(name)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    for tail in tails:
+        tail.zero_()
     return report
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
+from rollout.layers.linear import LOADER_HOOKS
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import SampleOutput, sample
 from rollout.loader import LoadReport, iter_safetensors, load_named_tensors
@@ -77,7 +78,7 @@ def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dt
         offset = 0
         for p in group:
             new = nn.Parameter(flat[offset: offset + p.numel()].view(p.shape), requires_grad=False)
-            for attr in ("weight_loader", "shard_shape", "local_part", "full_from_parts"):
+            for attr in LOADER_HOOKS:
                 if hasattr(p, attr):
                     setattr(new, attr, getattr(p, attr))
             replacement[id(p)] = new

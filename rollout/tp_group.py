@@ -99,10 +99,10 @@ class MessageHandler:
 
 # Methods of TpModelWorker that rank 0 may invoke on every rank.
 ALLOWED_CALLS = frozenset({"get_weights_by_name", "get_full_weight", "weights_checksum", "apply_named_tensors",
-                           "update_weights_from_shm", "update_weights_from_disk", "init_weights_update_group",
+                           "update_weights_from_handle", "update_weights_from_disk", "init_weights_update_group",
                            "destroy_weights_update_group", "update_weights_from_distributed", "release_memory",
                            "resume_memory", "probe_weights_update_group", "begin_transaction",
-                           "stage_named_tensors", "stage_from_shm", "commit_transaction", "abort_transaction"})
+                           "stage_named_tensors", "stage_from_handle", "commit_transaction", "abort_transaction"})
 
 
 def free_port() -> int:

@@ -5,8 +5,8 @@ shapes, dtypes, finiteness, coverage) without touching the model, then all ranks
 all-reduce of failures on the TP group); only a unanimous vote copies, in place. A rejected
 update leaves every rank's weights exactly as they were.
 
-Memory cost per path: in-process tensors and shared-memory buckets are validated where they lie
-and copied once (no staging); safetensors files are checked from their headers, then streamed a
+Memory cost per path: in-process tensors, shared-memory and CUDA-IPC buckets are validated where
+they lie and copied once (no staging); safetensors files are checked from their headers, then streamed a
 tensor at a time (the finite check reads each tensor once more).
 """
 
@@ -73,16 +73,23 @@ def validate_safetensors_file(path: str) -> None:
         raise WeightLoadError(f"{name}: {data_len - spans[-1][1]} unexpected bytes after the last tensor")
 
 
-def _with_shm_bucket(handle: dict, use, on_error) -> dict:
-    """Map a sender's shared-memory bucket, hand its (name, view) pairs to ``use``, unmap."""
-    from weight_sync.shm import open_shared_bucket
+def _with_bucket(handle: dict, device: torch.device, use, on_error) -> dict:
+    """Open a sender's bucket (shared memory or CUDA IPC), hand its (name, view) pairs to
+    ``use``, wait for the copies out of it (the sender reuses the buffer), close it."""
+    from weight_sync.shm import open_bucket
 
     try:
-        opened = open_shared_bucket(handle)
-    except (ValueError, KeyError, OSError) as exc:
-        return on_error(f"cannot read the shared-memory bucket: {exc}")
+        if not isinstance(handle, dict):
+            raise ValueError(f"a bucket handle is a dict, got {type(handle).__name__}")
+        opened = open_bucket(handle)
+    except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
+        return on_error(f"cannot read the {handle.get('kind', 'shared_memory') if isinstance(handle, dict) else ''} "
+                        f"bucket: {exc}")
     try:
-        return use(opened.named_tensors)
+        out = use(opened.named_tensors)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
     finally:
         opened.close()
 
@@ -136,19 +143,19 @@ class WeightOpsMixin:
             self._txn_error = self._txn_error or str(exc)
             return {"success": False, "message": str(exc)}
         for name, t in named:
-            txn[name] = t.clone() if copy else t
+            txn[name] = t.to(self.device, copy=True) if copy else t
         return {"success": True, "message": f"staged {len(named)} tensors ({len(txn)} in the transaction)"}
 
     def stage_named_tensors(self, named_tensors, copy: bool = False) -> dict:
         return self._stage(named_tensors, copy)
 
-    def stage_from_shm(self, handle: dict) -> dict:
+    def stage_from_handle(self, handle: dict) -> dict:
         def on_error(message: str) -> dict:
             self._txn_error = self.__dict__.get("_txn_error") or message
             return {"success": False, "message": message}
 
-        # the sender reuses its segment for the next bucket: stage a copy
-        return _with_shm_bucket(handle, lambda named: self._stage(named, copy=True), on_error)
+        # the sender reuses its buffer for the next bucket: stage a copy
+        return _with_bucket(handle, self.device, lambda named: self._stage(named, copy=True), on_error)
 
     def commit_transaction(self, check_finite: bool = True, partial: bool = False) -> dict:
         txn, error = self.__dict__.pop("_txn", None), self.__dict__.pop("_txn_error", None)
@@ -164,12 +171,12 @@ class WeightOpsMixin:
         self.__dict__.pop("_txn_error", None)
         return {"success": True, "message": "transaction discarded"}
 
-    def update_weights_from_shm(self, handle: dict, **kwargs) -> dict:
+    def update_weights_from_handle(self, handle: dict, **kwargs) -> dict:
         def on_error(message: str) -> dict:
             self._vote(False)  # the other ranks still vote: they must learn this rank failed
             return {"success": False, "message": message, "num_bytes": 0}
 
-        return _with_shm_bucket(handle, lambda named: self.apply_named_tensors(named, **kwargs), on_error)
+        return _with_bucket(handle, self.device, lambda named: self.apply_named_tensors(named, **kwargs), on_error)
 
     def update_weights_from_disk(self, model_path: str, check_finite: bool = True) -> dict:
         try:

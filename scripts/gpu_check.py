@@ -9,6 +9,8 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
 - ``release_resume_memory``: release frees >= 90% of the engine's device memory; outputs right after resume;
+- ``cuda_ipc_update``: a second process pushes weights through ``CudaIpcBucket`` 30 times: exported once,
+  mapped once, no device-memory growth, no recapture, tokens equal a fresh engine's;
 - ``throughput_vs_hf``: the RL-shaped throughput benchmark vs transformers generate (bf16,
   Qwen2-0.5B-shaped random model).
 ``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
@@ -99,18 +101,22 @@ def _tensors(path):
     return list(load_file(os.path.join(path, "model.safetensors")).items())
 
 
-def check_inplace_update_no_recapture(device, workdir, quick):
-    """An in-place weight update keeps every graph pointer: no recapture, replay == eager on B."""
-    if device != "cuda":
-        return {"skipped": "needs CUDA"}
-    a = _model(workdir, "upd-a", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-               num_kv_heads=2, seed=1)
-    b = _model(workdir, "upd-b", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
-               num_kv_heads=2, seed=2)
+def _update_models(workdir):
+    """Weights A and B of one small model; prompts, greedy params, and eager tokens on B."""
+    kw = dict(arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=2)
+    a, b = _model(workdir, "upd-a", seed=1, **kw), _model(workdir, "upd-b", seed=2, **kw)
     prompts = _prompts(8)
     sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     with RolloutEngine(b, dtype="float32", device="cuda", enable_cuda_graph=False, kv_cache_tokens=8192) as e:
         ref = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    return a, b, prompts, sp, ref
+
+
+def check_inplace_update_no_recapture(device, workdir, quick):
+    """An in-place weight update keeps every graph pointer: no recapture, replay == eager on B."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    a, b, prompts, sp, ref = _update_models(workdir)
     with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
         graphs = e.worker.model_runner.graph_runner
         result = e.update_weights_from_tensor([(n, t.cuda()) for n, t in _tensors(b)], weight_version="b")
@@ -141,6 +147,58 @@ def check_release_resume_memory(device, workdir, quick):
         got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
     return {"ok": freed >= 0.9 * owned and got == ref, "freed_bytes": freed, "engine_bytes": owned,
             "fraction": freed / owned, "tokens_equal": got == ref}
+
+
+def _ipc_sender(a, b, rounds, handle_q, ack_q):
+    from weight_sync import CudaIpcBucket
+
+    sets = [[(n, t.cuda()) for n, t in _tensors(p)] for p in (b, a)]
+    bucket = CudaIpcBucket("cuda:0")
+    for i in range(rounds):
+        handle_q.put(json.dumps(bucket.write(sets[i % 2])))  # plain JSON, no pickle
+        ack_q.get(timeout=120)
+    handle_q.put(json.dumps({"exports": bucket.exports, "sender_allocated": torch.cuda.memory_allocated()}))
+    ack_q.get(timeout=120)
+    bucket.close()
+
+
+def check_cuda_ipc_update(device, workdir, quick):
+    """Weights from a second process on the same GPU via CUDA IPC: export once, map once, no leaks."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    import multiprocessing as mp
+
+    from weight_sync.cuda_ipc import mappings
+
+    a, b, prompts, sp, ref = _update_models(workdir)
+    rounds = 31  # odd: the last push is B
+    ctx = mp.get_context("spawn")
+    handle_q, ack_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_sender, args=(a, b, rounds, handle_q, ack_q))
+    proc.start()
+    times, free, open_mappings, ok = [], [], [], True
+    try:
+        with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
+            graphs = e.worker.model_runner.graph_runner
+            for i in range(rounds):
+                result = e.update_weights_from_tensor(json.loads(handle_q.get(timeout=120)), weight_version=str(i))
+                ack_q.put(1)
+                ok = ok and result.success
+                times.append(result.seconds)
+                open_mappings.append(len(mappings))
+                torch.cuda.synchronize()
+                free.append(torch.cuda.mem_get_info()[0])
+            sender = json.loads(handle_q.get(timeout=120))
+            ack_q.put(1)
+            moved = graphs.needs_recapture() if graphs is not None else []
+            got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    finally:
+        proc.join(60)
+    growth = free[4] - free[-1]  # device memory lost between the 5th and the last update
+    return {"ok": bool(ok and got == ref and sender["exports"] == 1 and max(open_mappings) <= 1
+                       and growth < (64 << 20) and not moved),
+            "tokens_equal": got == ref, "exports": sender["exports"], "max_open_mappings": max(open_mappings),
+            "device_memory_growth_bytes": growth, "moved": moved[:5], "median_update_s": sorted(times)[len(times) // 2]}
 
 
 def check_overlap_parity(device, workdir, quick):
@@ -217,6 +275,7 @@ CHECKS = {
     "nccl_tp1": check_nccl_tp1,
     "inplace_update_no_recapture": check_inplace_update_no_recapture,
     "release_resume_memory": check_release_resume_memory,
+    "cuda_ipc_update": check_cuda_ipc_update,
     "cuda_graph_speedup": check_cuda_graph_speedup,
     "throughput_vs_hf": check_throughput_vs_hf,
 }

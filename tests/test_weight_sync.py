@@ -108,6 +108,30 @@ def _damage(tensors, kind):
     return list(out.items())
 
 
+def _bad_handle(kind):
+    meta = [{"name": "model.norm.weight", "dtype": "float32", "shape": [64], "offset": 0}]
+    if kind == "missing_segment":  # the sender closed its segment (or never made it)
+        return {"kind": "shared_memory", "shm_name": "rollout-weights-gone", "nbytes": 256, "metadata": meta}
+    if kind == "unknown_kind":
+        return {"kind": "pickle", "metadata": meta}
+    # a CUDA-IPC handle reaching an engine without CUDA
+    return {"kind": "cuda_ipc", "owner": "x", "generation": 1, "nbytes": 256, "metadata": meta,
+            "ipc": {"device": 0, "handle": "00", "size_bytes": 256, "offset_bytes": 0, "ref_counter_handle": "00",
+                    "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}}
+
+
+@pytest.mark.parametrize("kind, match", [("missing_segment", "does not exist"), ("unknown_kind", "unknown bucket"),
+                                         ("cuda_ipc_on_cpu", "needs CUDA")])
+def test_bad_bucket_handles_leave_weights(engine_a, kind, match):
+    if kind == "cuda_ipc_on_cpu" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    checksum, version = engine_a.get_weights_checksum(), engine_a.get_weight_version()
+    result = engine_a.update_weights_from_tensor(_bad_handle(kind), weight_version="bad", partial=True)
+    assert not result.success and match in result.message
+    assert engine_a.get_weights_checksum() == checksum and engine_a.get_weight_version() == version
+    assert engine_a.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize("kind, match", [("shape", "shape"), ("unknown", "unknown weight name"),
                                          ("missing", "missing weights"), ("dtype", "dtype"), ("nan", "NaN")])
 def test_bad_tensor_updates_leave_weights(engine_a, weights, kind, match):
@@ -216,14 +240,17 @@ def test_pause_retract_and_abort(model_dir):
                 assert out.finish_reason == "abort" and len(out.output_logprobs) == len(out.output_token_ids)
 
 
-def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket):
+def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket, flat=False):
     import os as _os
 
-    from weight_sync.bucket import layout, views
+    from weight_sync.bucket import FlattenedTensorBucket, layout, views
     from weight_sync.distributed import WeightUpdateSender, broadcast, bucket_specs
 
     sender = WeightUpdateSender("127.0.0.1", port, world, "g", timeout_s=30)
     if not die_after_first_bucket:
+        if flat:  # the model kept in one flat buffer goes out with no pack copy
+            sender.send(FlattenedTensorBucket(tensors).named_tensors(), bucket_bytes=bucket_bytes)
+            _os._exit(0 if sender._buffers is None else 3)
         sender.send(tensors, bucket_bytes=bucket_bytes)
         return
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
@@ -249,12 +276,14 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
         checksum_a = engine.get_weights_checksum()
         def update(die: bool):
             port = free_port()
-            proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, die))
+            flat = tp == 2  # TP=1: the sender packs separate tensors; TP=2: it sends from a flat bucket
+            proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, die, flat))
             proc.start()
             assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
             result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
                                                             bucket_bytes=64 << 10)
             proc.join(30)
+            assert die or proc.exitcode == 0
             return result
 
         # 1. a sender that dies after its first bucket: the update fails, A stays, the group is torn down

@@ -15,6 +15,7 @@ import torch
 
 from trainer_bridge.names import to_hf_name
 from trainer_bridge.targets import WeightTarget
+from weight_sync.bucket import layout, views
 
 
 @dataclass
@@ -74,8 +75,14 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats) -> list[tu
     with ctx:
         t1 = time.perf_counter()
         stats.gather_s += t1 - t0
-        # copy out while gathered: the gathered storage is freed on exit
-        out = [(name, p.detach().to(dtype=dtype, copy=True)) for name, p in bucket]
+        # Copy out while gathered (the gathered storage is freed on exit), cast to the engine's
+        # dtype and packed in one pass: the bucket is one flat buffer, which a process-group
+        # sender broadcasts as it is and an in-process target reads as views.
+        metas, total = layout((name, dtype, tuple(p.shape)) for name, p in bucket)
+        flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
+        out = views(flat, metas)
+        for (_, view), (_, p) in zip(out, bucket):
+            view.copy_(p.detach())
         stats.pack_s += time.perf_counter() - t1
     stats.num_buckets += 1
     stats.num_bytes += sum(t.numel() * t.element_size() for _, t in out)

@@ -7,6 +7,8 @@ Engine-side entry points are methods of ``rollout.RolloutEngine`` (SGLang's name
 
 from weight_sync.bucket import FlattenedTensorBucket, TensorMeta
 from weight_sync.checksum import checksum_named_tensors
-from weight_sync.shm import SharedMemoryBucket, open_shared_bucket
+from weight_sync.cuda_ipc import CudaIpcBucket
+from weight_sync.shm import SharedMemoryBucket, open_bucket, open_shared_bucket
 
-__all__ = ["FlattenedTensorBucket", "TensorMeta", "SharedMemoryBucket", "open_shared_bucket", "checksum_named_tensors"]
+__all__ = ["FlattenedTensorBucket", "TensorMeta", "SharedMemoryBucket", "CudaIpcBucket", "open_bucket",
+           "open_shared_bucket", "checksum_named_tensors"]

@@ -9,6 +9,7 @@ whole bucket. Every rendezvous and every broadcast has a timeout; errors name th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -80,22 +81,70 @@ def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
                     staging: torch.Tensor | None = None):
     """Receive every bucket into one staging buffer (reused across updates when it is big enough:
-    fresh pages cost more than the copy); returns ((name, view) pairs, the staging buffer)."""
+    fresh pages cost more than the copy); returns ((name, view) pairs, the staging buffer).
+
+    Every receive is posted up front (the group runs them in order), so the sender never waits
+    for this side to ask for the next bucket; they are then awaited in order, each within the
+    group's timeout."""
     buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
     need = sum(total for _, total in buckets)
     if staging is None or staging.numel() < need or staging.device != device:
         staging = torch.empty(need, dtype=torch.uint8, device=device)
-    staged, offset = [], 0
-    for i, (metas, total) in enumerate(buckets):
-        buf = staging[offset: offset + total]
-        offset += total
-        try:
-            broadcast(group, buf)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
-            raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
-                                   f"({total} bytes) failed: {exc}") from exc
-        staged.extend(views(buf, metas))
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    staged, works, offset = [], [], 0
+    try:
+        for metas, total in buckets:
+            buf = staging[offset: offset + total]
+            offset += total
+            works.append(group.pg.broadcast([buf], opts))
+            staged.extend(views(buf, metas))
+        for i, work in enumerate(works):
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
+                raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
+                                       f"({buckets[i][1]} bytes) failed: {exc}") from exc
+    except WeightGroupError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - posting failed (the group is broken)
+        raise WeightGroupError(f"weight update group {group_name!r}: posting receives failed: {exc}") from exc
     return staged, staging
+
+
+def _flat_run(tensors: dict, metas, total: int) -> torch.Tensor | None:
+    """The bucket's bytes as one view of the sender's own memory, when its tensors already lie
+    there exactly as the bucket layout puts them (e.g. views of a ``FlattenedTensorBucket``);
+    None when they must be packed."""
+    first = tensors[metas[0].name]
+    storage = first.untyped_storage()
+    start = first.storage_offset() * first.element_size()
+    if start + total > storage.nbytes():
+        return None
+    base = first.data_ptr()
+    for m in metas:
+        t = tensors[m.name]
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() \
+                or t.data_ptr() - base != m.offset:
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,), (1,))
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """Pack on one thread on CPU: the broadcast's own threads keep the cores busy copying through
+    the socket, and an OpenMP team on top of them oversubscribes the cores, so its barriers stall
+    (SmolLM2, 32 MiB buckets, 2 cores: a receive took 0.14-0.19 s with two pack threads,
+    0.10-0.11 s with one; a bare broadcast of the same bytes 0.08-0.12 s)."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class WeightUpdateSender:
@@ -125,8 +174,10 @@ class WeightUpdateSender:
              load_format: str = "flattened_bucket") -> int:
         """Broadcast the tensors, one broadcast per bucket (per tensor with ``load_format="direct"``).
 
-        Two pack buffers, allocated once and reused: bucket i+1 is packed while bucket i is on the
-        wire (the broadcast runs asynchronously)."""
+        A bucket whose tensors already lie in one buffer in bucket layout (views of a
+        ``FlattenedTensorBucket`` holding the model) goes out from that memory, with no copy.
+        Otherwise it is packed into one of two buffers, allocated once and reused: bucket i+1 is
+        packed while bucket i is on the wire (broadcasts run asynchronously)."""
         named = list(named_tensors)
         if load_format == "direct":
             bucket_bytes = 1
@@ -135,25 +186,37 @@ class WeightUpdateSender:
         buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
         if not buckets:
             return 0
-        need = max(total for _, total in buckets)
+        plan = [(metas, total, _flat_run(tensors, metas, total)) for metas, total in buckets]
+        need = max((total for _, total, flat in plan if flat is None), default=0)
         device = named[0][1].device
-        if self._buffers is None or self._buffers[0].numel() < need or self._buffers[0].device != device:
+        if need and (self._buffers is None or self._buffers[0].numel() < need or self._buffers[0].device != device):
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        pending, sent = None, 0
+        in_flight: list = [None, None]  # the last broadcast out of each pack buffer
+        works, next_buf, sent, current = [], 0, 0, 0
         try:
-            for i, (metas, total) in enumerate(buckets):
-                buf = self._buffers[i % 2][:total]
-                for name, view in views(buf, metas):
-                    view.copy_(tensors[name])
-                if pending is not None:
-                    pending.wait()  # the other buffer is free again once its bucket is out
-                pending = self.group.pg.broadcast([buf], opts)
+            for metas, total, flat in plan:
+                current += 1
+                if flat is None:
+                    b, next_buf = next_buf, next_buf ^ 1
+                    if in_flight[b] is not None:
+                        in_flight[b].wait()  # this buffer is free again once its bucket is out
+                    flat = self._buffers[b][:total]
+                    with _one_cpu_thread(device):
+                        for name, view in views(flat, metas):
+                            view.copy_(tensors[name])
+                    in_flight[b] = work = self.group.pg.broadcast([flat], opts)
+                else:
+                    work = self.group.pg.broadcast([flat], opts)
+                works.append(work)
                 sent += total
-            pending.wait()
+            current = 0
+            for work in works:
+                current += 1
+                work.wait()
         except Exception as exc:  # noqa: BLE001
-            raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {i + 1}/"
+            raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {current}/"
                                    f"{len(buckets)} failed: {exc}") from exc
         return sent
 

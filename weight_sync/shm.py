@@ -16,6 +16,8 @@ import torch
 
 from weight_sync.bucket import TensorMeta, layout, views
 
+KIND = "shared_memory"
+
 
 class SharedMemoryBucket:
     def __init__(self, capacity_bytes: int = 0, prefix: str = "rollout-weights"):
@@ -39,7 +41,7 @@ class SharedMemoryBucket:
         self._ensure(total)
         for (_, dst), (_, src) in zip(views(self.buffer[:total], metas), named_tensors):
             dst.copy_(src)
-        return {"shm_name": self.shm.name, "nbytes": total, "metadata": [m.to_dict() for m in metas]}
+        return {"kind": KIND, "shm_name": self.shm.name, "nbytes": total, "metadata": [m.to_dict() for m in metas]}
 
     def close(self) -> None:
         if self.shm is not None:
@@ -91,3 +93,16 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 def open_shared_bucket(handle: dict) -> OpenedBucket:
     return OpenedBucket(handle)
+
+
+def open_bucket(handle: dict):
+    """Open a sender's handle: shared memory (``SharedMemoryBucket``) or CUDA IPC (``CudaIpcBucket``).
+    The result has ``named_tensors`` and ``close()``."""
+    kind = handle.get("kind", KIND)
+    if kind == KIND:
+        return OpenedBucket(handle)
+    if kind == "cuda_ipc":
+        from weight_sync.cuda_ipc import OpenedIpcBucket
+
+        return OpenedIpcBucket(handle)
+    raise ValueError(f"unknown bucket handle kind {kind!r}: expected 'shared_memory' or 'cuda_ipc'")

@@ -3,12 +3,13 @@
 Every parameter carries ``weight_loader(param, full_tensor, shard_id=None)``: it takes the *full*
 Hugging Face tensor, slices this rank's part and copies it in place, so storage never moves.
 ``shard_shape(param, shard_id)`` tells the loader what full shape to expect, so validation
-happens before any copy.
+happens before any copy; ``load_slice(param, shard_id)`` says where a full tensor lands (the
+destination view and the part of the source), so the loader can batch many copies into one call.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +17,33 @@ from torch import nn
 
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
+LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts")
+
+
+class LoadSlice(NamedTuple):
+    """Where a full Hugging Face tensor lands on this rank: ``dst`` (a view of the parameter)
+    receives ``full.narrow(dim, start, length)`` (the whole tensor when ``dim`` is None);
+    ``zero_tail`` (padding rows, if any) is zeroed."""
+
+    dst: torch.Tensor
+    dim: Optional[int] = None
+    start: int = 0
+    length: int = 0
+    zero_tail: Optional[torch.Tensor] = None
+
+    def source(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
+
+    def copy_from(self, full: torch.Tensor) -> None:
+        self.dst.copy_(self.source(full))
+        if self.zero_tail is not None:
+            self.zero_tail.zero_()
+
 
 def _attach(param: nn.Parameter, layer) -> nn.Parameter:
     """Give a parameter its layer's loader hooks (the loader only ever sees the parameter)."""
-    param.weight_loader = layer.weight_loader
+    param.weight_loader = lambda p, full, shard_id=None: layer.load_slice(p, shard_id).copy_from(full)
+    param.load_slice = layer.load_slice
     param.shard_shape = layer.shard_shape
     param.local_part = layer.local_part  # this rank's slice of one (packed) piece
     param.full_from_parts = layer.full_from_parts  # every rank's local_part -> the full tensor
@@ -63,9 +87,12 @@ class ColumnParallelLinear(nn.Module):
         local = self.local_sizes[i]
         return sum(self.local_sizes[:i]), self.tp_rank * local, local
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+    def load_slice(self, param: nn.Parameter, shard_id=None) -> LoadSlice:
         dst_off, src_off, n = self.local_slice(shard_id)
-        param.data.narrow(0, dst_off, n).copy_(full.narrow(0, src_off, n))
+        dst = param.data.narrow(0, dst_off, n)
+        if src_off == 0 and n == self.output_sizes[self._piece(shard_id)]:
+            return LoadSlice(dst)
+        return LoadSlice(dst, 0, src_off, n)
 
     def local_part(self, param: nn.Parameter, shard_id=None) -> torch.Tensor:
         dst_off, _, n = self.local_slice(shard_id)
@@ -110,13 +137,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             return torch.cat(parts, dim=0)
         return torch.cat(parts[:: self.kv_replicas], dim=0)  # replicated KV heads: one copy each
 
-    def weight_loader(self, param, full, shard_id=None):
+    def load_slice(self, param, shard_id=None) -> LoadSlice:
         if shard_id == "q":
-            return super().weight_loader(param, full, shard_id)
+            return super().load_slice(param, shard_id)
         dst_off, _, n = self.local_slice(shard_id)
         kv_head = self.tp_rank // self.kv_replicas
-        src_off = kv_head * self.local_kv_heads * self.head_dim
-        param.data.narrow(0, dst_off, n).copy_(full.narrow(0, src_off, n))
+        return LoadSlice(param.data.narrow(0, dst_off, n), 0, kv_head * self.local_kv_heads * self.head_dim, n)
 
 
 class RowParallelLinear(nn.Module):
@@ -138,11 +164,10 @@ class RowParallelLinear(nn.Module):
     def shard_shape(self, param, shard_id=None):
         return (self.output_size, self.input_size) if param.dim() == 2 else (self.output_size,)
 
-    def weight_loader(self, param, full, shard_id=None):
-        if param.dim() == 1:  # bias is added once, after the reduction
-            param.data.copy_(full)
-            return
-        param.data.copy_(full.narrow(1, self.tp_rank * self.local_in, self.local_in))
+    def load_slice(self, param, shard_id=None) -> LoadSlice:
+        if param.dim() == 1 or self.tp_size == 1:  # bias is added once, after the reduction
+            return LoadSlice(param.data)
+        return LoadSlice(param.data, 1, self.tp_rank * self.local_in, self.local_in)
 
     def local_part(self, param, shard_id=None):
         return param.data

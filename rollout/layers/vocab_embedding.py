@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.layers.linear import LoadSlice
 from rollout.layers.parallel_state import get_tp_state, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -28,16 +29,18 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=params_dtype),
                                    requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = lambda p, full, shard_id=None: self.load_slice(p).copy_from(full)
+        self.weight.load_slice = self.load_slice
         self.weight.shard_shape = lambda param, shard_id=None: (self.vocab_size, self.hidden_size)
         self.weight.local_part = lambda param, shard_id=None: param.data
         self.weight.full_from_parts = lambda parts, shard_id=None: torch.cat(parts, dim=0)[: self.vocab_size]
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+    def load_slice(self, param: nn.Parameter, shard_id=None) -> LoadSlice:
         n = max(0, min(self.num_local, self.vocab_size - self.vocab_start))
-        param.data.narrow(0, 0, n).copy_(full.narrow(0, self.vocab_start, n))
-        if n < self.num_local:
-            param.data.narrow(0, n, self.num_local - n).zero_()
+        tail = param.data.narrow(0, n, self.num_local - n) if n < self.num_local else None
+        if n == self.vocab_size == self.num_local:
+            return LoadSlice(param.data)
+        return LoadSlice(param.data.narrow(0, 0, n), 0, self.vocab_start, n, tail)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
