@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,qwen2-0.5b-random")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mib", default="32,128,512")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
