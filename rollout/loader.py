@@ -180,9 +180,13 @@ def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]],
             more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
             errors.append(f"missing weights: {', '.join(missing[:8])}{more}")
     if errors:
-        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
-        raise WeightLoadError("weights rejected, nothing was loaded:\n  " + "\n  ".join(errors[:20]) + more)
+        raise WeightLoadError(rejection_message(errors))
     return LoadPlan(items)
+
+
+def rejection_message(errors: list[str]) -> str:
+    more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+    return "weights rejected, nothing was loaded:\n  " + "\n  ".join(errors[:20]) + more
 
 
 @torch.no_grad()

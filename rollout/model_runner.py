@@ -122,6 +122,7 @@ class ModelRunner:
         self.kv_released = self.weights_released = False
         self.weights_valid = True  # False after a release without backup, until a full update commits
         self.weights_backup: Optional[dict] = None
+        self._shadow: Optional[dict[torch.dtype, torch.Tensor]] = None  # see shadow_view
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.cuda_graph_runner import CudaGraphRunner
@@ -186,6 +187,35 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
         self.kv_buffer.index_copy_(2, dst, self.kv_buffer.index_select(2, src))
 
+    # ------------------------------------------------------------------ shadow weights
+
+    def shadow_view(self, view: torch.Tensor) -> torch.Tensor:
+        """The region of the shadow weight buffers that ``view`` (a view of a live parameter
+        buffer) covers. The shadow has the live buffers' layout; an update that can fail midway
+        (a process-group transfer) is written there and becomes live at ``commit_shadow``."""
+        if self._shadow is None:
+            self._shadow = {d: torch.empty_like(b) for d, b in self.param_buffers.items()}
+        return self._shadow[view.dtype].as_strided(view.shape, view.stride(), view.storage_offset())
+
+    def prepare_shadow(self) -> None:
+        """Make the shadow equal the live weights (before an update that covers only some)."""
+        for live in self.param_buffers.values():
+            self.shadow_view(live).copy_(live)
+
+    def commit_shadow(self) -> None:
+        """The shadow becomes the live weights. On CPU the two buffers trade their memory (no copy;
+        every parameter view follows its storage; the old weights become the next shadow). On
+        CUDA it is one device copy per buffer, so graph pointers never move."""
+        for d, live in self.param_buffers.items():
+            shadow = self._shadow[d]
+            if live.device.type == "cpu" and hasattr(live.untyped_storage(), "_swap_data_ptr_"):
+                live.untyped_storage()._swap_data_ptr_(shadow.untyped_storage())
+            else:
+                live.copy_(shadow)
+
+    def free_shadow(self) -> None:
+        self._shadow = None
+
     # ------------------------------------------------------------------ memory release / resume
 
     def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
@@ -204,6 +234,7 @@ class ModelRunner:
             self.weights_backup = {d: b.to("cpu", copy=True) for d, b in self.param_buffers.items()} \
                 if backup_weights else None
             freed += self.weights_nbytes()
+            self.free_shadow()
             for buf in self.param_buffers.values():
                 buf.untyped_storage().resize_(0)
             self.weights_released = True

@@ -2,17 +2,22 @@
 
 Every update is all-or-nothing across the TP group: each rank validates its part (names,
 shapes, dtypes, finiteness, coverage) without touching the model, then all ranks vote (a sum
-all-reduce of failures on the TP group); only a unanimous vote copies, in place. A rejected
-update leaves every rank's weights exactly as they were.
+all-reduce of failures on the TP group); only a unanimous vote changes the weights (an in-place
+copy, or the shadow the update was written into becomes live). A rejected update leaves every
+rank's weights exactly as they were.
 
 Memory cost per path: in-process tensors, shared-memory and CUDA-IPC buckets are validated where
 they lie and copied once (no staging); safetensors files are checked from their headers, then streamed a
-tensor at a time (the finite check reads each tensor once more).
+tensor at a time (the finite check reads each tensor once more); the distributed path writes each
+bucket into a shadow of this rank's weights (one copy of its shard, kept between updates) plus two
+bucket-sized receive buffers, because a sender can die midway; a multi-call transaction stages
+what it receives until commit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import time
@@ -24,11 +29,15 @@ from rollout.loader import (
     WeightLoadError,
     apply_load,
     iter_safetensors,
+    nonfinite_names,
     plan_load,
+    rejection_message,
     safetensors_files,
     weight_name_map,
 )
+from weight_sync.bucket import dtype_from_name
 from weight_sync.checksum import checksum_named_tensors
+from weight_sync.distributed import WeightGroupError, one_cpu_thread, receive_buckets
 
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -191,7 +200,7 @@ class WeightOpsMixin:
 
     def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
         if "weights" in tags:
-            self._staging = None  # the distributed path's staging buffer goes too
+            self.__dict__.pop("_receive_pool", None)  # the distributed path's receive buffers go too
         return self.model_runner.release_memory(tags, backup_weights)
 
     def resume_memory(self, tags: list[str]) -> dict:
@@ -225,43 +234,95 @@ class WeightOpsMixin:
                                         bucket_bytes: int, load_format: str = "flattened_bucket",
                                         check_finite: bool = True, partial: bool = False,
                                         transaction: bool = False) -> dict:
-        """Receive every bucket into staging (a sender can die midway), then vote and commit."""
-        from weight_sync.bucket import dtype_from_name
-        from weight_sync.distributed import WeightGroupError, receive_buckets
-
+        """Receive the sender's buckets (a sender can die midway, so nothing live is touched until
+        every rank has everything): names, shapes, dtypes and coverage are validated before the
+        first byte; each bucket is written into the shadow weights as it lands, while the next is
+        on the wire; a unanimous vote makes the shadow live. A bucket call of a multi-call
+        transaction stages its buckets instead."""
         groups = self.__dict__.setdefault("_update_groups", {})
-        error, staged = None, []
+        runner = self.model_runner
         t_start = time.perf_counter()
+        error, specs = None, []
         if group_name not in groups:
             error = f"no weight update group {group_name!r}: call init_weights_update_group first"
         elif not (len(names) == len(dtypes) == len(shapes)):
             error = "names, dtypes and shapes must have the same length"
         else:
             try:
-                specs = [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(s))
+                specs = [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
                          for n, d, s in zip(names, dtypes, shapes)]
-                staged, staging = receive_buckets(
-                    groups[group_name][0], specs, 1 if load_format == "direct" else bucket_bytes, self.device,
-                    group_name, None if transaction else self.__dict__.get("_staging"))
-                if not transaction:
-                    self._staging = staging
-            except (WeightGroupError, ValueError) as exc:
-                groups.pop(group_name, None)  # tear down only this group; re-initialising it works
-                error = f"{exc}; the group was torn down, re-initialise it" if isinstance(exc, WeightGroupError) \
-                    else str(exc)
-        if transaction:  # a bucket call of a multi-call transaction: stage only (its buffer is its own)
+            except (ValueError, TypeError) as exc:
+                error = str(exc)
+        bucket_bytes = 1 if load_format == "direct" else bucket_bytes
+        if transaction:  # a bucket call of a multi-call transaction: receive and stage only
+            staged = []
+            if error is None:
+                try:
+                    staged = receive_buckets(groups[group_name][0], specs, bucket_bytes, self.device, group_name)
+                except WeightGroupError as exc:
+                    groups.pop(group_name, None)
+                    error = f"{exc}; the group was torn down, re-initialise it"
             if error is not None:
                 self._txn_error = self.__dict__.get("_txn_error") or error
                 return {"success": False, "message": error}
             return self._stage(staged, copy=False)
-        if error is not None:
-            self._vote(False)
-            return {"success": False, "message": error, "num_bytes": 0}
+        if error is None:
+            error = self._receive_into_shadow(groups, group_name, specs, bucket_bytes, check_finite, partial)
         t_received = time.perf_counter()
-        out = self.apply_named_tensors(staged, strict_dtype=True, check_finite=check_finite,
-                                       require_complete=not partial)
-        out["receive_s"], out["commit_s"] = t_received - t_start, time.perf_counter() - t_received
-        return out
+        if not self._vote(error is None):
+            return {"success": False, "message": error or "another TP rank rejected the update; nothing was loaded",
+                    "num_bytes": 0}
+        runner.commit_shadow()
+        if not partial:
+            runner.weights_valid = True
+        nbytes = sum(torch.empty((), dtype=d).element_size() * math.prod(s) for _, d, s in specs)
+        return {"success": True, "message": f"loaded {len(specs)} tensors", "num_bytes": nbytes,
+                "receive_s": t_received - t_start, "commit_s": time.perf_counter() - t_received}
+
+    def _receive_into_shadow(self, groups, group_name, specs, bucket_bytes, check_finite, partial) -> str | None:
+        """Receive every bucket; write it into the shadow weights unless the update is already
+        rejected (then it is only drained, so the sender still completes). Returns the error."""
+        runner = self.model_runner
+        rejected = None
+        if runner.weights_released:
+            rejected = "the weights are released: call resume_memory_occupation(['weights']) before updating"
+        else:
+            try:
+                plan_load(runner.model, [(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs],
+                          strict_dtype=True, require_complete=not partial)
+            except WeightLoadError as exc:
+                rejected = str(exc)
+        if rejected is None and partial:
+            runner.prepare_shadow()
+        name_map = weight_name_map(runner.model)
+        nonfinite: list[str] = []
+
+        def write_bucket(named):
+            if rejected is not None:
+                return
+            if check_finite:
+                nonfinite.extend(nonfinite_names(named))
+            dsts, srcs, tails = [], [], []
+            for name, view in named:
+                sl = name_map[name].slice
+                dsts.append(runner.shadow_view(sl.dst))
+                srcs.append(sl.source(view))
+                if sl.zero_tail is not None:
+                    tails.append(runner.shadow_view(sl.zero_tail))
+            with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
+                torch._foreach_copy_(dsts, srcs)
+            for tail in tails:
+                tail.zero_()
+
+        try:
+            receive_buckets(groups[group_name][0], specs, bucket_bytes, self.device, group_name, write_bucket,
+                            pool=self.__dict__.setdefault("_receive_pool", []))
+        except WeightGroupError as exc:
+            groups.pop(group_name, None)  # tear down only this group; re-initialising it works
+            return f"{exc}; the group was torn down, re-initialise it"
+        if rejected is None and nonfinite:
+            rejected = rejection_message([f"{n}: contains NaN or Inf values" for n in nonfinite])
+        return rejected
 
     def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
         """Seconds to receive one bare broadcast of ``nbytes`` (the raw transport, for benchmarks)."""

@@ -306,6 +306,60 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
         assert engine.destroy_weights_update_group("g")["success"]
 
 
+def _rounds_sender(port, world, rounds, bucket_bytes):
+    from weight_sync.distributed import WeightUpdateSender
+
+    sender = WeightUpdateSender("127.0.0.1", port, world, "r", timeout_s=30)
+    for tensors in rounds:
+        sender.send(tensors, bucket_bytes=bucket_bytes)
+
+
+def test_distributed_rejections_drain_and_later_updates_land(weights):
+    """A rejected transfer (NaN; a wrong dtype) is still drained, so the group keeps working; a
+    partial update changes only its tensors; full updates in a row (the shadow swaps back and
+    forth) each land exactly."""
+    from rollout.tp_group import free_port
+    from weight_sync.distributed import WeightUpdateSender
+
+    a, b, tensors_b = weights
+    tensors_a = list(load_file(os.path.join(a, "model.safetensors")).items())
+    nan = _damage(tensors_b, "nan")
+    part = [(n, t) for n, t in tensors_a if n.startswith("model.layers.0.")]
+    wrong_dtype = [(n, t.to(torch.float64)) for n, t in tensors_b]
+    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b]
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    proc = ctx.Process(target=_rounds_sender, args=(port, 3, rounds, 32 << 10))
+    proc.start()
+    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=2) as engine:
+        checksum_a = engine.get_weights_checksum()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 3, "r", timeout_s=30)["success"]
+
+        def update(named, **kw):
+            names, dtypes, shapes = WeightUpdateSender.describe(named)
+            return engine.update_weights_from_distributed(names, dtypes, shapes, "r", bucket_bytes=32 << 10, **kw)
+
+        out = update(nan)
+        assert not out.success and "NaN" in out.message and engine.get_weights_checksum() == checksum_a
+        out = update(wrong_dtype)
+        assert not out.success and "dtype" in out.message and engine.get_weights_checksum() == checksum_a
+        assert update(tensors_b).success
+        checksum_b = checksum_named_tensors(tensors_b, torch.float32)
+        assert engine.get_weights_checksum() == checksum_b
+        assert update(part, partial=True).success  # layer 0 from A, the rest stays B
+        for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_a),
+                          ("model.layers.1.mlp.down_proj.weight", tensors_b)):
+            assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
+        assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
+        assert update(tensors_b).success and engine.get_weights_checksum() == checksum_b
+        # the buffers that traded memory still release and resume like any other
+        engine.release_memory_occupation(backup_weights=True)
+        engine.resume_memory_occupation()
+        assert engine.get_weights_checksum() == checksum_b
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
 def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
     from rollout.tp_group import free_port
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from weight_sync.bucket import ALIGN, dtype_name, layout, views
 
-DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_BUCKET_BYTES = 128 << 20
 
 
 class WeightGroupError(RuntimeError):
@@ -79,37 +79,56 @@ def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
 
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
-                    staging: torch.Tensor | None = None):
-    """Receive every bucket into one staging buffer (reused across updates when it is big enough:
-    fresh pages cost more than the copy); returns ((name, view) pairs, the staging buffer).
+                    on_bucket=None, pool: list | None = None):
+    """Receive every bucket the sender broadcasts for ``specs``.
 
-    Every receive is posted up front (the group runs them in order), so the sender never waits
-    for this side to ask for the next bucket; they are then awaited in order, each within the
-    group's timeout."""
+    With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
+    needed) and its (name, view) pairs go to ``on_bucket`` while the next bucket is already on
+    the wire; the views are only valid during the call. Returns None.
+    Without: every bucket is kept, in one fresh buffer with every receive posted up front, and
+    the (name, view) pairs are returned (a multi-call transaction stages them).
+    Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
     buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
-    need = sum(total for _, total in buckets)
-    if staging is None or staging.numel() < need or staging.device != device:
-        staging = torch.empty(need, dtype=torch.uint8, device=device)
+    if on_bucket is None:
+        staging = torch.empty(sum(total for _, total in buckets), dtype=torch.uint8, device=device)
+        starts = [0]
+        for _, total in buckets:
+            starts.append(starts[-1] + total)
+        slots, window = [staging[a:b] for a, b in zip(starts, starts[1:])], len(buckets)
+    else:
+        need = max((total for _, total in buckets), default=0)
+        if pool is None:
+            pool = []
+        if len(pool) < 2 or pool[0].numel() < need or pool[0].device != device:
+            pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+        slots, window = [pool[i % 2][:total] for i, (_, total) in enumerate(buckets)], 2
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    staged, works, offset = [], [], 0
-    try:
-        for metas, total in buckets:
-            buf = staging[offset: offset + total]
-            offset += total
-            works.append(group.pg.broadcast([buf], opts))
-            staged.extend(views(buf, metas))
-        for i, work in enumerate(works):
-            try:
-                work.wait()
-            except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
-                raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
-                                       f"({buckets[i][1]} bytes) failed: {exc}") from exc
-    except WeightGroupError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - posting failed (the group is broken)
-        raise WeightGroupError(f"weight update group {group_name!r}: posting receives failed: {exc}") from exc
-    return staged, staging
+    posted, staged = {}, []
+
+    def post(i: int) -> None:
+        try:
+            posted[i] = group.pg.broadcast([slots[i]], opts)
+        except Exception as exc:  # noqa: BLE001 - the group is broken
+            raise WeightGroupError(f"weight update group {group_name!r}: posting bucket {i + 1}/{len(buckets)} "
+                                   f"failed: {exc}") from exc
+
+    for i in range(min(window, len(buckets))):
+        post(i)
+    for i, (metas, total) in enumerate(buckets):
+        try:
+            posted.pop(i).wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
+            raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
+                                   f"({total} bytes) failed: {exc}") from exc
+        named = views(slots[i], metas)
+        if on_bucket is None:
+            staged.extend(named)
+        else:
+            on_bucket(named)  # overlaps the next bucket's transfer
+        if i + window < len(buckets):
+            post(i + window)
+    return staged if on_bucket is None else None
 
 
 def _flat_run(tensors: dict, metas, total: int) -> torch.Tensor | None:
@@ -131,11 +150,11 @@ def _flat_run(tensors: dict, metas, total: int) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def _one_cpu_thread(device: torch.device):
-    """Pack on one thread on CPU: the broadcast's own threads keep the cores busy copying through
-    the socket, and an OpenMP team on top of them oversubscribes the cores, so its barriers stall
-    (SmolLM2, 32 MiB buckets, 2 cores: a receive took 0.14-0.19 s with two pack threads,
-    0.10-0.11 s with one; a bare broadcast of the same bytes 0.08-0.12 s)."""
+def one_cpu_thread(device: torch.device):
+    """Copy on one thread on CPU while a transfer runs: the broadcast's own threads keep the cores
+    busy copying through the socket, and an OpenMP team on top of them oversubscribes the cores,
+    so its barriers stall (SmolLM2, 32 MiB buckets, 2 cores: a receive took 0.14-0.19 s with two
+    pack threads on the sender, 0.10-0.11 s with one; a bare broadcast 0.08-0.12 s)."""
     if device.type != "cpu":
         yield
         return
@@ -203,7 +222,7 @@ class WeightUpdateSender:
                     if in_flight[b] is not None:
                         in_flight[b].wait()  # this buffer is free again once its bucket is out
                     flat = self._buffers[b][:total]
-                    with _one_cpu_thread(device):
+                    with one_cpu_thread(device):
                         for name, view in views(flat, metas):
                             view.copy_(tensors[name])
                     in_flight[b] = work = self.group.pg.broadcast([flat], opts)
