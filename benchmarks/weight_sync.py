@@ -29,6 +29,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from rollout import RolloutEngine  # noqa: E402
 from rollout.bench_throughput import build_model  # noqa: E402
+from rollout.loader import hf_parameter_order  # noqa: E402
 from rollout.tp_group import free_port  # noqa: E402
 from weight_sync import FlattenedTensorBucket, SharedMemoryBucket  # noqa: E402
 from weight_sync.distributed import WeightUpdateSender  # noqa: E402
@@ -46,16 +47,18 @@ def best(fn, repeats: int) -> float:
 SENDER_LAYOUTS = ("tensors", "flat")  # separate tensors (packed per bucket) / one FlattenedTensorBucket
 
 
-def _sender(port, world, tensors, bucket_sizes, repeats, nbytes_total):
+def _sender(port, world, tensors, bucket_sizes, repeats):
     sender = WeightUpdateSender("127.0.0.1", port, world, "bench", timeout_s=120)
     from weight_sync.distributed import broadcast
 
-    buf = torch.empty(nbytes_total, dtype=torch.uint8)
-    flat = FlattenedTensorBucket(tensors).named_tensors()  # the model kept in one buffer: sent with no copy
+    packed = FlattenedTensorBucket(tensors)  # the model kept in one buffer: sent with no copy
+    flat = packed.named_tensors()
     for bucket in bucket_sizes:
         for source in (tensors, flat):
             for _ in range(repeats):
-                broadcast(sender.group, buf)  # the raw transport
+                # The raw transport: one broadcast of the model's own bytes (a never-written buffer
+                # would be read from the kernel's zero page, faster than any real data).
+                broadcast(sender.group, packed.buffer)
                 sender.send(source, bucket_bytes=bucket)
 
 
@@ -71,7 +74,9 @@ def _shm_sender(handle_q, go_q, tensors, repeats):
 
 
 def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_sizes: list[int]) -> dict:
-    tensors = [(n, t.to(dtype).contiguous()) for n, t in load_file(os.path.join(path, "model.safetensors")).items()]
+    # in the model's own order, as a trainer sends its state_dict (the file lists names alphabetically)
+    by_name = load_file(os.path.join(path, "model.safetensors"))
+    tensors = [(n, by_name[n].to(dtype).contiguous()) for n in hf_parameter_order(path) if n in by_name]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     res = {"model": name, "bytes": nbytes, "dtype": str(dtype)}
     with RolloutEngine(path, dtype=str(dtype).replace("torch.", ""), kv_cache_tokens=256) as engine:
@@ -124,7 +129,8 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
                                 "sender_write_s": write_s, "fraction_of_raw": min(raw_shm) / min(shm_times)}
         # distributed over gloo with a separate sender
         port = free_port()
-        proc = ctx.Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats, nbytes))
+        proc = ctx.Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats))
+        raw_bytes = FlattenedTensorBucket(tensors).nbytes  # the sender's raw broadcast
         proc.start()
         assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench", timeout_s=120)["success"]
         names = [n for n, _ in tensors]
@@ -136,7 +142,7 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
                 raw_b, upd_b = [], []
                 for _ in range(repeats):
                     raw_b.append(engine._call(lambda: engine._worker_call("probe_weights_update_group", "bench",
-                                                                           nbytes)))
+                                                                           raw_bytes)))
                     t0 = time.perf_counter()
                     out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench",
                                                                  bucket_bytes=bucket, check_finite=False)
@@ -145,7 +151,8 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
                     split = engine._last_update_detail
                 res["distributed"][f"{bucket >> 20}MiB {source}"] = {
                     "raw_broadcast_s": min(raw_b), "update_s": min(upd_b), "fraction_of_raw": min(raw_b) / min(upd_b),
-                    "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s")}
+                    "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s"),
+                    "received_in_place_fraction": split.get("received_in_place_bytes", 0) / nbytes}
         proc.join(120)
         engine.destroy_weights_update_group("bench")
         # disk, warm page cache

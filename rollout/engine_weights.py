@@ -45,7 +45,8 @@ class EngineWeightsMixin:
     def _commit(self, out: dict, weight_version: Optional[str], flush_cache: bool, t0: float,
                 recapture_cuda_graph: bool = False) -> UpdateWeightsResult:
         sched = self.scheduler
-        self._last_update_detail = {k: v for k, v in out.items() if k.endswith("_s")}  # per-phase seconds
+        # per-phase seconds, bytes received in place
+        self._last_update_detail = {k: v for k, v in out.items() if k.endswith(("_s", "_bytes"))}
         if out["success"]:
             sched.weights_epoch += 1  # prefix-cache keys change: no KV from older weights is ever matched
             if weight_version is not None:

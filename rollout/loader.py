@@ -233,6 +233,15 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, Tens
 # safetensors folders
 
 
+def hf_parameter_order(model_path: str) -> list[str]:
+    """The weight names of the folder's transformers model in the model's own order (what a
+    trainer's ``state_dict()`` lists; a safetensors file lists them alphabetically)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return list(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).state_dict())
+
+
 def safetensors_files(model_path: str) -> list[str]:
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):

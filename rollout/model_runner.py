@@ -24,6 +24,7 @@ from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import SampleOutput, sample
 from rollout.loader import LoadReport, iter_safetensors, load_named_tensors
 from rollout.models import ModelConfig, build_model
+from weight_sync.bucket import wire_order
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,10 @@ def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dt
 
     Tied parameters stay tied (one view for both owners); loader attributes carry over.
     """
-    unique = list(dict(model.named_parameters()).values())
+    named = list(dict(model.named_parameters()).items())
+    # laid out in wire order (biases last within each layer): buckets from a trainer then match
+    # this memory as they are (see weight_sync.bucket.wire_order)
+    unique = [named[i][1] for i in wire_order([n for n, _ in named])]
     buffers: dict[torch.dtype, torch.Tensor] = {}
     replacement: dict[int, nn.Parameter] = {}
     for dtype in sorted({p.dtype for p in unique}, key=str):
@@ -196,6 +200,15 @@ class ModelRunner:
         if self._shadow is None:
             self._shadow = {d: torch.empty_like(b) for d, b in self.param_buffers.items()}
         return self._shadow[view.dtype].as_strided(view.shape, view.stride(), view.storage_offset())
+
+    def shadow_bytes(self, view: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
+        """``nbytes`` of the shadow as a byte view, from where ``view`` starts (None past its end)."""
+        flat = self.shadow_view(view)  # allocates the shadow on first use
+        buf = self._shadow[view.dtype]
+        start = flat.storage_offset() * flat.element_size()
+        if start + nbytes > buf.numel() * buf.element_size():
+            return None
+        return buf.view(torch.uint8)[start: start + nbytes]
 
     def prepare_shadow(self) -> None:
         """Make the shadow equal the live weights (before an update that covers only some)."""

@@ -35,7 +35,7 @@ from rollout.loader import (
     safetensors_files,
     weight_name_map,
 )
-from weight_sync.bucket import dtype_from_name
+from weight_sync.bucket import ALIGN, dtype_from_name
 from weight_sync.checksum import checksum_named_tensors
 from weight_sync.distributed import WeightGroupError, one_cpu_thread, receive_buckets
 
@@ -277,7 +277,8 @@ class WeightOpsMixin:
             runner.weights_valid = True
         nbytes = sum(torch.empty((), dtype=d).element_size() * math.prod(s) for _, d, s in specs)
         return {"success": True, "message": f"loaded {len(specs)} tensors", "num_bytes": nbytes,
-                "receive_s": t_received - t_start, "commit_s": time.perf_counter() - t_received}
+                "receive_s": t_received - t_start, "commit_s": time.perf_counter() - t_received,
+                "received_in_place_bytes": self._placed_bytes}
 
     def _receive_into_shadow(self, groups, group_name, specs, bucket_bytes, check_finite, partial) -> str | None:
         """Receive every bucket; write it into the shadow weights unless the update is already
@@ -296,12 +297,30 @@ class WeightOpsMixin:
             runner.prepare_shadow()
         name_map = weight_name_map(runner.model)
         nonfinite: list[str] = []
+        self._placed_bytes = 0
 
-        def write_bucket(named):
+        def place(metas, total):
+            """The shadow's bytes for this bucket when its tensors lie there exactly as the bucket
+            lays them out (whole tensors, same order, no padding): received in place."""
+            if rejected is not None:
+                return None
+            dst0 = name_map[metas[0].name].slice.dst
+            for m in metas:
+                sl = name_map[m.name].slice
+                if sl.dim is not None or sl.zero_tail is not None or m.nbytes % ALIGN or sl.dst.dtype != dst0.dtype \
+                        or not sl.dst.is_contiguous() \
+                        or (sl.dst.storage_offset() - dst0.storage_offset()) * dst0.element_size() != m.offset:
+                    return None
+            return runner.shadow_bytes(dst0, total)
+
+        def write_bucket(named, placed: bool):
             if rejected is not None:
                 return
             if check_finite:
                 nonfinite.extend(nonfinite_names(named))
+            if placed:
+                self._placed_bytes += sum(v.numel() * v.element_size() for _, v in named)
+                return
             dsts, srcs, tails = [], [], []
             for name, view in named:
                 sl = name_map[name].slice
@@ -316,7 +335,7 @@ class WeightOpsMixin:
 
         try:
             receive_buckets(groups[group_name][0], specs, bucket_bytes, self.device, group_name, write_bucket,
-                            pool=self.__dict__.setdefault("_receive_pool", []))
+                            pool=self.__dict__.setdefault("_receive_pool", []), place=place)
         except WeightGroupError as exc:
             groups.pop(group_name, None)  # tear down only this group; re-initialising it works
             return f"{exc}; the group was torn down, re-initialise it"

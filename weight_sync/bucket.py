@@ -6,6 +6,7 @@ plain data (name, dtype, shape, byte offset): it travels as JSON, never as a pic
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -16,6 +17,34 @@ ALIGN = 64  # bytes: every tensor starts cache-line aligned
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                                     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+
+
+def wire_order(names: list[str]) -> list[int]:
+    """The order in which tensors travel, and in which the engine lays its parameters out in
+    memory: the given order, except that within each run of one decoder layer's tensors the
+    biases come after the rest (stable).
+
+    A trainer lists a layer as q.weight, q.bias, k.weight, ...; the engine packs the q/k/v weights
+    into one parameter and their biases into another. With biases last on both sides, a trainer
+    that sends its own ``named_parameters()`` order delivers buckets already in the engine's
+    layout, which a TP=1 receiver takes in place, with no copy."""
+    out, i = [], 0
+    while i < len(names):
+        m = _LAYER.search(names[i])
+        if m is None:
+            out.append(i)
+            i += 1
+            continue
+        prefix, j = names[i][: m.end()], i
+        while j < len(names) and names[j].startswith(prefix):
+            j += 1
+        run = range(i, j)
+        out += [k for k in run if not names[k].endswith(".bias")] + [k for k in run if names[k].endswith(".bias")]
+        i = j
+    return out
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weight_sync.bucket import ALIGN, dtype_name, layout, views
+from weight_sync.bucket import ALIGN, dtype_name, layout, views, wire_order
 
 DEFAULT_BUCKET_BYTES = 128 << 20
 
@@ -61,8 +61,11 @@ FIRST_BUCKET_BYTES = 8 << 20  # the first bucket is small: the wire starts while
 
 
 def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int):
-    """Split specs into consecutive buckets of at most ``bucket_bytes`` (a larger tensor goes alone);
-    the first bucket holds at most ``FIRST_BUCKET_BYTES``. Sender and receiver share this split."""
+    """Split specs, in ``wire_order``, into consecutive buckets of at most ``bucket_bytes`` (a
+    larger tensor goes alone); the first bucket holds at most ``FIRST_BUCKET_BYTES``. Sender and
+    receiver share this split."""
+    specs = list(specs)
+    specs = [specs[i] for i in wire_order([s[0] for s in specs])]
     bucket, size, limit = [], 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
     for spec in specs:
         n = torch.empty((), dtype=spec[1]).element_size()
@@ -79,12 +82,13 @@ def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
 
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
-                    on_bucket=None, pool: list | None = None):
+                    on_bucket=None, pool: list | None = None, place=None):
     """Receive every bucket the sender broadcasts for ``specs``.
 
     With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
-    needed) and its (name, view) pairs go to ``on_bucket`` while the next bucket is already on
-    the wire; the views are only valid during the call. Returns None.
+    needed), or where ``place(metas, total)`` says (a byte view, or None for the pool), and
+    ``on_bucket(named, placed)`` gets its (name, view) pairs while the next bucket is already on
+    the wire; pool views are only valid during the call. Returns None.
     Without: every bucket is kept, in one fresh buffer with every receive posted up front, and
     the (name, view) pairs are returned (a multi-call transaction stages them).
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
@@ -102,6 +106,8 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         if len(pool) < 2 or pool[0].numel() < need or pool[0].device != device:
             pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
         slots, window = [pool[i % 2][:total] for i, (_, total) in enumerate(buckets)], 2
+        placed = [None if place is None else place(metas, total) for metas, total in buckets]
+        slots = [p if p is not None else slot for p, slot in zip(placed, slots)]
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     posted, staged = {}, []
@@ -125,7 +131,7 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         if on_bucket is None:
             staged.extend(named)
         else:
-            on_bucket(named)  # overlaps the next bucket's transfer
+            on_bucket(named, placed[i] is not None)  # overlaps the next bucket's transfer
         if i + window < len(buckets):
             post(i + window)
     return staged if on_bucket is None else None

@@ -141,8 +141,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id == "q":
             return super().load_slice(param, shard_id)
         dst_off, _, n = self.local_slice(shard_id)
-        kv_head = self.tp_rank // self.kv_replicas
-        return LoadSlice(param.data.narrow(0, dst_off, n), 0, kv_head * self.local_kv_heads * self.head_dim, n)
+        src_off = (self.tp_rank // self.kv_replicas) * self.local_kv_heads * self.head_dim
+        dst = param.data.narrow(0, dst_off, n)
+        return LoadSlice(dst) if src_off == 0 and n == self.full_kv_size else LoadSlice(dst, 0, src_off, n)
 
 
 class RowParallelLinear(nn.Module):
