@@ -73,3 +73,62 @@ def test_no_growth_over_updates_and_cycles(big):
                 marks[f"c{i}"] = rss()
         assert marks["c49"] < marks["c19"] * 1.05
         assert e.generate(input_ids=PROMPTS, sampling_params=SP)[0].finish_reason == "length"
+
+
+def _shm_sender(handle_q, ack_q, tensors, rounds):
+    from weight_sync import SharedMemoryBucket
+
+    bucket = SharedMemoryBucket()
+    for _ in range(rounds):
+        handle_q.put(bucket.write(tensors))
+        ack_q.get(timeout=60)
+    bucket.close()
+
+
+def _group_sender(port, tensors, rounds):
+    from weight_sync.distributed import WeightUpdateSender
+
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "m", timeout_s=30)
+    for _ in range(rounds):
+        sender.send(tensors, bucket_bytes=4 << 20)
+
+
+def test_no_growth_over_cross_process_updates(big):
+    """Shared-memory handles: one segment, reused, gone after the sender closes; process-group
+    updates: the shadow and receive buffers are allocated once. RSS flat between the 20th and last."""
+    import multiprocessing as mp
+
+    from rollout.tp_group import free_port
+    from weight_sync.distributed import WeightUpdateSender
+
+    path, tensors = big
+    ctx = mp.get_context("spawn")
+    segments = lambda: {f for f in os.listdir("/dev/shm") if f.startswith("rollout-weights")}  # noqa: E731
+    before = segments()
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024) as e:
+        handle_q, ack_q = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_shm_sender, args=(handle_q, ack_q, tensors, 60))
+        proc.start()
+        names, marks = set(), {}
+        for i in range(60):
+            handle = handle_q.get(timeout=60)
+            names.add(handle["shm_name"])
+            assert e.update_weights_from_tensor(handle).success
+            ack_q.put(1)
+            if i in (19, 59):
+                marks[i] = rss()
+        proc.join(60)
+        assert len(names) == 1 and marks[59] < marks[19] * 1.05
+        assert segments() == before  # the sender's segment is gone; the engine kept no mapping
+        port = free_port()
+        proc = ctx.Process(target=_group_sender, args=(port, tensors, 40))
+        proc.start()
+        assert e.init_weights_update_group("127.0.0.1", port, 1, 2, "m", timeout_s=30)["success"]
+        n, d, s = WeightUpdateSender.describe(tensors)
+        for i in range(40):
+            assert e.update_weights_from_distributed(n, d, s, "m", bucket_bytes=4 << 20).success
+            if i in (19, 39):
+                marks[f"d{i}"] = rss()
+        proc.join(60)
+        assert marks["d39"] < marks["d19"] * 1.05
+        assert e.generate(input_ids=PROMPTS, sampling_params=SP)[0].finish_reason == "length"

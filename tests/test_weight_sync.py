@@ -333,7 +333,8 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
     nan = _damage(tensors_b, "nan")
     part = [(n, t) for n, t in tensors_a if n.startswith("model.layers.0.")]
     wrong_dtype = [(n, t.to(torch.float64)) for n, t in tensors_b]
-    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b]
+    half = len(tensors_a) // 2
+    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b, tensors_a[:half], tensors_a[half:]]
     ctx = mp.get_context("spawn")
     port = free_port()
     proc = ctx.Process(target=_rounds_sender, args=(port, 3, rounds, 32 << 10))
@@ -363,6 +364,13 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
         engine.release_memory_occupation(backup_weights=True)
         engine.resume_memory_occupation()
         assert engine.get_weights_checksum() == checksum_b
+        # a transaction whose buckets arrive over the group in two calls: staged, then one commit
+        assert engine.begin_weight_update(weight_version="ta")["success"]
+        assert update(tensors_a[:half], transaction=True)["success"]
+        assert engine.get_weights_checksum() == checksum_b  # staged only
+        assert update(tensors_a[half:], transaction=True)["success"]
+        result = engine.commit_weight_update()
+        assert result.success and result.weight_version == "ta" and engine.get_weights_checksum() == checksum_a
     proc.join(30)
     assert proc.exitcode == 0
 
