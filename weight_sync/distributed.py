@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,26 +36,47 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
         prefixed = dist.PrefixStore(f"weights/{group_name}", store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            # NCCL's own watchdog may tear the whole process down on a timeout: give it twice ours,
+            # so ``wait`` times out first and aborts only this group.
+            opts._timeout = 2 * timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
         raise WeightGroupError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} "
                                f"as rank {rank}/{world_size} failed within {timeout_s}s ({exc})") from exc
-    return WeightGroup(pg, store)
+    return WeightGroup(pg, store, timeout_s, backend)
 
 
 @dataclass
 class WeightGroup:
     pg: dist.ProcessGroup
     store: dist.Store  # the rendezvous lives as long as the group
+    timeout_s: float = 60.0
+    backend: str = "gloo"
+
+    def wait(self, work) -> None:
+        """Wait for one operation within the group's timeout. Gloo enforces it itself; an NCCL
+        wait only orders streams, so the host polls until the operation completes and, past the
+        timeout, aborts the communicator (only this group) and raises."""
+        if self.backend != "nccl":
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                abort = getattr(self.pg, "abort", None)
+                if abort is not None:
+                    abort()
+                raise TimeoutError(f"no progress within {self.timeout_s}s")
+            time.sleep(0.0005)
+        work.wait()
 
 
 def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.pg.broadcast([tensor], opts).wait()
+    group.wait(group.pg.broadcast([tensor], opts))
 
 
 FIRST_BUCKET_BYTES = 8 << 20  # the first bucket is small: the wire starts while the rest is packed
@@ -123,7 +145,7 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         post(i)
     for i, (metas, total) in enumerate(buckets):
         try:
-            posted.pop(i).wait()
+            group.wait(posted.pop(i))
         except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
@@ -226,7 +248,7 @@ class WeightUpdateSender:
                 if flat is None:
                     b, next_buf = next_buf, next_buf ^ 1
                     if in_flight[b] is not None:
-                        in_flight[b].wait()  # this buffer is free again once its bucket is out
+                        self.group.wait(in_flight[b])  # this buffer is free again once its bucket is out
                     flat = self._buffers[b][:total]
                     with one_cpu_thread(device):
                         for name, view in views(flat, metas):
@@ -239,7 +261,7 @@ class WeightUpdateSender:
             current = 0
             for work in works:
                 current += 1
-                work.wait()
+                self.group.wait(work)
         except Exception as exc:  # noqa: BLE001
             raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {current}/"
                                    f"{len(buckets)} failed: {exc}") from exc
