@@ -32,6 +32,7 @@ from rollout.bench_throughput import build_model  # noqa: E402
 from rollout.loader import hf_parameter_order  # noqa: E402
 from rollout.tp_group import free_port  # noqa: E402
 from weight_sync import FlattenedTensorBucket, SharedMemoryBucket  # noqa: E402
+from weight_sync.bucket import layout  # noqa: E402
 from weight_sync.distributed import WeightUpdateSender  # noqa: E402
 
 
@@ -130,7 +131,7 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
         # distributed over gloo with a separate sender
         port = free_port()
         proc = ctx.Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats))
-        raw_bytes = FlattenedTensorBucket(tensors).nbytes  # the sender's raw broadcast
+        raw_bytes = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors)[1]  # the sender's raw broadcast
         proc.start()
         assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench", timeout_s=120)["success"]
         names = [n for n, _ in tensors]

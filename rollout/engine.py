@@ -66,7 +66,7 @@ class RolloutEngine(EngineWeightsMixin):
         self._commands: queue.Queue = queue.Queue()
         self._alive = True
         self._paused = False
-        self._shm = None
+        self._shm = self._ipc = None  # this engine's own buckets for its spawned ranks
         self._fatal: Optional[BaseException] = None
         if self.is_follower:
             return  # an external-launch follower runs the leader's steps inside generate()

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from rollout.outputs import UpdateWeightsResult
 from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.cuda_ipc import CudaIpcBucket
 from weight_sync.shm import SharedMemoryBucket
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -141,12 +142,10 @@ class EngineWeightsMixin:
         every update): shared memory for CPU tensors, CUDA IPC for GPU tensors."""
         named = [(n, t.detach()) for n, t in named]
         if named and named[0][1].is_cuda:
-            if getattr(self, "_ipc", None) is None:
-                from weight_sync.cuda_ipc import CudaIpcBucket
-
+            if self._ipc is None:
                 self._ipc = CudaIpcBucket(named[0][1].device)
             return self._ipc.write(named)
-        if getattr(self, "_shm", None) is None:
+        if self._shm is None:
             self._shm = SharedMemoryBucket()
         return self._shm.write(named)
 

@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from rollout.layers.linear import LoadSlice
+from rollout.layers.linear import LoadSlice, copy_slices
 
 # Checkpoint entries that are derived state, never weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -61,7 +61,7 @@ class _Target:
     param_name: str
     param: nn.Parameter
     shard_id: object
-    slice: LoadSlice  # where a full tensor of this name lands (views stay valid: storage never moves)
+    slice: LoadSlice  # where a full tensor of this name lands (its views follow their storage)
 
 
 def _target(pname: str, param: nn.Parameter, shard_id) -> _Target:
@@ -196,25 +196,18 @@ def apply_load(plan: LoadPlan) -> LoadReport:
     Tensors already in memory go in one batched copy call; lazy (file) tensors are read and
     copied one at a time, so memory holds one tensor, not the model twice."""
     report = LoadReport()
-    dsts, srcs, tails = [], [], []
+    in_memory = []
     for name, tensor, target in plan.items:
-        sl = target.slice
         if isinstance(tensor, LazyTensor):
             full = tensor.read()
-            sl.copy_from(full)
+            target.slice.copy_from(full)
         else:
             full = tensor
-            dsts.append(sl.dst)
-            srcs.append(sl.source(full))
-            if sl.zero_tail is not None:
-                tails.append(sl.zero_tail)
+            in_memory.append((full, target.slice))
         report.num_tensors += 1
         report.num_bytes += full.numel() * full.element_size()
         report.loaded_names.append(name)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-    for tail in tails:
-        tail.zero_()
+    copy_slices(in_memory)
     return report
 
 

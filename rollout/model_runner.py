@@ -126,7 +126,7 @@ class ModelRunner:
         self.kv_released = self.weights_released = False
         self.weights_valid = True  # False after a release without backup, until a full update commits
         self.weights_backup: Optional[dict] = None
-        self._shadow: Optional[dict[torch.dtype, torch.Tensor]] = None  # see shadow_view
+        self._shadow: Optional[dict[torch.dtype, torch.Tensor]] = None  # see _shadow_buffer
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.cuda_graph_runner import CudaGraphRunner
@@ -193,41 +193,39 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ shadow weights
 
-    def shadow_view(self, view: torch.Tensor) -> torch.Tensor:
-        """The region of the shadow weight buffers that ``view`` (a view of a live parameter
-        buffer) covers. The shadow has the live buffers' layout; an update that can fail midway
-        (a process-group transfer) is written there and becomes live at ``commit_shadow``."""
+    def _shadow_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The shadow of the live buffer of ``dtype`` (all allocated on first use, kept until the
+        weights are released). It has the live buffers' layout; an update that can fail midway (a
+        process-group transfer) is written there and becomes live at ``commit_shadow``."""
         if self._shadow is None:
             self._shadow = {d: torch.empty_like(b) for d, b in self.param_buffers.items()}
-        return self._shadow[view.dtype].as_strided(view.shape, view.stride(), view.storage_offset())
+        return self._shadow[dtype]
+
+    def shadow_view(self, view: torch.Tensor) -> torch.Tensor:
+        """The region of the shadow that ``view`` (a view of a live parameter buffer) covers."""
+        return self._shadow_buffer(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
 
     def shadow_bytes(self, view: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
         """``nbytes`` of the shadow as a byte view, from where ``view`` starts (None past its end)."""
-        flat = self.shadow_view(view)  # allocates the shadow on first use
-        buf = self._shadow[view.dtype]
-        start = flat.storage_offset() * flat.element_size()
-        if start + nbytes > buf.numel() * buf.element_size():
-            return None
-        return buf.view(torch.uint8)[start: start + nbytes]
+        buf = self._shadow_buffer(view.dtype).view(torch.uint8)
+        start = view.storage_offset() * view.element_size()
+        return buf[start: start + nbytes] if start + nbytes <= buf.numel() else None
 
     def prepare_shadow(self) -> None:
         """Make the shadow equal the live weights (before an update that covers only some)."""
-        for live in self.param_buffers.values():
-            self.shadow_view(live).copy_(live)
+        for d, live in self.param_buffers.items():
+            self._shadow_buffer(d).copy_(live)
 
     def commit_shadow(self) -> None:
         """The shadow becomes the live weights. On CPU the two buffers trade their memory (no copy;
         every parameter view follows its storage; the old weights become the next shadow). On
         CUDA it is one device copy per buffer, so graph pointers never move."""
         for d, live in self.param_buffers.items():
-            shadow = self._shadow[d]
+            shadow = self._shadow_buffer(d)
             if live.device.type == "cpu" and hasattr(live.untyped_storage(), "_swap_data_ptr_"):
                 live.untyped_storage()._swap_data_ptr_(shadow.untyped_storage())
             else:
                 live.copy_(shadow)
-
-    def free_shadow(self) -> None:
-        self._shadow = None
 
     # ------------------------------------------------------------------ memory release / resume
 
@@ -247,7 +245,7 @@ class ModelRunner:
             self.weights_backup = {d: b.to("cpu", copy=True) for d, b in self.param_buffers.items()} \
                 if backup_weights else None
             freed += self.weights_nbytes()
-            self.free_shadow()
+            self._shadow = None
             for buf in self.param_buffers.values():
                 buf.untyped_storage().resize_(0)
             self.weights_released = True

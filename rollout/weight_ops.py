@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout.layers.linear import copy_slices
 from rollout.loader import (
     WeightLoadError,
     apply_load,
@@ -37,7 +38,7 @@ from rollout.loader import (
 )
 from weight_sync.bucket import ALIGN, dtype_from_name
 from weight_sync.checksum import checksum_named_tensors
-from weight_sync.distributed import WeightGroupError, one_cpu_thread, receive_buckets
+from weight_sync.distributed import WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
 
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -87,13 +88,12 @@ def _with_bucket(handle: dict, device: torch.device, use, on_error) -> dict:
     ``use``, wait for the copies out of it (the sender reuses the buffer), close it."""
     from weight_sync.shm import open_bucket
 
+    if not isinstance(handle, dict):
+        return on_error(f"a bucket handle is a dict, got {type(handle).__name__}")
     try:
-        if not isinstance(handle, dict):
-            raise ValueError(f"a bucket handle is a dict, got {type(handle).__name__}")
         opened = open_bucket(handle)
     except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
-        return on_error(f"cannot read the {handle.get('kind', 'shared_memory') if isinstance(handle, dict) else ''} "
-                        f"bucket: {exc}")
+        return on_error(f"cannot read the {handle.get('kind', 'shared_memory')} bucket: {exc}")
     try:
         out = use(opened.named_tensors)
         if device.type == "cuda":
@@ -210,16 +210,14 @@ class WeightOpsMixin:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str | None = None, timeout_s: float = 60.0) -> dict:
-        from weight_sync.distributed import WeightGroupError, make_group
-
         groups = self.__dict__.setdefault("_update_groups", {})
         if group_name in groups:
             return {"success": False, "message": f"weight update group {group_name!r} already exists; destroy it first"}
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         rank = rank_offset + self.tp_rank
         try:
-            groups[group_name] = (make_group(master_address, master_port, rank, world_size, backend, timeout_s,
-                                             group_name), timeout_s)
+            groups[group_name] = make_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                                            group_name)
         except WeightGroupError as exc:
             return {"success": False, "message": str(exc)}
         return {"success": True, "message": f"joined weight update group {group_name!r} as rank {rank}/{world_size}"}
@@ -258,7 +256,7 @@ class WeightOpsMixin:
             staged = []
             if error is None:
                 try:
-                    staged = receive_buckets(groups[group_name][0], specs, bucket_bytes, self.device, group_name)
+                    staged = receive_buckets(groups[group_name], specs, bucket_bytes, self.device, group_name)
                 except WeightGroupError as exc:
                     groups.pop(group_name, None)
                     error = f"{exc}; the group was torn down, re-initialise it"
@@ -275,7 +273,7 @@ class WeightOpsMixin:
         runner.commit_shadow()
         if not partial:
             runner.weights_valid = True
-        nbytes = sum(torch.empty((), dtype=d).element_size() * math.prod(s) for _, d, s in specs)
+        nbytes = sum(d.itemsize * math.prod(s) for _, d, s in specs)
         return {"success": True, "message": f"loaded {len(specs)} tensors", "num_bytes": nbytes,
                 "receive_s": t_received - t_start, "commit_s": time.perf_counter() - t_received,
                 "received_in_place_bytes": self._placed_bytes}
@@ -321,20 +319,11 @@ class WeightOpsMixin:
             if placed:
                 self._placed_bytes += sum(v.numel() * v.element_size() for _, v in named)
                 return
-            dsts, srcs, tails = [], [], []
-            for name, view in named:
-                sl = name_map[name].slice
-                dsts.append(runner.shadow_view(sl.dst))
-                srcs.append(sl.source(view))
-                if sl.zero_tail is not None:
-                    tails.append(runner.shadow_view(sl.zero_tail))
             with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
-                torch._foreach_copy_(dsts, srcs)
-            for tail in tails:
-                tail.zero_()
+                copy_slices([(view, name_map[name].slice) for name, view in named], where=runner.shadow_view)
 
         try:
-            receive_buckets(groups[group_name][0], specs, bucket_bytes, self.device, group_name, write_bucket,
+            receive_buckets(groups[group_name], specs, bucket_bytes, self.device, group_name, write_bucket,
                             pool=self.__dict__.setdefault("_receive_pool", []), place=place)
         except WeightGroupError as exc:
             groups.pop(group_name, None)  # tear down only this group; re-initialising it works
@@ -345,13 +334,11 @@ class WeightOpsMixin:
 
     def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
         """Seconds to receive one bare broadcast of ``nbytes`` (the raw transport, for benchmarks)."""
-        from weight_sync.distributed import broadcast
-
         buf = self.__dict__.get("_probe_buf")
-        if buf is None or buf.numel() != nbytes:  # reused, like the update's staging buffer
+        if buf is None or buf.numel() != nbytes:  # reused, like the update's receive buffers
             self._probe_buf = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
-        broadcast(self.__dict__["_update_groups"][group_name][0], buf)
+        broadcast(self.__dict__["_update_groups"][group_name], buf)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ reading weights back

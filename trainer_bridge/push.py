@@ -15,7 +15,7 @@ import torch
 
 from trainer_bridge.names import to_hf_name
 from trainer_bridge.targets import WeightTarget
-from weight_sync.bucket import layout, views
+from weight_sync.bucket import FlattenedTensorBucket
 
 
 @dataclass
@@ -78,11 +78,7 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats) -> list[tu
         # Copy out while gathered (the gathered storage is freed on exit), cast to the engine's
         # dtype and packed in one pass: the bucket is one flat buffer, which a process-group
         # sender broadcasts as it is and an in-process target reads as views.
-        metas, total = layout((name, dtype, tuple(p.shape)) for name, p in bucket)
-        flat = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
-        out = views(flat, metas)
-        for (_, view), (_, p) in zip(out, bucket):
-            view.copy_(p.detach())
+        out = FlattenedTensorBucket([(name, p.detach()) for name, p in bucket], dtype=dtype).named_tensors()
         stats.pack_s += time.perf_counter() - t1
     stats.num_buckets += 1
     stats.num_bytes += sum(t.numel() * t.element_size() for _, t in out)

@@ -6,6 +6,7 @@ plain data (name, dtype, shape, byte offset): it travels as JSON, never as a pic
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -67,10 +68,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        n = dtype_from_name(self.dtype).itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return dtype_from_name(self.dtype).itemsize * math.prod(self.shape)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "shape": list(self.shape)}
@@ -80,14 +78,24 @@ class TensorMeta:
         return TensorMeta(str(d["name"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]), int(d["offset"]))
 
 
+def aligned_nbytes(dtype: torch.dtype, shape) -> int:
+    """Bytes a tensor takes in a bucket: its size rounded up to ``ALIGN``."""
+    return -(-dtype.itemsize * math.prod(shape) // ALIGN) * ALIGN
+
+
 def layout(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[TensorMeta], int]:
     """Byte offsets for (name, dtype, shape) specs; returns (metadata, total bytes)."""
     metas, offset = [], 0
     for name, dtype, shape in specs:
-        meta = TensorMeta(name, dtype_name(dtype), tuple(int(s) for s in shape), offset)
-        metas.append(meta)
-        offset += -(-meta.nbytes // ALIGN) * ALIGN
+        metas.append(TensorMeta(name, dtype_name(dtype), tuple(int(s) for s in shape), offset))
+        offset += aligned_nbytes(dtype, shape)
     return metas, offset
+
+
+def pack(buffer: torch.Tensor, metas: list[TensorMeta], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy each tensor into its place in ``buffer`` (metas from ``layout`` of the same tensors)."""
+    for (_, dst), (_, src) in zip(views(buffer, metas), named_tensors):
+        dst.copy_(src, non_blocking=dst.is_cuda)
 
 
 def views(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
@@ -103,17 +111,17 @@ def views(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torc
 
 
 class FlattenedTensorBucket:
-    """Pack named tensors into one uint8 buffer (``buffer``) described by ``metadata``."""
+    """Pack named tensors into one uint8 buffer (``buffer``) described by ``metadata``; with
+    ``dtype``, every tensor is cast to it on the way in (one pass)."""
 
     def __init__(self, named_tensors: Optional[list[tuple[str, torch.Tensor]]] = None, *,
                  buffer: Optional[torch.Tensor] = None, metadata: Optional[list[TensorMeta]] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         if named_tensors is not None:
-            metas, total = layout((n, t.dtype, tuple(t.shape)) for n, t in named_tensors)
+            metas, total = layout((n, dtype or t.dtype, tuple(t.shape)) for n, t in named_tensors)
             device = device or (named_tensors[0][1].device if named_tensors else torch.device("cpu"))
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
-            for m, (_, t) in zip(metas, named_tensors):
-                buffer[m.offset: m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            pack(buffer, metas, named_tensors)
             metadata = metas
         if buffer is None or metadata is None:
             raise ValueError("pass named_tensors, or buffer and metadata")
@@ -125,17 +133,3 @@ class FlattenedTensorBucket:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
-
-
-def split_into_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int):
-    """Consecutive groups whose byte size stays under ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += -(-n // ALIGN) * ALIGN
-    if bucket:
-        yield bucket

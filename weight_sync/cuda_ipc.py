@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from weight_sync.bucket import TensorMeta, layout, views
+from weight_sync.bucket import TensorMeta, layout, pack, views
 
 KIND = "cuda_ipc"
 _FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset",
@@ -70,8 +70,7 @@ class CudaIpcBucket:
         metas, total = layout((n, t.dtype, tuple(t.shape)) for n, t in named_tensors)
         self._ensure(total)
         with torch.cuda.device(self.device):
-            for (_, dst), (_, src) in zip(views(self.buffer[:total], metas), named_tensors):
-                dst.copy_(src, non_blocking=True)
+            pack(self.buffer[:total], metas, named_tensors)
             torch.cuda.current_stream().synchronize()  # the receiver reads on its own stream
         return {"kind": KIND, "owner": self.owner, "generation": self.generation, "ipc": dict(self._ipc),
                 "nbytes": total, "metadata": [m.to_dict() for m in metas]}
@@ -106,13 +105,6 @@ class _Mappings:
             self.by_owner[owner] = (generation, storage)
             return storage
 
-    def close(self, owner: Optional[str] = None) -> None:
-        with self.lock:
-            if owner is None:
-                self.by_owner.clear()
-            else:
-                self.by_owner.pop(owner, None)
-
     def __len__(self) -> int:
         return len(self.by_owner)
 
@@ -142,12 +134,7 @@ class OpenedIpcBucket:
                                                                                     (1,))
         if nbytes > buffer.numel():
             raise ValueError(f"handle says {nbytes} bytes but the exported buffer holds {buffer.numel()}")
-        self.device = buffer.device
         self.named_tensors = views(buffer[:nbytes], metas)
 
     def close(self) -> None:
         self.named_tensors = []
-
-
-def open_cuda_ipc_bucket(handle: dict) -> OpenedIpcBucket:
-    return OpenedIpcBucket(handle)

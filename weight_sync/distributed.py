@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weight_sync.bucket import ALIGN, dtype_name, layout, views, wire_order
+from weight_sync.bucket import aligned_nbytes, dtype_name, layout, pack, views, wire_order
 
 DEFAULT_BUCKET_BYTES = 128 << 20
 
@@ -90,10 +90,7 @@ def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_b
     specs = [specs[i] for i in wire_order([s[0] for s in specs])]
     bucket, size, limit = [], 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
     for spec in specs:
-        n = torch.empty((), dtype=spec[1]).element_size()
-        for s in spec[2]:
-            n *= s
-        n = -(-n // ALIGN) * ALIGN
+        n = aligned_nbytes(spec[1], spec[2])
         if bucket and size + n > limit:
             yield bucket
             bucket, size, limit = [], 0, bucket_bytes
@@ -115,12 +112,9 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     the (name, view) pairs are returned (a multi-call transaction stages them).
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
     buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
-    if on_bucket is None:
-        staging = torch.empty(sum(total for _, total in buckets), dtype=torch.uint8, device=device)
-        starts = [0]
-        for _, total in buckets:
-            starts.append(starts[-1] + total)
-        slots, window = [staging[a:b] for a, b in zip(starts, starts[1:])], len(buckets)
+    placed = [None] * len(buckets)
+    if on_bucket is None:  # every bucket kept: its own buffer, all posted at once
+        slots, window = [torch.empty(total, dtype=torch.uint8, device=device) for _, total in buckets], len(buckets)
     else:
         need = max((total for _, total in buckets), default=0)
         if pool is None:
@@ -251,8 +245,7 @@ class WeightUpdateSender:
                         self.group.wait(in_flight[b])  # this buffer is free again once its bucket is out
                     flat = self._buffers[b][:total]
                     with one_cpu_thread(device):
-                        for name, view in views(flat, metas):
-                            view.copy_(tensors[name])
+                        pack(flat, metas, [(m.name, tensors[m.name]) for m in metas])
                     in_flight[b] = work = self.group.pg.broadcast([flat], opts)
                 else:
                     work = self.group.pg.broadcast([flat], opts)

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from weight_sync.bucket import TensorMeta, layout, views
+from weight_sync import cuda_ipc
+from weight_sync.bucket import TensorMeta, layout, pack, views
 
 KIND = "shared_memory"
 
@@ -39,8 +40,7 @@ class SharedMemoryBucket:
         """Copy the tensors in (one copy each) and return the JSON-able handle for the receiver."""
         metas, total = layout((n, t.dtype, tuple(t.shape)) for n, t in named_tensors)
         self._ensure(total)
-        for (_, dst), (_, src) in zip(views(self.buffer[:total], metas), named_tensors):
-            dst.copy_(src)
+        pack(self.buffer[:total], metas, named_tensors)
         return {"kind": KIND, "shm_name": self.shm.name, "nbytes": total, "metadata": [m.to_dict() for m in metas]}
 
     def close(self) -> None:
@@ -101,8 +101,6 @@ def open_bucket(handle: dict):
     kind = handle.get("kind", KIND)
     if kind == KIND:
         return OpenedBucket(handle)
-    if kind == "cuda_ipc":
-        from weight_sync.cuda_ipc import OpenedIpcBucket
-
-        return OpenedIpcBucket(handle)
-    raise ValueError(f"unknown bucket handle kind {kind!r}: expected 'shared_memory' or 'cuda_ipc'")
+    if kind == cuda_ipc.KIND:
+        return cuda_ipc.OpenedIpcBucket(handle)
+    raise ValueError(f"unknown bucket handle kind {kind!r}: expected {KIND!r} or {cuda_ipc.KIND!r}")

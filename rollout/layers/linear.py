@@ -35,12 +35,25 @@ class LoadSlice(NamedTuple):
         return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
 
     def copy_from(self, full: torch.Tensor) -> None:
-        self.dst.copy_(self.source(full))
-        if self.zero_tail is not None:
-            self.zero_tail.zero_()
+        copy_slices([(full, self)])
 
 
-def _attach(param: nn.Parameter, layer) -> nn.Parameter:
+def copy_slices(pairs, where=None) -> None:
+    """Copy each full tensor's part into its slice's destination — ``where(dst)`` when given (e.g.
+    the same region of a shadow buffer) — in one batched call; zero any padding rows."""
+    dsts, srcs, tails = [], [], []
+    for full, sl in pairs:
+        dsts.append(sl.dst if where is None else where(sl.dst))
+        srcs.append(sl.source(full))
+        if sl.zero_tail is not None:
+            tails.append(sl.zero_tail if where is None else where(sl.zero_tail))
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    for tail in tails:
+        tail.zero_()
+
+
+def attach_loader_hooks(param: nn.Parameter, layer) -> nn.Parameter:
     """Give a parameter its layer's loader hooks (the loader only ever sees the parameter)."""
     param.weight_loader = lambda p, full, shard_id=None: layer.load_slice(p, shard_id).copy_from(full)
     param.load_slice = layer.load_slice
@@ -63,10 +76,11 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [divide(s, self.tp_size, "linear output") for s in self.output_sizes]
         self.shard_ids = shard_ids  # None: one unpacked weight
         out_local = sum(self.local_sizes)
-        self.weight = _attach(nn.Parameter(torch.empty(out_local, input_size, dtype=params_dtype),
-                                           requires_grad=False), self)
+        self.weight = attach_loader_hooks(
+            nn.Parameter(torch.empty(out_local, input_size, dtype=params_dtype), requires_grad=False), self)
         if bias:
-            self.bias = _attach(nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False), self)
+            self.bias = attach_loader_hooks(
+                nn.Parameter(torch.empty(out_local, dtype=params_dtype), requires_grad=False), self)
         else:
             self.register_parameter("bias", None)
 
@@ -155,10 +169,11 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
         self.input_size, self.output_size = input_size, output_size
         self.local_in = divide(input_size, self.tp_size, "linear input")
-        self.weight = _attach(nn.Parameter(torch.empty(output_size, self.local_in, dtype=params_dtype),
-                                           requires_grad=False), self)
+        self.weight = attach_loader_hooks(
+            nn.Parameter(torch.empty(output_size, self.local_in, dtype=params_dtype), requires_grad=False), self)
         if bias:
-            self.bias = _attach(nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False), self)
+            self.bias = attach_loader_hooks(
+                nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False), self)
         else:
             self.register_parameter("bias", None)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers.linear import LoadSlice
+from rollout.layers.linear import LoadSlice, attach_loader_hooks
 from rollout.layers.parallel_state import get_tp_state, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -27,13 +27,17 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_local = padded_vocab_size(vocab_size, self.tp_size) // self.tp_size
         self.vocab_start = self.tp_rank * self.num_local
-        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=params_dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = lambda p, full, shard_id=None: self.load_slice(p).copy_from(full)
-        self.weight.load_slice = self.load_slice
-        self.weight.shard_shape = lambda param, shard_id=None: (self.vocab_size, self.hidden_size)
-        self.weight.local_part = lambda param, shard_id=None: param.data
-        self.weight.full_from_parts = lambda parts, shard_id=None: torch.cat(parts, dim=0)[: self.vocab_size]
+        self.weight = attach_loader_hooks(
+            nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=params_dtype), requires_grad=False), self)
+
+    def shard_shape(self, param, shard_id=None) -> tuple[int, int]:
+        return (self.vocab_size, self.hidden_size)
+
+    def local_part(self, param, shard_id=None) -> torch.Tensor:
+        return param.data
+
+    def full_from_parts(self, parts, shard_id=None) -> torch.Tensor:
+        return torch.cat(parts, dim=0)[: self.vocab_size]
 
     def load_slice(self, param: nn.Parameter, shard_id=None) -> LoadSlice:
         n = max(0, min(self.num_local, self.vocab_size - self.vocab_start))
