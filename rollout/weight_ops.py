@@ -39,6 +39,7 @@ from rollout.loader import (
 from weight_sync.bucket import ALIGN, dtype_from_name
 from weight_sync.checksum import checksum_named_tensors
 from weight_sync.distributed import WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
+from weight_sync.shm import open_bucket
 
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -86,8 +87,6 @@ def validate_safetensors_file(path: str) -> None:
 def _with_bucket(handle: dict, device: torch.device, use, on_error) -> dict:
     """Open a sender's bucket (shared memory or CUDA IPC), hand its (name, view) pairs to
     ``use``, wait for the copies out of it (the sender reuses the buffer), close it."""
-    from weight_sync.shm import open_bucket
-
     if not isinstance(handle, dict):
         return on_error(f"a bucket handle is a dict, got {type(handle).__name__}")
     try:

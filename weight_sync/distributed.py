@@ -108,8 +108,8 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     needed), or where ``place(metas, total)`` says (a byte view, or None for the pool), and
     ``on_bucket(named, placed)`` gets its (name, view) pairs while the next bucket is already on
     the wire; pool views are only valid during the call. Returns None.
-    Without: every bucket is kept, in one fresh buffer with every receive posted up front, and
-    the (name, view) pairs are returned (a multi-call transaction stages them).
+    Without: every bucket is kept, each in a fresh buffer of its own with every receive posted
+    up front, and the (name, view) pairs are returned (a multi-call transaction stages them).
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
     buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
     placed = [None] * len(buckets)
