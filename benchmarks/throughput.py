@@ -7,7 +7,7 @@ import sys
 # shadow the weight_sync package: put the repository root first instead.
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from rollout.bench_throughput import main  # noqa: E402
+from rollout.tools.bench_throughput import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -28,12 +28,12 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from rollout import RolloutEngine  # noqa: E402
-from rollout.bench_throughput import build_model  # noqa: E402
-from rollout.loader import hf_parameter_order  # noqa: E402
+from rollout.tools.bench_throughput import build_model  # noqa: E402
+from rollout.tools.hf import hf_parameter_order  # noqa: E402
 from rollout.tp_group import free_port  # noqa: E402
 from weight_sync import FlattenedTensorBucket, SharedMemoryBucket  # noqa: E402
-from weight_sync.bucket import layout  # noqa: E402
 from weight_sync.distributed import WeightUpdateSender  # noqa: E402
+from weight_sync.layout import layout  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:
@@ -81,9 +81,9 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     res = {"model": name, "bytes": nbytes, "dtype": str(dtype)}
     with RolloutEngine(path, dtype=str(dtype).replace("torch.", ""), kv_cache_tokens=256) as engine:
-        # tensor, in-process. The raw copy writes the same bytes into the same destination memory:
-        # consecutive views of the engine's own flat parameter buffer (the physical floor).
-        flat = engine.worker.model_runner.param_buffers[dtype]
+        # tensor, in-process. The raw copy writes the same bytes into memory laid out like the
+        # engine's own (consecutive views of one flat buffer, pages already touched): the physical floor.
+        flat = torch.zeros(sum(t.numel() for _, t in tensors), dtype=dtype)
         dests, offset = [], 0
         for _, t in tensors:
             dests.append(flat[offset: offset + t.numel()].view(t.shape))
@@ -142,14 +142,13 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
             for source in SENDER_LAYOUTS:
                 raw_b, upd_b = [], []
                 for _ in range(repeats + 2):
-                    raw_b.append(engine._call(lambda: engine._worker_call("probe_weights_update_group", "bench",
-                                                                           raw_bytes)))
+                    raw_b.append(engine.probe_weights_update_group("bench", raw_bytes))
                     t0 = time.perf_counter()
                     out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench",
                                                                  bucket_bytes=bucket, check_finite=False)
                     upd_b.append(time.perf_counter() - t0)
                     assert out.success, out.message
-                    split = engine._last_update_detail
+                    split = out.detail
                 res["distributed"][f"{bucket >> 20}MiB {source}"] = {
                     "raw_broadcast_s": min(raw_b), "update_s": min(upd_b), "fraction_of_raw": min(raw_b) / min(upd_b),
                     "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s"),

@@ -53,12 +53,12 @@ def parse(argv=None):
 
 def model_path(name: str, seed: int) -> str:
     if name == "smollm2":
-        from rollout.smollm2 import smollm2_path
+        from rollout.tools.smollm2 import smollm2_path
 
         return smollm2_path()
     if name != "tiny":
         return name
-    from rollout.tiny import make_tiny_model
+    from rollout.tools.tiny import make_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-{seed}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):

@@ -2,9 +2,10 @@
 
 from rollout.engine import EngineDeadError, RolloutEngine
 from rollout.loader import WeightLoadError, load_named_tensors
+from rollout.messages import WeightResult
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 
-__all__ = ["RolloutEngine", "SamplingParams", "RolloutOutput", "load_named_tensors", "WeightLoadError",
-           "EngineDeadError"]
+__all__ = ["RolloutEngine", "SamplingParams", "RolloutOutput", "WeightResult", "load_named_tensors",
+           "WeightLoadError", "EngineDeadError"]
 __version__ = "0.1.0"

@@ -75,14 +75,14 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from rollout.demo import main as demo_main
+    from rollout.tools.demo import main as demo_main
 
     return demo_main(args.rest)
 
 
 def _cmd_bench(args) -> int:
     if args.which == "throughput":
-        from rollout.bench_throughput import main as bench_main
+        from rollout.tools.bench_throughput import main as bench_main
 
         bench_main(args.rest)
         return 0

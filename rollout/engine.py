@@ -1,54 +1,71 @@
 """``RolloutEngine``: the public entry point.
 
-The engine owns a background loop thread that owns the scheduler (and through it the batch);
-``generate``, ``async_generate`` and control calls are its clients, talking to it through a
-command queue, so requests (and later weight updates) can arrive while generation runs. Input is
-validated in the caller's thread: a bad request raises there and never reaches the batch.
+The engine owns a background loop (``EngineLoop``) that owns the scheduler; ``generate``,
+``async_generate`` and every control call are its clients. Input is validated in the caller's
+thread (``Admission``): a bad request raises there and never reaches the batch. Weight operations
+(SGLang's names) build a typed message (``rollout.messages``) and hand it to ``EngineWeights``,
+which runs it on every TP rank at the right point of the loop and publishes what committed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from typing import Any, Optional, Union
 
+import torch
+
+from rollout.admission import Admission, PromptIds
 from rollout.config import EngineConfig
-from rollout.engine_weights import EngineWeightsMixin
+from rollout.engine_loop import EngineDeadError, EngineLoop
+from rollout.engine_weights import EngineWeights, check_memory_tags
+from rollout.messages import (
+    AbortTransaction,
+    ApplyDisk,
+    ApplyHandle,
+    BeginTransaction,
+    CommitTransaction,
+    DestroyUpdateGroup,
+    InitUpdateGroup,
+    ProbeUpdateGroup,
+    ReadWeight,
+    ReceiveDistributed,
+    ResumeMemory,
+    StageDistributed,
+    StageHandle,
+    WeightResult,
+    WeightsChecksum,
+)
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
-from rollout.random import derive_seed
 from rollout.request import Request, Sequence
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
 from rollout.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
 from rollout.tp_external import ExternalLeaderWorker, ExternalTp
-from rollout.tp_group import TpWorkerError, TpWorkerGroup
+from rollout.tp_group import TpWorkerGroup
 from rollout.tp_worker import TpModelWorker
+from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.distributed import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
-PromptIds = list[int]
+__all__ = ["RolloutEngine", "EngineDeadError"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (shut down, or a fatal error)."""
-
-
-class RolloutEngine(EngineWeightsMixin):
+class RolloutEngine:
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, tp_size=tp_size, dtype=dtype, device=device,
                                                seed=seed, **kwargs)
         ModelConfig.from_pretrained(model_path).check_tp_size(self.config.tp_size)  # before spawning anything
         self._ext: Optional[ExternalTp] = None
-        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[EngineLoop] = None
+        self._weights: Optional[EngineWeights] = None
         if self.config.tp_size == 1:
             self.worker = TpModelWorker(self.config)
         elif self._use_external_launch():
@@ -61,18 +78,15 @@ class RolloutEngine(EngineWeightsMixin):
         self._detokenize = make_detokenizer(self.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.worker, self.eos_token_ids, self._detokenize)
-        self._defaults = self.model_config.generation_defaults if self.config.use_generation_config else {}
-        self._counter = itertools.count()
-        self._commands: queue.Queue = queue.Queue()
-        self._alive = True
-        self._paused = False
-        self._shm = self._ipc = None  # this engine's own buckets for its spawned ranks
-        self._fatal: Optional[BaseException] = None
-        if self.is_follower:
-            return  # an external-launch follower runs the leader's steps inside generate()
-        self._thread = threading.Thread(target=self._run_loop, name="rollout-engine-loop", daemon=True)
-        self._thread.start()
-        logger.info("engine ready: %s", self.worker.model_runner.describe())
+        defaults = self.model_config.generation_defaults if self.config.use_generation_config else {}
+        self._admission = Admission(self.config, self.model_config, self.worker, self.tokenizer, self._detokenize,
+                                    defaults)
+        # an external-launch follower runs the leader's steps inside generate(): no loop thread
+        self._loop = EngineLoop(self.scheduler, start=not self.is_follower)
+        self._weights = EngineWeights(self.worker, self.scheduler, self._loop,
+                                      ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup))
+        if not self.is_follower:
+            logger.info("engine ready: %s", self.worker.model_runner.describe())
 
     def _use_external_launch(self) -> bool:
         import torch.distributed as dist
@@ -86,170 +100,40 @@ class RolloutEngine(EngineWeightsMixin):
         """An external-launch rank other than its engine's leader (it runs no scheduler)."""
         return self._ext is not None and not self._ext.is_leader
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ what callers may read
 
-    def _is_quiet(self) -> bool:
-        return self._paused or not self.scheduler.has_work()
+    @property
+    def tp_size(self) -> int:
+        return self.config.tp_size
 
-    def _run_loop(self) -> None:
-        sched = self.scheduler
-        held: deque = deque()  # a command waiting for a quiet point, and every later one but aborts
-        while True:
-            try:
-                block = (self._paused or not sched.has_work()) and not (held and self._is_quiet())
-                while True:
-                    try:
-                        cmd = self._commands.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if cmd[0] == "stop":
-                        sched.abort(None)
-                        for h in held:
-                            self._execute(h)
-                        sched.close()
-                        return
-                    if cmd[0] != "abort" and (held or (cmd[0] == "call" and cmd[4] and not self._is_quiet())):
-                        held.append(cmd)
-                    else:
-                        self._execute(cmd)
-                while held and (not held[0][0] == "call" or not held[0][4] or self._is_quiet()):
-                    self._execute(held.popleft())
-                if sched.has_work() and not self._paused:
-                    sched.step()
-            except TpWorkerError as exc:  # a rank is gone: fail everything and stop serving
-                logger.error("%s", exc)
-                self._fatal = exc
-                sched.fail_all(exc)
-                self._alive = False
-                return
-            except Exception as exc:  # a failed step fails its requests; the engine keeps serving
-                logger.exception("engine step failed")
-                sched.fail_all(exc)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.model_runner.dtype
 
-    def _execute(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            self.scheduler.add_request(cmd[1])
-        elif kind == "abort":
-            self.scheduler.abort(cmd[1])
-        elif kind == "call":
-            fn, box, done = cmd[1], cmd[2], cmd[3]
-            try:
-                self.scheduler.drain()
-                box["result"] = fn()
-            except BaseException as exc:
-                box["error"] = exc
-            done.set()
+    @property
+    def device(self) -> torch.device:
+        return self.worker.model_runner.device
 
-    def _call(self, fn: Callable[[], Any], timeout: Optional[float] = None, quiet: bool = False) -> Any:
-        """Run ``fn`` on the loop thread at a step boundary (``quiet``: once no request runs, or
-        generation is paused) and return its result."""
-        self._check_alive()
-        box: dict = {}
-        done = threading.Event()
-        self._commands.put(("call", fn, box, done, quiet))
-        if not done.wait(timeout):
-            raise TimeoutError("the engine loop did not answer in time")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+    def memory_nbytes(self) -> dict[str, int]:
+        """Bytes this rank's engine holds as whole buffers: {"weights": ..., "kv_cache": ...}."""
+        runner = self.worker.model_runner
+        return {"weights": runner.weights_nbytes(), "kv_cache": runner.kv_nbytes()}
 
-    def _check_alive(self) -> None:
-        if self._fatal is not None:
-            raise EngineDeadError(f"the engine stopped: {self._fatal}")
-        if not self._alive or (self._thread is not None and not self._thread.is_alive()):
-            raise EngineDeadError("the engine is shut down; create a new RolloutEngine")
+    def storage_moved(self) -> list[str]:
+        """Parameters / KV whose storage moved since CUDA graphs were captured (empty: none, or no graphs)."""
+        return self.worker.model_runner.storage_moved()
 
-    # ------------------------------------------------------------------ requests
+    def worker_pids(self) -> list[int]:
+        """Process ids of the spawned TP ranks (empty for TP=1 and external launch)."""
+        return self.worker.worker_pids() if isinstance(self.worker, TpWorkerGroup) else []
 
-    def _normalize_prompts(self, prompts, input_ids) -> list[PromptIds]:
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompts (strings) or input_ids (token id lists)")
-        if prompts is not None:
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass input_ids instead of prompts")
-            if not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompts must be a string or a list of strings")
-            return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
-        if input_ids and all(isinstance(t, int) for t in input_ids):
-            input_ids = [input_ids]
-        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
-            raise ValueError("input_ids must be a list of token ids or a list of such lists")
-        return [list(p) for p in input_ids]
+    # ------------------------------------------------------------------ generation
 
-    def _make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
-                       logprob_start_len: int, rid, on_update=None) -> list[Request]:
-        self._check_alive()
-        self._check_memory_ready()
-        ids_list = self._normalize_prompts(prompts, input_ids)
-        if not ids_list:
-            raise ValueError("no prompts given")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-        if len(params) != len(ids_list):
-            raise ValueError(f"got {len(params)} sampling_params for {len(ids_list)} prompts")
-        params = [SamplingParams.from_dict(p) if isinstance(p, dict) else p for p in params]
-        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be an integer >= 0")
-        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-            raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or a position >= 0")
-        rids = [rid] if isinstance(rid, str) else rid
-        if rids is not None and len(rids) != len(ids_list):
-            raise ValueError(f"got {len(rids)} rids for {len(ids_list)} prompts")
-        vocab = self.model_config.vocab_size
-        w = self.worker
-        reqs = []
-        for i, (ids, sp) in enumerate(zip(ids_list, params)):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError("sampling_params must be SamplingParams, a dict, or a list of them")
-            sp.check_vocab(vocab)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-            if len(ids) > w.max_req_input_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; the limit is {w.max_req_input_len} "
-                                 f"(context {w.context_len}, KV pool {w.max_total_num_tokens} tokens): shorten it "
-                                 f"or raise max_model_len / kv_cache_tokens")
-            if len(ids) + sp.max_new_tokens > w.max_req_len:
-                raise ValueError(f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens={sp.max_new_tokens} "
-                                 f"exceeds the limit of {w.max_req_len} tokens per sequence; lower max_new_tokens")
-            counter = next(self._counter)
-            seed = sp.seed if sp.seed is not None else derive_seed(self.config.seed, counter)
-            seq_ids = [next(self._counter) for _ in range(sp.n)]
-            reqs.append(Request(rids[i] if rids else f"req-{counter}", i, ids, sp.resolved(self._defaults), seed,
-                                seq_ids, return_logprob, top_logprobs_num, logprob_start_len, on_update))
-        return reqs
-
-    def _to_output(self, req: Request, seq: Sequence) -> RolloutOutput:
-        text = seq.text
-        if text is None and self._detokenize is not None:
-            text = self._detokenize(seq.output_ids, req.params.skip_special_tokens)
-        end = req.finish_time if seq.is_finished and req.finish_time else time.perf_counter()
-        return RolloutOutput(
-            rid=req.rid, prompt_index=req.prompt_index, sample_index=seq.sample_index,
-            prompt_token_ids=list(req.prompt_ids), output_token_ids=list(seq.output_ids),
-            output_logprobs=list(seq.output_logprobs), text=text,
-            output_top_logprobs=list(seq.output_top_logprobs),
-            input_logprobs=list(req.input_logprobs), input_top_logprobs=list(req.input_top_logprobs),
-            finish_reason=seq.finish_reason, matched_stop=seq.matched_stop, stop_text_offset=seq.stop_text_offset,
-            logprob_mode=self.config.logprob_mode,
-            weight_version=seq.output_versions[-1] if seq.output_versions else self.scheduler.weight_version,
-            output_weight_versions=list(seq.output_versions), num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-            time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,
-            latency_s=end - req.arrival_time,
-        )
-
-    def _collect(self, reqs: list[Request]) -> list[RolloutOutput]:
-        errors = [r.error for r in reqs if r.error is not None]
-        if errors:
-            raise RuntimeError(f"generation failed: {errors[0]!r}") from errors[0]
-        return [self._to_output(r, s) for r in reqs for s in r.seqs]
+    def _check_ready(self) -> None:
+        self._loop.check_alive()
+        error = self.worker.model_runner.memory_error()
+        if error is not None:
+            raise RuntimeError(error)
 
     def generate(self, prompts: Union[str, list[str], None] = None,
                  input_ids: Union[PromptIds, list[PromptIds], None] = None,
@@ -260,8 +144,9 @@ class RolloutEngine(EngineWeightsMixin):
 
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
-        reqs = self._make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                   logprob_start_len, rid)
+        self._check_ready()
+        reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                             logprob_start_len, rid)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -270,28 +155,28 @@ class RolloutEngine(EngineWeightsMixin):
             outs = self._run_requests(reqs)
         except BaseException as exc:
             error = repr(exc)
-            self._call(lambda: self.worker.send_done(None, error))
+            self._loop.call(lambda: self.worker.send_done(None, error))
             raise
-        self._call(lambda: self.worker.send_done(outs))
+        self._loop.call(lambda: self.worker.send_done(outs))
         return outs
 
     def _run_requests(self, reqs: list[Request]) -> list[RolloutOutput]:
         for r in reqs:
-            self._commands.put(("add", r))
+            self._loop.submit(r)
         deadline = None if self.config.request_timeout_s is None else time.monotonic() + self.config.request_timeout_s
         try:
             for r in reqs:
                 while not r.done.wait(0.5):
-                    if self._fatal is not None:
+                    if self._loop.fatal is not None:
                         break
-                    self._check_alive()
+                    self._loop.check_alive()
                     if deadline is not None and time.monotonic() > deadline:
                         raise TimeoutError(f"request {r.rid} did not finish in {self.config.request_timeout_s}s")
         except BaseException:
             for r in reqs:
-                self._commands.put(("abort", r.rid))
+                self._loop.abort(r.rid)
             raise
-        return self._collect(reqs)
+        return self._admission.outputs(reqs, self.scheduler.weight_version)
 
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
@@ -304,14 +189,15 @@ class RolloutEngine(EngineWeightsMixin):
         updates: asyncio.Queue = asyncio.Queue()
 
         def on_update(req: Request, seqs: list[Sequence]) -> None:
-            outs = [self._to_output(req, s) for s in seqs] if stream else []
+            outs = [self._admission.to_output(req, s, self.scheduler.weight_version) for s in seqs] if stream else []
             final = req.done.is_set()  # read here, in order with the updates: the last one is final
             loop.call_soon_threadsafe(updates.put_nowait, (req, outs, final))
 
-        reqs = self._make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                   logprob_start_len, rid, on_update)
+        self._check_ready()
+        reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                             logprob_start_len, rid, on_update)
         for r in reqs:
-            self._commands.put(("add", r))
+            self._loop.submit(r)
 
         async def events():
             pending = set(id(r) for r in reqs)
@@ -325,13 +211,13 @@ class RolloutEngine(EngineWeightsMixin):
             finally:
                 for r in reqs:
                     if not r.done.is_set():
-                        self._commands.put(("abort", r.rid))
+                        self._loop.abort(r.rid)
 
         if stream:
             return events()
         async for _ in events():  # drain until every request reports its final update
             continue
-        return self._collect(reqs)
+        return self._admission.outputs(reqs, self.scheduler.weight_version)
 
     # ------------------------------------------------------------------ control
 
@@ -339,36 +225,177 @@ class RolloutEngine(EngineWeightsMixin):
         """Abort one request (its partial outputs are returned with finish_reason "abort") or all."""
         if rid is None and not abort_all:
             raise ValueError("pass rid, or abort_all=True")
-        self._commands.put(("abort", None if abort_all else rid))
+        self._loop.abort(None if abort_all else rid)
 
     def flush_cache(self) -> bool:
-        return self._call(lambda: (self.scheduler.block_manager.flush(), True)[1])
+        self._loop.call(self.scheduler.flush_cache)
+        return True
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """abort: abort running requests; retract: send them back to the queue (KV dropped, recomputed
+        later); in_place: keep them and their KV. New requests queue until ``continue_generation``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: use one of {PAUSE_MODES}")
+
+        def pause():
+            if mode == "abort":
+                self.scheduler.abort(None)
+            elif mode == "retract":
+                self.scheduler.retract_all()
+            self._loop.paused = True
+        self._loop.call(pause)
+
+    def continue_generation(self) -> None:
+        def resume():
+            self._loop.paused = False
+        self._loop.call(resume)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> PromptIds:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def get_stats(self) -> dict:
-        def read():
-            s = self.scheduler.stats
-            bm = self.scheduler.block_manager
-            return {**vars(s), "prefix_cache_queries": bm.stats.num_queries,
-                    "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
-                    "num_blocks": bm.num_blocks}
-        return self._call(read)
+        return self._loop.call(self.scheduler.get_stats)
+
+    # ------------------------------------------------------------------ weight updates (SGLang names)
+
+    def update_weights_from_tensor(self, named_tensors: Union[list, FlattenedTensorBucket, dict],
+                                   load_format: Optional[str] = None, flush_cache: bool = True,
+                                   weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                   check_finite: bool = True, partial: bool = False,
+                                   transaction: bool = False) -> WeightResult:
+        """Load full tensors under Hugging Face names, all-or-nothing.
+
+        named_tensors: a list of (name, tensor) (``load_format`` None or "direct"), a
+        ``FlattenedTensorBucket`` ("flattened_bucket"), or a handle from another process on this
+        machine: ``weight_sync.SharedMemoryBucket.write`` (CPU) or ``weight_sync.CudaIpcBucket.write``
+        (GPU; the sender's buffer is exported once and mapped once, however many updates follow).
+        Dtypes must equal the engine's; every weight must be present unless ``partial``.
+        ``transaction=True`` only stages the tensors into the open transaction (``begin_weight_update``).
+        """
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(f"load_format={load_format!r}: use None/'direct', 'flattened_bucket' or pass a "
+                             "shared-memory handle")
+        if isinstance(named_tensors, FlattenedTensorBucket):
+            named_tensors = named_tensors.named_tensors()
+        if isinstance(named_tensors, dict):  # another process's bucket: every rank opens it
+            msg = (StageHandle(named_tensors) if transaction
+                   else ApplyHandle(named_tensors, check_finite, partial))
+        else:
+            named = list(named_tensors)
+            bad = next((i for i, item in enumerate(named) if not (isinstance(item, (tuple, list)) and len(item) == 2
+                        and isinstance(item[0], str) and isinstance(item[1], torch.Tensor))), None)
+            if bad is not None:
+                return WeightResult.fail(f"named_tensors[{bad}] is not a (name, tensor) pair; nothing was loaded")
+            msg = self._weights.tensors_message(named, check_finite, partial, stage=transaction)
+        if transaction:
+            return self._weights.run(msg)
+        return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True,
+                                 weight_version: Optional[str] = None, recapture_cuda_graph: bool = False,
+                                 abort_all_requests: bool = False, check_finite: bool = True) -> WeightResult:
+        """Load a Hugging Face safetensors folder (sharded or not), validated from its headers first."""
+        if load_format not in ("auto", "safetensors"):
+            raise ValueError(f"load_format={load_format!r}: only safetensors folders are loaded ('auto')")
+        return self._weights.update(ApplyDisk(str(model_path), check_finite, recapture_cuda_graph), weight_version,
+                                    flush_cache, abort_all_requests)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: Optional[str] = None,
+                                  timeout_s: float = 60.0) -> WeightResult:
+        """Join the trainer's weight-update group (engine TP rank r is rank ``rank_offset + r``).
+        Fails with a clear message (naming the group) if nobody joins within ``timeout_s``."""
+        return self._weights.run(InitUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size),
+                                                 group_name, backend, float(timeout_s)))
+
+    def destroy_weights_update_group(self, group_name: str) -> WeightResult:
+        return self._weights.run(DestroyUpdateGroup(group_name))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
+                                        flush_cache: bool = True, weight_version: Optional[str] = None,
+                                        load_format: str = "flattened_bucket", bucket_bytes: Optional[int] = None,
+                                        abort_all_requests: bool = False, check_finite: bool = True,
+                                        partial: bool = False, transaction: bool = False) -> WeightResult:
+        """Receive tensors broadcast by the trainer (``weight_sync.WeightUpdateSender.send`` with the same
+        ``bucket_bytes``), staged until all arrived, then committed on every TP rank or on none."""
+        spec = (tuple(names), tuple(str(d) for d in dtypes), tuple(tuple(int(x) for x in s) for s in shapes),
+                group_name, int(bucket_bytes or DEFAULT_BUCKET_BYTES), load_format)
+        if transaction:  # one bucket call of an open transaction: receive and stage only
+            return self._weights.run(StageDistributed(*spec))
+        return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
+                                    abort_all_requests)
+
+    def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
+        """Seconds to receive one bare broadcast of ``nbytes`` on the group (the trainer broadcasts
+        as many bytes): the raw transport a benchmark compares updates against."""
+        result = self._weights.run(ProbeUpdateGroup(group_name, int(nbytes)))
+        if not result.success:
+            raise ValueError(result.message)
+        return result.value
+
+    # ------------------------------------------------------------------ multi-call transactions
+
+    def begin_weight_update(self, weight_version: Optional[str] = None) -> WeightResult:
+        """Open a transaction: the following ``update_weights_from_tensor(..., transaction=True)`` /
+        ``update_weights_from_distributed(..., transaction=True)`` calls only stage (the engine keeps
+        serving the old weights); ``commit_weight_update`` applies everything on every rank, or nothing."""
+        self._weights.transaction_version = weight_version
+        return self._weights.run(BeginTransaction())
+
+    def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
+                             abort_all_requests: bool = False) -> WeightResult:
+        version, self._weights.transaction_version = self._weights.transaction_version, None
+        return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
+
+    def abort_weight_update(self) -> WeightResult:
+        self._weights.transaction_version = None
+        return self._weights.run(AbortTransaction())
+
+    # ------------------------------------------------------------------ checks
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first ``truncate_size`` values of the full Hugging Face tensor ``name`` (gathered over TP)."""
+        result = self._weights.run(ReadWeight(name, int(truncate_size)))
+        if not result.success:
+            raise ValueError(result.message)
+        return result.value
+
+    def get_weights_checksum(self) -> str:
+        """sha256 of every weight in Hugging Face form; equals
+        ``weight_sync.checksum_named_tensors(state_dict_items, dtype=engine dtype)`` on the trainer."""
+        result = self._weights.run(WeightsChecksum())
+        if not result.success:
+            raise ValueError(result.message)
+        return result.value
+
+    def get_weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._loop.call(lambda: self.scheduler.set_weight_version(weight_version))
+
+    # ------------------------------------------------------------------ memory (colocated training)
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None, backup_weights: bool = False) -> WeightResult:
+        """Free ``tags`` ⊆ {weights, kv_cache, cuda_graph} (None: all) at a quiet point. Released
+        KV drops the prefix cache. ``backup_weights`` keeps a host copy that resume restores;
+        without it, generation is refused until resume and a full weight update."""
+        return self._weights.release(check_memory_tags(tags), backup_weights)
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> WeightResult:
+        return self._weights.run(ResumeMemory(check_memory_tags(tags)), quiet=True)
+
+    # ------------------------------------------------------------------ lifetime
 
     def shutdown(self) -> None:
         """Stop the loop (aborting what runs) and reap every worker process."""
-        if getattr(self, "_thread", None) is not None and self._thread.is_alive():
-            self._commands.put(("stop",))
-            self._thread.join(timeout=30)
-        self._alive = False
+        if self._loop is not None:
+            self._loop.stop()
         worker = getattr(self, "worker", None)
         if worker is not None and hasattr(worker, "shutdown"):
             worker.shutdown()
-        for attr in ("_shm", "_ipc"):  # this engine's own buckets for its spawned ranks
-            if getattr(self, attr, None) is not None:
-                getattr(self, attr).close()
-                setattr(self, attr, None)
+        if self._weights is not None:
+            self._weights.close()  # this engine's own buckets for its spawned ranks
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -5,18 +5,16 @@ names are mapped to parameters (and packed shards), every item is validated (nam
 dtype, optionally finite) and coverage is checked *before the first copy*; then each parameter's
 ``weight_loader`` slices its shard and copies in place. Storage never moves.
 
-Items may be tensors or ``LazyTensor`` (a safetensors entry read only when copied), so a folder is
-validated from its headers and then streamed one tensor at a time.
+Items may be tensors or ``LazyTensor`` (a safetensors entry read only when copied, see
+``rollout.safetensors_io``), so a folder is validated from its headers and then streamed one tensor
+at a time.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -25,11 +23,6 @@ from rollout.layers.linear import LoadSlice, copy_slices
 
 # Checkpoint entries that are derived state, never weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
 
 # With tied embeddings the head has no weight of its own; some checkpoints still carry it.
 _TIED_ALIAS = "lm_head.weight"
@@ -92,17 +85,12 @@ def is_finite(t: torch.Tensor) -> bool:
     return not nonfinite_names([("", t)])
 
 
-def weight_name_map(model: nn.Module) -> dict[str, _Target]:
-    """Hugging Face name -> target parameter and shard, for every name the model accepts
-    (computed once per model: parameters never change identity)."""
-    cached = model.__dict__.get("_rollout_name_map")
-    if cached is not None:
-        return cached
-    model.__dict__["_rollout_name_map"] = names = _build_name_map(model)
-    return names
+NameMap = dict[str, "_Target"]
 
 
-def _build_name_map(model: nn.Module) -> dict[str, _Target]:
+def weight_name_map(model: nn.Module) -> NameMap:
+    """Hugging Face name -> target parameter and shard, for every name the model accepts.
+    Parameters never change identity, so an owner computes this once (``ModelRunner.name_map``)."""
     mapping = getattr(model, "packed_modules_mapping", {})
     names: dict[str, _Target] = {}
     for pname, param in model.named_parameters():
@@ -131,7 +119,7 @@ class LoadPlan:
     items: list[tuple[str, TensorLike, _Target]]
 
 
-def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]], *, strict_dtype: bool = False,
+def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]], *, strict_dtype: bool = False,
               require_complete: bool = True, check_finite: bool = False) -> LoadPlan:
     """Validate every item and the coverage; raise ``WeightLoadError`` listing every problem.
 
@@ -140,12 +128,21 @@ def plan_load(model: nn.Module, named_tensors: Iterable[tuple[str, TensorLike]],
     require_complete: every parameter must be covered (initial loads, full updates).
     check_finite: reject NaN/Inf (a lazy tensor is read once for the check).
     """
-    name_map = weight_name_map(model)
     items: list[tuple[str, TensorLike, _Target]] = []
     errors: list[str] = []
     seen: set[str] = set()
     to_check: list[tuple[str, torch.Tensor]] = []  # in-memory tensors: checked together
-    for name, tensor in named_tensors:
+    for item in named_tensors:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            errors.append(f"expected (name, tensor) pairs, got {type(item).__name__}")
+            continue
+        name, tensor = item
+        if not isinstance(name, str):
+            errors.append(f"weight names must be strings, got {type(name).__name__}")
+            continue
+        if not isinstance(tensor, (torch.Tensor, LazyTensor)):
+            errors.append(f"{name}: expected a tensor, got {type(tensor).__name__}")
+            continue
         if name.endswith(IGNORED_SUFFIXES):
             continue
         target = name_map.get(name)
@@ -218,45 +215,5 @@ def load_named_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, Tens
 
     Raises ``WeightLoadError`` listing every problem; in that case nothing was copied.
     """
-    return apply_load(plan_load(model, named_tensors, strict_dtype=strict_dtype,
+    return apply_load(plan_load(weight_name_map(model), named_tensors, strict_dtype=strict_dtype,
                                 require_complete=require_complete, check_finite=check_finite))
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors folders
-
-
-def hf_parameter_order(model_path: str) -> list[str]:
-    """The weight names of the folder's transformers model in the model's own order (what a
-    trainer's ``state_dict()`` lists; a safetensors file lists them alphabetically)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return list(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)).state_dict())
-
-
-def safetensors_files(model_path: str) -> list[str]:
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_path, name) for name in files]
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path!r} (only safetensors weights are loaded)")
-    return files
-
-
-def iter_safetensors(model_path: str, device: Optional[str] = None) -> Iterable[tuple[str, LazyTensor]]:
-    """Yield (name, LazyTensor) for every tensor of a folder; shapes and dtypes come from headers."""
-    from safetensors import safe_open
-
-    for path in safetensors_files(model_path):
-        handle = safe_open(path, framework="pt", device="cpu")
-        for name in handle.keys():
-            sl = handle.get_slice(name)
-            dtype = _ST_DTYPES.get(sl.get_dtype())
-            if dtype is None:
-                raise WeightLoadError(f"{name}: unsupported safetensors dtype {sl.get_dtype()}")
-            yield name, LazyTensor(tuple(sl.get_shape()), dtype,
-                                   (lambda h=handle, n=name: h.get_tensor(n)))

@@ -22,9 +22,10 @@ from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.linear import LOADER_HOOKS
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import SampleOutput, sample
-from rollout.loader import LoadReport, iter_safetensors, load_named_tensors
+from rollout.loader import LoadReport, apply_load, plan_load, weight_name_map
 from rollout.models import ModelConfig, build_model
-from weight_sync.bucket import wire_order
+from rollout.safetensors_io import iter_safetensors
+from weight_sync.layout import wire_order
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,9 @@ class ModelRunner:
                 real = RotaryEmbedding(model_config.head_dim, max_model_len, model_config.rope_theta,
                                        model_config.rope_scaling)
                 module.cos, module.sin = real.cos.to(device), real.sin.to(device)
+        self.name_map = weight_name_map(self.model)  # HF name -> where it lands (parameters never move)
         t0 = time.perf_counter()
-        self.load_report: LoadReport = load_named_tensors(self.model, iter_safetensors(config.model_path))
+        self.load_report: LoadReport = apply_load(plan_load(self.name_map, iter_safetensors(config.model_path)))
         logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
         self.max_model_len = max_model_len
@@ -229,11 +231,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory release / resume
 
-    def release_memory(self, tags: list[str], backup_weights: bool = False) -> dict:
+    def release_memory(self, tags, backup_weights: bool = False) -> int:
         """Return the storage of whole buffers to the allocator (and, on CUDA, the driver).
 
         Parameters and KV views keep their tensor objects: resuming regrows the same storages, so
-        nothing else needs rebinding (the storage address may change: the graph audit tells)."""
+        nothing else needs rebinding (the storage address may change: the graph audit tells).
+        Returns the bytes freed."""
         freed = 0
         if "cuda_graph" in tags and self.graph_runner is not None:
             self.graph_runner.free()
@@ -251,9 +254,9 @@ class ModelRunner:
             self.weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"freed_bytes": freed}
+        return freed
 
-    def resume_memory(self, tags: list[str]) -> dict:
+    def resume_memory(self, tags) -> dict:
         """Regrow released buffers. Weights come back from their backup if one was kept; else they
         hold nothing valid (``weights_valid`` is False) until a full update commits."""
         if "weights" in tags and self.weights_released:
@@ -276,6 +279,34 @@ class ModelRunner:
             if moved or "cuda_graph" in tags or not self.graph_runner.graphs:
                 self.graph_runner.capture()
         return {"recaptured": bool(moved), "moved": moved[:5]}
+
+    # ------------------------------------------------------------------ after an update, readiness
+
+    def after_weights_changed(self, complete: bool, force_recapture: bool = False) -> bool:
+        """Called once a weight update committed on this rank: a complete one makes the weights
+        valid again (after a release without backup); graphs are recaptured only if storage moved
+        (or when asked). Returns whether graphs were recaptured."""
+        if complete:
+            self.weights_valid = True
+        if self.graph_runner is not None and (force_recapture or self.graph_runner.needs_recapture()):
+            self.graph_runner.recapture()
+            return True
+        return False
+
+    def storage_moved(self) -> list[str]:
+        """Parameters/KV whose storage moved since the graphs were captured (empty without graphs)."""
+        return self.graph_runner.needs_recapture() if self.graph_runner is not None else []
+
+    def memory_error(self) -> Optional[str]:
+        """Why this runner cannot run a forward now (memory released, weights invalid), or None."""
+        released = [t for t, r in (("weights", self.weights_released), ("kv_cache", self.kv_released)) if r]
+        if released:
+            return (f"engine memory is released ({', '.join(released)}): call resume_memory_occupation() "
+                    f"before generating")
+        if not self.weights_valid:
+            return ("weights were released without a backup: push a full weight update "
+                    "(update_weights_from_tensor/disk/distributed) before generating")
+        return None
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())

@@ -32,12 +32,3 @@ class RolloutOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-
-@dataclass
-class UpdateWeightsResult:
-    success: bool
-    message: str
-    weight_version: str  # the version now published (unchanged when success is False)
-    seconds: float = 0.0
-    num_bytes: int = 0

@@ -80,6 +80,32 @@ class Scheduler:
         """What prefix-cache hashes are keyed by: KV is only reused under the very same weights."""
         return f"{self.weight_version}#{self.weights_epoch}"
 
+    # ------------------------------------------------------------------ weights and cache
+
+    def publish_weights(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
+        """New weights are live on every rank: later tokens carry ``weight_version`` (if given), and
+        the prefix cache never matches KV computed under the old weights (its keys change; with
+        ``flush_cache`` the old entries are dropped at once)."""
+        self.weights_epoch += 1
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        if flush_cache:
+            self.block_manager.flush()
+
+    def set_weight_version(self, weight_version: str) -> None:
+        """Rename the live weights' version (no weight changes; prefix-cache keys include the
+        version, so cached prefixes are recomputed once under the new name)."""
+        self.weight_version = str(weight_version)
+
+    def flush_cache(self) -> None:
+        self.block_manager.flush()
+
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {**vars(self.stats), "prefix_cache_queries": bm.stats.num_queries,
+                "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
+                "num_blocks": bm.num_blocks}
+
     # ------------------------------------------------------------------ queue management
 
     def retract_all(self) -> None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from rollout.config import EngineConfig
 from rollout.layers.parallel_state import Communicator, TpState
-from rollout.tp_group import DoneMsg, LeaderWorker, MessageHandler
+from rollout.messages import DoneMsg
+from rollout.tp_group import LeaderWorker, MessageHandler
 from rollout.tp_worker import TpModelWorker
 
 

@@ -2,10 +2,12 @@
 
 Rank 0 lives in the caller's process next to the scheduler; ``TpWorkerGroup`` spawns ranks
 1..N-1 and is, to the scheduler, just another ``BaseTpWorker``. Every step the scheduler's batch
-reaches the other ranks over a small typed control channel (one pipe per worker: typed messages,
-an allow-list of callable methods); tensors move only in the device group (gloo on CPU, NCCL on
-CUDA), a free-standing group with its own rendezvous on a free port, so two engines on one host
-never collide and a caller's own ``torch.distributed`` job is left alone.
+reaches the other ranks over a small typed control channel (one pipe per worker carrying the
+frozen dataclasses of ``rollout.messages``; a rank dispatches on the message's type); tensors move
+only in the device group (gloo on CPU, NCCL on CUDA), a free-standing group with its own
+loopback-only rendezvous on a free port, so two engines on one host never collide and a caller's
+own ``torch.distributed`` job is left alone. A weight operation that fails on a rank (bad input)
+is answered as a failed ``WeightResult``; the rank keeps serving.
 
 A worker that dies makes the next collective fail (gloo reports the closed peer at once; a hung
 peer trips the group timeout), and the group reports which rank died and why. ``shutdown`` stops,
@@ -15,15 +17,13 @@ sees its pipe close and exits.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from abc import abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,100 +31,50 @@ import torch.distributed as dist
 from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers.parallel_state import Communicator, TpState
+from rollout.messages import LOCAL_ONLY, WEIGHT_MESSAGES, SampleMsg, StepMsg, StopMsg, WeightResult, reply_timeout_s
 from rollout.model_runner import ModelRunner
 from rollout.tp_worker import BaseTpWorker, TpModelWorker
+from weight_sync.process_group import listen_socket, new_process_group
 
 logger = logging.getLogger(__name__)
+
+SPAWN_GUARD_HINT = ("TP workers are started with Python's 'spawn' method, which re-imports your main script in "
+                    "each worker: put the code that creates the engine under `if __name__ == \"__main__\":`")
 
 
 class TpWorkerError(RuntimeError):
     """A TP worker process died, hung or failed; the engine cannot continue."""
 
 
-# ---------------------------------------------------------------------------------------------
-# typed control messages (rank 0 -> workers)
-
-
-@dataclass
-class StepMsg:
-    batch: ModelWorkerBatch
-
-
-@dataclass
-class SampleMsg:  # delayed sampling of the last step
-    sampling: SamplingInputs
-
-
-@dataclass
-class CallMsg:
-    method: str
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-
-
-@dataclass
-class StopMsg:
-    """Leave the message loop and exit."""
-
-
-@dataclass
-class DoneMsg:  # external launch: the leader's outputs of one collective generate() call
-    outputs: Optional[list]
-    error: Optional[str] = None
-
-
 class MessageHandler:
-    """Executes control messages on a non-leader rank (spawned worker or external follower)."""
+    """Executes messages on a non-leader rank (spawned worker or external follower)."""
 
     def __init__(self, worker: TpModelWorker):
         self.worker = worker
         self.pending: Optional[GenerationBatchResult] = None
 
-    def handle(self, msg) -> tuple[bool, Any]:
-        """Returns (has_reply, reply)."""
+    def handle(self, msg) -> Optional[WeightResult]:
+        """Run one message; a weight message returns its result (the leader collects it)."""
         if isinstance(msg, StepMsg):
             self.pending = self.worker.forward_batch_generation(msg.batch)
         elif isinstance(msg, SampleMsg):
             if self.pending is not None and self.pending.delay_sample_func is not None:
                 self.pending.delay_sample_func(msg.sampling)
             self.pending = None
-        elif isinstance(msg, CallMsg):
-            if msg.method not in ALLOWED_CALLS:
-                raise ValueError(f"method {msg.method!r} is not callable on TP workers")
-            return True, getattr(self.worker, msg.method)(*msg.args, **msg.kwargs)
+        elif isinstance(msg, WEIGHT_MESSAGES):
+            return self.worker.run_weight_op(msg)
         else:
             raise TypeError(f"unexpected control message {type(msg).__name__}")
-        return False, None
+        return None
 
 
-# Methods of TpModelWorker that rank 0 may invoke on every rank.
-ALLOWED_CALLS = frozenset({"get_weights_by_name", "get_full_weight", "weights_checksum", "apply_named_tensors",
-                           "update_weights_from_handle", "update_weights_from_disk", "init_weights_update_group",
-                           "destroy_weights_update_group", "update_weights_from_distributed", "release_memory",
-                           "resume_memory", "probe_weights_update_group", "begin_transaction",
-                           "stage_named_tensors", "stage_from_handle", "commit_transaction", "abort_transaction"})
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_device_group(host: str, port: int, rank: int, size: int, device: torch.device,
-                      timeout_s: float) -> Communicator:
-    """A process group of its own (not the default group) over a fresh TCP rendezvous."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore("rollout-tp", store)
-    if device.type == "cuda":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-    comm = Communicator(pg=pg)
-    comm.store = store  # keep the rendezvous alive as long as the group
+def make_device_group(host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float,
+                      listening=None) -> Communicator:
+    """The engine's own TP group (not the default group) over a fresh loopback rendezvous."""
+    handle = new_process_group(host, port, rank, size, "nccl" if device.type == "cuda" else "gloo", timeout_s,
+                               "rollout-tp", listening=listening)
+    comm = Communicator(pg=handle.pg)
+    comm.store = handle.store  # keep the rendezvous alive as long as the group
     return comm
 
 
@@ -133,8 +83,6 @@ def worker_device(config: EngineConfig, rank: int) -> EngineConfig:
     device = config.resolve_device()
     if device.type != "cuda":
         return config
-    from dataclasses import replace
-
     return replace(config, device=f"cuda:{(device.index or 0) + rank}")
 
 
@@ -158,10 +106,10 @@ def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, nu
         if isinstance(msg, StopMsg):
             return
         try:
-            has_reply, reply = handler.handle(msg)
-            if has_reply:  # rank 0 answers for the group: a big tensor need not travel back
-                conn.send(("result", None if isinstance(reply, torch.Tensor) else reply))
-        except BaseException:
+            reply = handler.handle(msg)
+            if reply is not None:
+                conn.send(("result", reply))
+        except BaseException:  # a failed step or collective: this rank cannot go on
             conn.send(("error", traceback.format_exc()))
             return
 
@@ -183,6 +131,10 @@ class LeaderWorker(BaseTpWorker):
     @property
     def model_runner(self) -> ModelRunner:
         return self.worker.model_runner
+
+    def run_weight_op(self, msg) -> WeightResult:
+        """External launch: every rank calls the weight API itself (SPMD), so this rank runs its own part."""
+        return self.worker.run_weight_op(msg)
 
     # The limits are rank 0's (every rank computes the same), read through, never copied.
     model_config = property(lambda self: self.worker.model_config)
@@ -211,7 +163,9 @@ class TpWorkerGroup(LeaderWorker):
     def __init__(self, config: EngineConfig):
         self.config = config
         n = config.tp_size
-        host, port = "127.0.0.1", free_port()
+        host = "127.0.0.1"
+        listening = listen_socket(host)  # bound before the children start: no port race, loopback only
+        port = listening.getsockname()[1]
         ctx = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // n)
         self.procs: list[mp.Process] = []
@@ -227,10 +181,11 @@ class TpWorkerGroup(LeaderWorker):
         self._dead: Optional[str] = None
         try:
             self._wait_for("joining")  # a child that cannot even start fails here, not at the rendezvous
-            comm = make_device_group(host, port, 0, n, config.resolve_device(), config.tp_timeout_s)
+            comm = make_device_group(host, port, 0, n, config.resolve_device(), config.tp_timeout_s, listening)
             self.worker = TpModelWorker(config, tp_state=TpState(0, n, comm))
             self._wait_for("ready")
         except BaseException as exc:
+            listening.close()  # a no-op once the rendezvous took it over
             errors = self._collect_errors()
             self.shutdown()
             if errors:
@@ -242,14 +197,12 @@ class TpWorkerGroup(LeaderWorker):
             if not conn.poll(self.config.tp_timeout_s):
                 state = "alive" if p.is_alive() else f"exited with code {p.exitcode}"
                 raise TpWorkerError(f"TP worker rank {rank} did not report {expected!r} within "
-                                    f"{self.config.tp_timeout_s}s ({state}); if your script has no "
-                                    f"`if __name__ == '__main__':` guard, add one (workers are spawned)")
+                                    f"{self.config.tp_timeout_s}s ({state}). {SPAWN_GUARD_HINT}")
             try:
                 kind, payload = conn.recv()
             except EOFError:
                 raise TpWorkerError(f"TP worker rank {rank} exited with code {p.exitcode} before "
-                                    f"{expected!r}; if your script has no `if __name__ == '__main__':` guard, "
-                                    f"add one (workers are spawned)") from None
+                                    f"{expected!r}. {SPAWN_GUARD_HINT}") from None
             if kind != expected:
                 raise TpWorkerError(f"TP worker rank {rank} failed to start:\n{payload}")
 
@@ -302,19 +255,23 @@ class TpWorkerGroup(LeaderWorker):
 
     # ------------------------------------------------------------------ BaseTpWorker
 
-    def call_all(self, method: str, *args, reply_timeout_s: Optional[float] = None, **kwargs) -> Any:
-        """Run an allowed worker method on every rank; returns rank 0's result."""
-        if method not in ALLOWED_CALLS:
-            raise ValueError(f"method {method!r} is not callable on TP workers")
-        self._send_all(CallMsg(method, args, kwargs))
-        result = self._run(getattr(self.worker, method), *args, **kwargs)
+    def run_weight_op(self, msg) -> WeightResult:
+        """Run a weight message on every rank; one result (rank 0's, or the first failure)."""
+        assert not isinstance(msg, LOCAL_ONLY), "tensors reach spawned ranks through a bucket handle"
+        self._send_all(msg)
+        results = [self._run(self.worker.run_weight_op, msg)]
+        wait_s = max(self.config.tp_timeout_s, reply_timeout_s(msg) or 0)
         for rank, conn in enumerate(self.conns, start=1):
-            if not conn.poll(max(self.config.tp_timeout_s, reply_timeout_s or 0)):
-                self._fail(f"rank {rank} did not answer {method}")
+            if not conn.poll(wait_s):
+                self._fail(f"rank {rank} did not answer {type(msg).__name__} within {wait_s}s")
             kind, payload = conn.recv()
             if kind == "error":
-                self._fail(f"rank {rank} failed in {method}: {payload.strip().splitlines()[-1]}")
-        return result
+                self._fail(f"rank {rank} failed in {type(msg).__name__}: {payload.strip().splitlines()[-1]}")
+            results.append(payload)
+        return WeightResult.merge(results)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def shutdown(self) -> None:
         for conn in self.conns:

@@ -1,8 +1,8 @@
 """TP workers after SGLang's design: the ``TpModelWorker`` (one per device/rank) turns the
 scheduler's ``ModelWorkerBatch`` into a device ``ForwardBatch``, runs the ``ModelRunner`` and
 decides *when* to sample: now, or later through ``delay_sample_func`` (overlap scheduling).
-Prefill-only batches skip sampling and return prompt logprobs only. Weight operations are plain
-delegation to the runner.
+Prefill-only batches skip sampling and return prompt logprobs only. Weight operations go to the
+rank's ``RankWeights`` (``run_weight_op``), which the worker owns.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers.parallel_state import TpState, tp_state_context
+from rollout.messages import WeightResult
 from rollout.model_runner import ModelRunner
 from rollout.models import ModelConfig
-from rollout.weight_ops import WeightOpsMixin
+from rollout.rank_weights import INPUT_ERRORS, RankWeights
 
 
 class BaseTpWorker(ABC):
@@ -25,13 +26,17 @@ class BaseTpWorker(ABC):
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         ...
 
+    @abstractmethod
+    def run_weight_op(self, msg) -> WeightResult:
+        """Run a weight message (``rollout.messages``) on every rank of this engine; one result."""
+
     @property
     @abstractmethod
     def model_runner(self) -> ModelRunner:
         ...
 
 
-class TpModelWorker(BaseTpWorker, WeightOpsMixin):
+class TpModelWorker(BaseTpWorker):
     def __init__(self, config: EngineConfig, tp_state: TpState | None = None):
         self.config = config
         self.tp_state = tp_state or TpState()
@@ -54,6 +59,8 @@ class TpModelWorker(BaseTpWorker, WeightOpsMixin):
         # 4. one seed for every rank (draws are functions of it, so every rank samples the same token)
         self.random_seed = self._broadcast_seed(config.seed)
         self._future_token_ids: torch.Tensor | None = None
+        # 5. this rank's weight operations
+        self.weights = RankWeights(self._model_runner, self.tp_state, self.device)
 
     def _broadcast_seed(self, seed: int) -> int:
         if self.tp_state.tp_size == 1:
@@ -65,6 +72,14 @@ class TpModelWorker(BaseTpWorker, WeightOpsMixin):
     @property
     def model_runner(self) -> ModelRunner:
         return self._model_runner
+
+    def run_weight_op(self, msg) -> WeightResult:
+        """This rank's part of a weight operation. Bad input is answered, never raised: the rank
+        keeps serving (only a broken transport or collective is fatal)."""
+        try:
+            return self.weights.handle(msg)
+        except INPUT_ERRORS as exc:
+            return WeightResult.fail(f"{type(exc).__name__}: {exc}")
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         runner = self._model_runner

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from rollout import RolloutEngine, SamplingParams  # noqa: E402
-from rollout.tiny import make_tiny_model  # noqa: E402
+from rollout.tools.tiny import make_tiny_model  # noqa: E402
 
 
 def _prompts(n, lo=5, hi=40, seed=0, vocab=300):
@@ -88,7 +88,7 @@ def check_graph_vs_eager(device, workdir, quick):
         with RolloutEngine(path, dtype="float32", device="cuda", enable_cuda_graph=graphs, kv_cache_tokens=8192) as e:
             runs[graphs] = e.generate(input_ids=prompts, sampling_params=sp)
             if graphs:
-                moved = e.worker.model_runner.graph_runner.needs_recapture()
+                moved = e.storage_moved()
     same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]
     lp = max(abs(a - b) for x, y in zip(runs[False], runs[True]) for a, b in zip(x.output_logprobs, y.output_logprobs))
     return {"ok": same and lp < 1e-4 and not moved, "tokens_equal": same, "max_logprob_diff": lp,
@@ -118,9 +118,8 @@ def check_inplace_update_no_recapture(device, workdir, quick):
         return {"skipped": "needs CUDA"}
     a, b, prompts, sp, ref = _update_models(workdir)
     with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
-        graphs = e.worker.model_runner.graph_runner
         result = e.update_weights_from_tensor([(n, t.cuda()) for n, t in _tensors(b)], weight_version="b")
-        moved = graphs.needs_recapture()
+        moved = e.storage_moved()
         got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
     return {"ok": result.success and not moved and got == ref, "moved": moved[:5], "tokens_equal": got == ref,
             "update_s": result.seconds}
@@ -136,8 +135,7 @@ def check_release_resume_memory(device, workdir, quick):
     sp = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     with RolloutEngine(path, dtype="bfloat16", device="cuda", kv_cache_tokens=262144) as e:
         ref = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
-        runner = e.worker.model_runner
-        owned = runner.weights_nbytes() + runner.kv_nbytes()
+        owned = sum(e.memory_nbytes().values())
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         e.release_memory_occupation(backup_weights=True)
@@ -179,7 +177,6 @@ def check_cuda_ipc_update(device, workdir, quick):
     times, free, open_mappings, ok = [], [], [], True
     try:
         with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
-            graphs = e.worker.model_runner.graph_runner
             for i in range(rounds):
                 result = e.update_weights_from_tensor(json.loads(handle_q.get(timeout=120)), weight_version=str(i))
                 ack_q.put(1)
@@ -190,7 +187,7 @@ def check_cuda_ipc_update(device, workdir, quick):
                 free.append(torch.cuda.mem_get_info()[0])
             sender = json.loads(handle_q.get(timeout=120))
             ack_q.put(1)
-            moved = graphs.needs_recapture() if graphs is not None else []
+            moved = e.storage_moved()
             got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
     finally:
         proc.join(60)
@@ -257,7 +254,7 @@ def check_cuda_graph_speedup(device, workdir, quick):
 
 
 def check_throughput_vs_hf(device, workdir, quick):
-    from rollout.bench_throughput import main as bench
+    from rollout.tools.bench_throughput import main as bench
 
     model = "qwen2-0.5b-random" if device == "cuda" else "tiny"
     args = ["--model", model, "--num-prompts", "32" if not quick else "4", "--n", "8" if not quick else "2",

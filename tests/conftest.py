@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A factory: model_dir(name, arch, **kwargs) -> path of a tiny model (made once per session)."""
-    from rollout.tiny import make_tiny_model
+    from rollout.tools.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     made: dict[str, str] = {}

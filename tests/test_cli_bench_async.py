@@ -42,7 +42,7 @@ def test_cli_rejects_bad_value(llama_path):
 
 
 def test_throughput_benchmark_writes_json_and_png(tmp_path):
-    from rollout.bench_throughput import main
+    from rollout.tools.bench_throughput import main
 
     res = main(["--model", "tiny", "--num-prompts", "3", "--n", "2", "--max-new-tokens", "8", "--dtype", "float32",
                 "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "models")])

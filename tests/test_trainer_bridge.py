@@ -24,7 +24,7 @@ def test_name_map(name, hf):
 
 
 def run_demo(tmp_path, *extra, steps=25):
-    from rollout.tp_group import free_port
+    from weight_sync.process_group import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
@@ -61,7 +61,7 @@ def test_grpo_zero0_exact_logprobs(tmp_path):
 def test_other_launchers_run_the_same_loop(tmp_path, launcher):
     import shutil
 
-    from rollout.tp_group import free_port
+    from weight_sync.process_group import free_port
 
     exe = shutil.which(launcher)
     if exe is None:

@@ -13,7 +13,7 @@ from helpers import random_prompts
 from safetensors.torch import load_file
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.loader import hf_parameter_order
+from rollout.tools.hf import hf_parameter_order
 from weight_sync import SharedMemoryBucket, checksum_named_tensors
 
 SP = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -244,8 +244,9 @@ def test_pause_retract_and_abort(model_dir):
 def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket, flat=False):
     import os as _os
 
-    from weight_sync.bucket import FlattenedTensorBucket, layout, views
-    from weight_sync.distributed import WeightUpdateSender, broadcast, bucket_specs
+    from weight_sync.bucket import FlattenedTensorBucket
+    from weight_sync.distributed import WeightUpdateSender, broadcast
+    from weight_sync.layout import bucket_specs, layout, views
 
     sender = WeightUpdateSender("127.0.0.1", port, world, "g", timeout_s=30)
     if not die_after_first_bucket:
@@ -266,8 +267,8 @@ def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket, fla
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
-    from rollout.tp_group import free_port
     from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
 
     a, b, tensors = weights
     if tp == 1:  # a trainer's own order (named_parameters): buckets land in the engine's memory as they are
@@ -301,7 +302,7 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
         assert engine.get_weights_checksum() == fresh_b[2]
         if tp == 1:
             total = sum(t.numel() * t.element_size() for _, t in tensors)
-            assert engine._last_update_detail["received_in_place_bytes"] > 0.8 * total
+            assert result.detail["received_in_place_bytes"] > 0.8 * total
         greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
         assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in fresh_b[0]]
         sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
@@ -325,8 +326,8 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
     """A rejected transfer (NaN; a wrong dtype) is still drained, so the group keeps working; a
     partial update changes only its tensors; full updates in a row (the shadow swaps back and
     forth) each land exactly."""
-    from rollout.tp_group import free_port
     from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
 
     a, b, tensors_b = weights
     tensors_a = list(load_file(os.path.join(a, "model.safetensors")).items())
@@ -376,7 +377,7 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
 
 
 def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
-    from rollout.tp_group import free_port
+    from weight_sync.process_group import free_port
 
     start = time.monotonic()
     out = engine_a.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "lonely", timeout_s=3)

@@ -101,7 +101,7 @@ def verify_pushed(ds_engine, rollout_engine, truncate: int = 64) -> bool:
     named = [(to_hf_name(n), p) for n, p in module.named_parameters()]
     picks = [named[0], named[len(named) // 2], named[-1]]
     ok = True
-    for name, full in gather_bucket(picks, rollout_engine.worker.model_runner.dtype, PushStats()):
+    for name, full in gather_bucket(picks, rollout_engine.dtype, PushStats()):
         got = torch.tensor(rollout_engine.get_weights_by_name(name, truncate))
         ok &= bool(torch.equal(got, full.flatten()[:truncate].float()))
     return ok

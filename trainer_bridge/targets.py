@@ -20,7 +20,7 @@ class WeightTarget(ABC):
 
     @abstractmethod
     def commit(self):
-        """Apply everything added, all-or-nothing; returns the engine's ``UpdateWeightsResult``."""
+        """Apply everything added, all-or-nothing; returns the engine's ``WeightResult``."""
 
 
 class ColocatedTarget(WeightTarget):
@@ -31,8 +31,8 @@ class ColocatedTarget(WeightTarget):
     def __init__(self, engine, flush_cache: bool = True):
         self.engine = engine
         self.flush_cache = flush_cache
-        self.dtype = engine.worker.model_runner.dtype
-        self.device = engine.worker.model_runner.device
+        self.dtype = engine.dtype
+        self.device = engine.device
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._version = None
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from weight_sync.bucket import TensorMeta, layout, pack, views
+from weight_sync.layout import TensorMeta, layout, pack, views
 
 KIND = "cuda_ipc"
 _FIELDS = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset",

@@ -10,7 +10,6 @@ whole bucket. Every rendezvous and every broadcast has a timeout; errors name th
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weight_sync.bucket import aligned_nbytes, dtype_name, layout, pack, views, wire_order
+from weight_sync.layout import bucket_layouts, contiguous_run, dtype_name, pack, views
+from weight_sync.process_group import new_process_group
 
 DEFAULT_BUCKET_BYTES = 128 << 20
 
@@ -28,24 +28,17 @@ class WeightGroupError(RuntimeError):
 
 
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float, group_name: str):
+               timeout_s: float, group_name: str) -> WeightGroup:
     """Join (rank 0: host) the group's rendezvous and build its process group."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout)
-        prefixed = dist.PrefixStore(f"weights/{group_name}", store)
-        if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            # NCCL's own watchdog may tear the whole process down on a timeout: give it twice ours,
-            # so ``wait`` times out first and aborts only this group.
-            opts._timeout = 2 * timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        else:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # NCCL's own watchdog may tear the whole process down on a timeout: give it twice ours,
+        # so ``WeightGroup.wait`` times out first and aborts only this group.
+        handle = new_process_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                                   f"weights/{group_name}", nccl_timeout_factor=2.0)
     except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
         raise WeightGroupError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} "
                                f"as rank {rank}/{world_size} failed within {timeout_s}s ({exc})") from exc
-    return WeightGroup(pg, store, timeout_s, backend)
+    return WeightGroup(handle.pg, handle.store, timeout_s, backend)
 
 
 @dataclass
@@ -79,27 +72,6 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
     group.wait(group.pg.broadcast([tensor], opts))
 
 
-FIRST_BUCKET_BYTES = 8 << 20  # the first bucket is small: the wire starts while the rest is packed
-
-
-def bucket_specs(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int):
-    """Split specs, in ``wire_order``, into consecutive buckets of at most ``bucket_bytes`` (a
-    larger tensor goes alone); the first bucket holds at most ``FIRST_BUCKET_BYTES``. Sender and
-    receiver share this split."""
-    specs = list(specs)
-    specs = [specs[i] for i in wire_order([s[0] for s in specs])]
-    bucket, size, limit = [], 0, min(bucket_bytes, FIRST_BUCKET_BYTES)
-    for spec in specs:
-        n = aligned_nbytes(spec[1], spec[2])
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size, limit = [], 0, bucket_bytes
-        bucket.append(spec)
-        size += n
-    if bucket:
-        yield bucket
-
-
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
                     on_bucket=None, pool: list | None = None, place=None):
     """Receive every bucket the sender broadcasts for ``specs``.
@@ -111,7 +83,7 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     Without: every bucket is kept, each in a fresh buffer of its own with every receive posted
     up front, and the (name, view) pairs are returned (a multi-call transaction stages them).
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
-    buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
+    buckets = bucket_layouts(specs, bucket_bytes)
     placed = [None] * len(buckets)
     if on_bucket is None:  # every bucket kept: its own buffer, all posted at once
         slots, window = [torch.empty(total, dtype=torch.uint8, device=device) for _, total in buckets], len(buckets)
@@ -151,24 +123,6 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         if i + window < len(buckets):
             post(i + window)
     return staged if on_bucket is None else None
-
-
-def _flat_run(tensors: dict, metas, total: int) -> torch.Tensor | None:
-    """The bucket's bytes as one view of the sender's own memory, when its tensors already lie
-    there exactly as the bucket layout puts them (e.g. views of a ``FlattenedTensorBucket``);
-    None when they must be packed."""
-    first = tensors[metas[0].name]
-    storage = first.untyped_storage()
-    start = first.storage_offset() * first.element_size()
-    if start + total > storage.nbytes():
-        return None
-    base = first.data_ptr()
-    for m in metas:
-        t = tensors[m.name]
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() \
-                or t.data_ptr() - base != m.offset:
-            return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,), (1,))
 
 
 @contextlib.contextmanager
@@ -224,10 +178,11 @@ class WeightUpdateSender:
             bucket_bytes = 1
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
         tensors = dict(named)
-        buckets = [layout(b) for b in bucket_specs(specs, bucket_bytes)]
+        buckets = bucket_layouts(specs, bucket_bytes)
         if not buckets:
             return 0
-        plan = [(metas, total, _flat_run(tensors, metas, total)) for metas, total in buckets]
+        plan = [(metas, total, contiguous_run([tensors[m.name] for m in metas], metas, total))
+                for metas, total in buckets]
         need = max((total for _, total, flat in plan if flat is None), default=0)
         device = named[0][1].device
         if need and (self._buffers is None or self._buffers[0].numel() < need or self._buffers[0].device != device):

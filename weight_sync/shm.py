@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from weight_sync import cuda_ipc
-from weight_sync.bucket import TensorMeta, layout, pack, views
+from weight_sync.layout import TensorMeta, layout, pack, views
 
 KIND = "shared_memory"
 

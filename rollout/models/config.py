@@ -11,13 +11,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# Per-architecture facts that config.json does not state explicitly.
-_ARCH_FLAGS = {
-    "LlamaForCausalLM": dict(qk_norm=False),
-    "MistralForCausalLM": dict(qk_norm=False),
-    "Qwen2ForCausalLM": dict(qk_norm=False),
-    "Qwen3ForCausalLM": dict(qk_norm=True),
+# The one list of supported architectures: each one's model family (``registry`` maps a family to
+# its class) and the facts config.json does not state explicitly.
+ARCHITECTURES = {
+    "LlamaForCausalLM": dict(family="llama", qk_norm=False),
+    "MistralForCausalLM": dict(family="llama", qk_norm=False),
+    "Qwen2ForCausalLM": dict(family="llama", qk_norm=False),
+    "Qwen3ForCausalLM": dict(family="llama", qk_norm=True),
 }
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,9 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(hf: dict[str, Any], gen: Optional[dict[str, Any]] = None) -> ModelConfig:
-        from rollout.models.registry import SUPPORTED_ARCHITECTURES
-
         gen = gen or {}
         archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in _ARCH_FLAGS), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = hf["num_attention_heads"]
@@ -101,7 +101,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=_ARCH_FLAGS[arch]["qk_norm"],
+            qk_norm=ARCHITECTURES[arch]["qk_norm"],
             sliding_window=window,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             eos_token_ids=eos_ids,

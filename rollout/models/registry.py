@@ -1,20 +1,14 @@
-"""Maps Hugging Face ``architectures`` names to model classes."""
+"""Maps a model family (``ModelConfig``'s ``ARCHITECTURES``) to its class."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout.models.config import ModelConfig
+from rollout.models.config import ARCHITECTURES, ModelConfig
 from rollout.models.llama import LlamaForCausalLM
 
-_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
-SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
+_FAMILIES = {"llama": LlamaForCausalLM}
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    return _REGISTRY[cfg.architecture](cfg, dtype)
+    return _FAMILIES[ARCHITECTURES[cfg.architecture]["family"]](cfg, dtype)

@@ -27,10 +27,10 @@ def build_model(name: str, workdir: str) -> str:
     if os.path.isdir(name):
         return name
     if name == "smollm2":
-        from rollout.smollm2 import smollm2_path
+        from rollout.tools.smollm2 import smollm2_path
 
         return smollm2_path()
-    from rollout.tiny import make_tiny_model
+    from rollout.tools.tiny import make_tiny_model
 
     if name == "qwen2-0.5b-random":
         path = os.path.join(workdir, "qwen2-0.5b-random")

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from rollout import RolloutEngine, SamplingParams
-    from rollout.tiny import make_tiny_model
+    from rollout.tools.tiny import make_tiny_model
 
     path = args.model_path
     if path is None:

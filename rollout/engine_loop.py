@@ -1,0 +1,162 @@
+"""``EngineLoop``: the engine's background thread, the only one that touches the scheduler.
+
+``generate`` and every control call are its clients: they put typed commands on a queue. A
+request is added, an abort applied, at the next step boundary; a call (a function) runs there too,
+or, when it asks for a quiet point (``quiet=True``: weight updates, memory release), once no
+request runs or generation is paused. While a call waits for its quiet point, every later command
+but aborts waits behind it (new requests queue behind an update; they never see half of it).
+
+An external-launch follower has no thread: its calls run at once in the caller's thread (the
+leader's loop decides when steps run).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rollout.request import Request
+from rollout.scheduler import Scheduler
+from rollout.tp_group import TpWorkerError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or a fatal error)."""
+
+
+@dataclass
+class _Add:
+    req: Request
+
+
+@dataclass
+class _Abort:
+    rid: Optional[str]  # None: every request
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    quiet: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, start: bool = True):
+        self.scheduler = scheduler
+        self.paused = False  # set and read on the loop thread only
+        self.fatal: Optional[BaseException] = None
+        self._alive = True
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ clients
+
+    def submit(self, req: Request) -> None:
+        self._commands.put(_Add(req))
+
+    def abort(self, rid: Optional[str]) -> None:
+        self._commands.put(_Abort(rid))
+
+    def call(self, fn: Callable[[], Any], timeout: Optional[float] = None, quiet: bool = False) -> Any:
+        """Run ``fn`` on the loop thread at a step boundary (``quiet``: once no request runs, or
+        generation is paused) and return its result (or raise its error)."""
+        self.check_alive()
+        if self._thread is None:  # external-launch follower: no loop of its own
+            return fn()
+        cmd = _Call(fn, quiet)
+        self._commands.put(cmd)
+        if not cmd.done.wait(timeout):
+            raise TimeoutError("the engine loop did not answer in time")
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.result
+
+    def check_alive(self) -> None:
+        if self.fatal is not None:
+            raise EngineDeadError(f"the engine stopped: {self.fatal}")
+        if not self._alive or (self._thread is not None and not self._thread.is_alive()):
+            raise EngineDeadError("the engine is shut down; create a new RolloutEngine")
+
+    def stop(self, timeout: float = 30) -> None:
+        """Abort what runs, run what waits, and end the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout=timeout)
+        self._alive = False
+
+    # ------------------------------------------------------------------ the thread
+
+    def _is_quiet(self) -> bool:
+        return self.paused or not self.scheduler.has_work()
+
+    def _must_wait(self, cmd, held: deque) -> bool:
+        if isinstance(cmd, _Abort):
+            return False
+        return bool(held) or (isinstance(cmd, _Call) and cmd.quiet and not self._is_quiet())
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        held: deque = deque()  # a call waiting for a quiet point, and every later command but aborts
+        while True:
+            try:
+                block = self._is_quiet() and not (held and self._is_quiet())
+                while True:
+                    try:
+                        cmd = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if isinstance(cmd, _Stop):
+                        sched.abort(None)
+                        for h in held:
+                            self._execute(h)
+                        sched.close()
+                        return
+                    if self._must_wait(cmd, held):
+                        held.append(cmd)
+                    else:
+                        self._execute(cmd)
+                while held and not (isinstance(held[0], _Call) and held[0].quiet and not self._is_quiet()):
+                    self._execute(held.popleft())
+                if sched.has_work() and not self.paused:
+                    sched.step()
+            except TpWorkerError as exc:  # a rank is gone: fail everything and stop serving
+                logger.error("%s", exc)
+                self.fatal = exc
+                sched.fail_all(exc)
+                self._alive = False
+                return
+            except Exception as exc:  # a failed step fails its requests; the engine keeps serving
+                logger.exception("engine step failed")
+                sched.fail_all(exc)
+
+    def _execute(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            self.scheduler.add_request(cmd.req)
+        elif isinstance(cmd, _Abort):
+            self.scheduler.abort(cmd.rid)
+        elif isinstance(cmd, _Call):
+            try:
+                self.scheduler.drain()
+                cmd.result = cmd.fn()
+            except BaseException as exc:  # handed to the caller, who re-raises it
+                cmd.error = exc
+            cmd.done.set()

@@ -1,0 +1,250 @@
+"""What travels between the engine and its TP ranks: one frozen dataclass per message, and one
+typed result for every weight operation.
+
+A rank dispatches on the message's type (``TpModelWorker.handle``): step messages drive the
+forward pass; weight messages go to the rank's ``RankWeights``. Messages to spawned ranks cross
+a pipe, so every field is plain data (a shared-memory or CUDA-IPC handle is a JSON-able dict);
+``ApplyTensors`` and ``StageTensors`` carry tensors and are only sent to ranks in the caller's
+process (TP=1, or every rank of an external launch, where each rank calls the API itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rollout.batch import ModelWorkerBatch, SamplingInputs
+
+# ---------------------------------------------------------------------------------------------
+# generation steps (rank 0 -> the other ranks)
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    batch: ModelWorkerBatch
+
+
+@dataclass(frozen=True)
+class SampleMsg:
+    """Delayed sampling of the last step."""
+
+    sampling: SamplingInputs
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    """Leave the message loop and exit."""
+
+
+@dataclass(frozen=True)
+class DoneMsg:
+    """External launch: the leader's outputs of one collective ``generate()`` call."""
+
+    outputs: Optional[list]
+    error: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# weight operations (every rank runs the same message; updates are voted on the TP group)
+
+
+@dataclass(frozen=True)
+class ApplyTensors:
+    """Full tensors under Hugging Face names, in this process (dtypes must equal the engine's)."""
+
+    named_tensors: tuple  # ((name, tensor), ...)
+    check_finite: bool = True
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class ApplyHandle:
+    """A shared-memory or CUDA-IPC bucket written by another process (a JSON handle)."""
+
+    handle: dict
+    check_finite: bool = True
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class ApplyDisk:
+    """A safetensors folder (any floating dtype: cast on copy, like the initial load)."""
+
+    model_path: str
+    check_finite: bool = True
+    recapture_cuda_graph: bool = False
+
+
+@dataclass(frozen=True)
+class ReceiveDistributed:
+    """Buckets broadcast by rank 0 of a weight-update group (``weight_sync.WeightUpdateSender``)."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    bucket_bytes: int
+    load_format: str = "flattened_bucket"
+    check_finite: bool = True
+    partial: bool = False
+    reply_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class BeginTransaction:
+    """Start staging an update that arrives in several calls; nothing changes until commit."""
+
+
+@dataclass(frozen=True)
+class StageTensors:
+    named_tensors: tuple  # ((name, tensor), ...), in this process
+
+
+@dataclass(frozen=True)
+class StageHandle:
+    handle: dict
+
+
+@dataclass(frozen=True)
+class StageDistributed:
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    bucket_bytes: int
+    load_format: str = "flattened_bucket"
+    reply_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class CommitTransaction:
+    check_finite: bool = True
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class AbortTransaction:
+    pass
+
+
+@dataclass(frozen=True)
+class InitUpdateGroup:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: Optional[str] = None
+    timeout_s: float = 60.0
+
+    @property
+    def reply_timeout_s(self) -> float:
+        return self.timeout_s + 5
+
+
+@dataclass(frozen=True)
+class DestroyUpdateGroup:
+    group_name: str
+
+
+@dataclass(frozen=True)
+class ProbeUpdateGroup:
+    """Receive one bare broadcast of ``nbytes`` (the raw transport a benchmark compares against)."""
+
+    group_name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReleaseMemory:
+    tags: tuple[str, ...]
+    backup_weights: bool = False
+
+
+@dataclass(frozen=True)
+class ResumeMemory:
+    tags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReadWeight:
+    """The first ``truncate_size`` values of the full Hugging Face tensor ``name`` (gathered over TP)."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(frozen=True)
+class WeightsChecksum:
+    pass
+
+
+WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
+                   StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
+                   DestroyUpdateGroup, ProbeUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight, WeightsChecksum)
+LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe
+
+
+def reply_timeout_s(msg) -> Optional[float]:
+    """How long rank 0 waits for the other ranks' answer to ``msg`` beyond the TP timeout."""
+    return getattr(msg, "reply_timeout_s", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the one result
+
+
+@dataclass(frozen=True)
+class WeightResult:
+    """The result of every weight operation, on a rank and at the public API.
+
+    ``detail`` holds per-phase figures (``receive_s``, ``commit_s``, ``received_in_place_bytes``,
+    ``freed_bytes``, ``recaptured``...); ``value`` what a read returns (values, a checksum,
+    seconds of a probe). Callers that index results like dicts (``result["success"]``) can: keys
+    are the fields, then ``detail``'s keys."""
+
+    success: bool
+    message: str
+    weight_version: Optional[str] = None  # the version published after the call (unchanged on failure)
+    seconds: float = 0.0
+    num_bytes: int = 0
+    detail: dict = field(default_factory=dict)
+    value: Any = None
+
+    @staticmethod
+    def ok(message: str, num_bytes: int = 0, value: Any = None, **detail) -> WeightResult:
+        return WeightResult(True, message, num_bytes=num_bytes, detail=detail, value=value)
+
+    @staticmethod
+    def fail(message: str, **detail) -> WeightResult:
+        return WeightResult(False, message, detail=detail)
+
+    def published(self, weight_version: str, seconds: float) -> WeightResult:
+        """This result as the engine reports it: with the version now published and the wall time."""
+        return dataclasses.replace(self, weight_version=weight_version, seconds=seconds)
+
+    @staticmethod
+    def merge(results: list[WeightResult]) -> WeightResult:
+        """One result for the TP group: rank 0's, or the first rank's failure (naming the rank)."""
+        for rank, r in enumerate(results):
+            if not r.success:
+                return r if rank == 0 else dataclasses.replace(r, message=f"TP rank {rank}: {r.message}")
+        return results[0]
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _FIELDS:
+            return getattr(self, key)
+        return self.detail[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return key in _FIELDS or key in self.detail
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(WeightResult))

@@ -1,0 +1,381 @@
+"""``RankWeights``: every weight operation on one TP rank, owned by that rank's ``TpModelWorker``.
+
+``handle(message)`` dispatches on the message's type (``rollout.messages``) and returns one
+``WeightResult``. Every update is all-or-nothing across the TP group: each rank validates its part
+(names, shapes, dtypes, finiteness, coverage) without touching the model, then all ranks vote (a
+sum all-reduce of failures on the TP group); only a unanimous vote changes the weights (an
+in-place copy, or the shadow the update was written into becomes live), after which the runner
+checks whether storage moved (``ModelRunner.after_weights_changed``). A rejected update leaves
+every rank's weights exactly as they were.
+
+Memory per path: in-process tensors, shared-memory and CUDA-IPC buckets are validated where they
+lie and copied once; safetensors files are checked from their headers, then streamed a tensor at
+a time; the distributed path writes each bucket into a shadow of this rank's weights (one copy of
+its shard, kept between updates) plus two bucket-sized receive buffers, because a sender can die
+midway; a multi-call transaction holds what it staged until commit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rollout.layers.linear import copy_slices
+from rollout.layers.parallel_state import TpState
+from rollout.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
+from rollout.messages import (
+    AbortTransaction,
+    ApplyDisk,
+    ApplyHandle,
+    ApplyTensors,
+    BeginTransaction,
+    CommitTransaction,
+    DestroyUpdateGroup,
+    InitUpdateGroup,
+    ProbeUpdateGroup,
+    ReadWeight,
+    ReceiveDistributed,
+    ReleaseMemory,
+    ResumeMemory,
+    StageDistributed,
+    StageHandle,
+    StageTensors,
+    WeightResult,
+    WeightsChecksum,
+)
+from rollout.model_runner import ModelRunner
+from rollout.safetensors_io import iter_safetensors
+from weight_sync.checksum import checksum_named_tensors
+from weight_sync.distributed import WeightGroup, WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
+from weight_sync.layout import contiguous_run, dtype_from_name
+from weight_sync.shm import open_bucket
+
+# What a rank reports when another rank's vote rejected the update.
+REJECTED_ELSEWHERE = "another TP rank rejected the update; nothing was loaded"
+# Errors of the input (not of the rank): answered as a failed result, the rank keeps serving.
+INPUT_ERRORS = (WeightLoadError, ValueError, KeyError, TypeError, OSError)
+
+
+@dataclass
+class Transaction:
+    """A multi-call update being staged: (name, tensor) pairs, and the first error seen."""
+
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+class RankWeights:
+    def __init__(self, runner: ModelRunner, tp_state: TpState, device: torch.device):
+        self.runner = runner
+        self.tp_state = tp_state
+        self.device = device
+        self.update_groups: dict[str, WeightGroup] = {}
+        self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
+        self.transaction: Optional[Transaction] = None
+        self.probe_buffer: Optional[torch.Tensor] = None
+
+    def handle(self, msg) -> WeightResult:
+        """Run one weight message on this rank (every rank of the engine runs the same one)."""
+        match msg:
+            case ApplyTensors():
+                return self._apply(msg.named_tensors, strict_dtype=True, check_finite=msg.check_finite,
+                                   partial=msg.partial)
+            case ApplyHandle():
+                return self._with_bucket(msg.handle, lambda named: self._apply(
+                    named, strict_dtype=True, check_finite=msg.check_finite, partial=msg.partial), vote=True)
+            case ApplyDisk():
+                return self._apply_disk(msg)
+            case ReceiveDistributed():
+                return self._receive(msg)
+            case BeginTransaction():
+                self.transaction = Transaction()
+                return WeightResult.ok("transaction started")
+            case StageTensors():
+                return self._stage(msg.named_tensors, copy=False)
+            case StageHandle():  # the sender reuses its buffer for the next bucket: stage a copy
+                return self._with_bucket(msg.handle, lambda named: self._stage(named, copy=True), vote=False)
+            case StageDistributed():
+                return self._stage_distributed(msg)
+            case CommitTransaction():
+                return self._commit_transaction(msg)
+            case AbortTransaction():
+                self.transaction = None
+                return WeightResult.ok("transaction discarded")
+            case InitUpdateGroup():
+                return self._init_group(msg)
+            case DestroyUpdateGroup():
+                if self.update_groups.pop(msg.group_name, None) is None:
+                    return WeightResult.fail(f"no weight update group {msg.group_name!r}")
+                return WeightResult.ok(f"destroyed weight update group {msg.group_name!r}")
+            case ProbeUpdateGroup():
+                return self._probe(msg)
+            case ReleaseMemory():
+                if "weights" in msg.tags:
+                    self.receive_pool = []  # the distributed path's receive buffers go with the weights
+                freed = self.runner.release_memory(msg.tags, msg.backup_weights)
+                return WeightResult.ok(f"released {', '.join(msg.tags)}", freed_bytes=freed)
+            case ResumeMemory():
+                return WeightResult.ok(f"resumed {', '.join(msg.tags)}", **self.runner.resume_memory(msg.tags))
+            case ReadWeight():
+                return self._read(msg)
+            case WeightsChecksum():
+                return self._checksum()
+        raise TypeError(f"not a weight message: {type(msg).__name__}")
+
+    # ------------------------------------------------------------------ voting, applying
+
+    def _vote(self, ok: bool) -> bool:
+        """True only if every TP rank is ok (every rank must call this, in the same order)."""
+        if self.tp_state.tp_size == 1:
+            return ok
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.tp_state.comm.all_reduce(failures)
+        return float(failures.item()) == 0.0
+
+    def _released_error(self) -> Optional[str]:
+        if self.runner.weights_released:
+            return "the weights are released: call resume_memory_occupation(['weights']) first"
+        return None
+
+    def _apply(self, named_tensors: Iterable, *, strict_dtype: bool, check_finite: bool, partial: bool,
+               recapture: bool = False) -> WeightResult:
+        error = self._released_error()
+        plan = None
+        if error is None:
+            try:
+                plan = plan_load(self.runner.name_map, named_tensors, strict_dtype=strict_dtype,
+                                 check_finite=check_finite, require_complete=not partial)
+            except (WeightLoadError, OSError, RuntimeError, ValueError) as exc:
+                error = str(exc)
+        if not self._vote(error is None):
+            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+        report = apply_load(plan)
+        self.runner.after_weights_changed(complete=not partial, force_recapture=recapture)
+        return WeightResult.ok(f"loaded {report.num_tensors} tensors", num_bytes=report.num_bytes)
+
+    def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
+        try:
+            named = list(iter_safetensors(msg.model_path, validate=True))
+        except INPUT_ERRORS as exc:
+            self._vote(False)  # the other ranks still vote: they must learn this rank failed
+            return WeightResult.fail(str(exc))
+        # Checkpoints may be saved in another precision: cast on copy, like the initial load.
+        return self._apply(named, strict_dtype=False, check_finite=msg.check_finite, partial=False,
+                           recapture=msg.recapture_cuda_graph)
+
+    def _with_bucket(self, handle: dict, use, vote: bool) -> WeightResult:
+        """Open a sender's bucket (shared memory or CUDA IPC), hand its (name, view) pairs to
+        ``use``, wait for the copies out of it (the sender reuses the buffer), close it. A handle
+        that cannot be opened fails here (after voting no, when the operation votes)."""
+        try:
+            if not isinstance(handle, dict):
+                raise TypeError(f"a bucket handle is a dict, got {type(handle).__name__}")
+            opened = open_bucket(handle)
+        except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
+            kind = handle.get("kind", "shared_memory") if isinstance(handle, dict) else "bucket"
+            message = f"cannot read the {kind} bucket: {exc}"
+            if vote:
+                self._vote(False)
+            elif self.transaction is not None:
+                self.transaction.error = self.transaction.error or message
+            return WeightResult.fail(message)
+        try:
+            out = use(opened.named_tensors)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return out
+        finally:
+            opened.close()
+
+    # ------------------------------------------------------------------ multi-call transactions
+
+    def _stage(self, named_tensors, copy: bool) -> WeightResult:
+        txn = self.transaction
+        if txn is None:
+            return WeightResult.fail("no open transaction: call begin_weight_update first")
+        named = list(named_tensors)
+        try:  # names, shapes and dtypes fail early; finiteness and coverage are checked at commit
+            plan_load(self.runner.name_map, named, strict_dtype=True, require_complete=False)
+            dup = sorted(set(n for n, _ in named) & set(txn.staged))
+            if dup:
+                raise WeightLoadError(f"weights given twice in one transaction: {', '.join(dup[:8])}")
+        except (WeightLoadError, ValueError) as exc:
+            txn.error = txn.error or str(exc)
+            return WeightResult.fail(str(exc))
+        for name, t in named:
+            txn.staged[name] = t.to(self.device, copy=True) if copy else t
+        return WeightResult.ok(f"staged {len(named)} tensors ({len(txn.staged)} in the transaction)")
+
+    def _commit_transaction(self, msg: CommitTransaction) -> WeightResult:
+        txn, self.transaction = self.transaction, None
+        if txn is None or txn.error is not None:
+            self._vote(False)
+            why = "no open transaction: call begin_weight_update first" if txn is None else txn.error
+            return WeightResult.fail(f"transaction discarded: {why}")
+        return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite,
+                           partial=msg.partial)
+
+    # ------------------------------------------------------------------ weight-update groups
+
+    def _init_group(self, msg: InitUpdateGroup) -> WeightResult:
+        if msg.group_name in self.update_groups:
+            return WeightResult.fail(f"weight update group {msg.group_name!r} already exists; destroy it first")
+        backend = msg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        rank = msg.rank_offset + self.tp_state.tp_rank
+        try:
+            self.update_groups[msg.group_name] = make_group(msg.master_address, msg.master_port, rank, msg.world_size,
+                                                            backend, msg.timeout_s, msg.group_name)
+        except WeightGroupError as exc:
+            return WeightResult.fail(str(exc))
+        return WeightResult.ok(f"joined weight update group {msg.group_name!r} as rank {rank}/{msg.world_size}")
+
+    def _specs(self, msg) -> tuple[Optional[str], list]:
+        """(error, [(name, dtype, shape)]) of a distributed message."""
+        if msg.group_name not in self.update_groups:
+            return f"no weight update group {msg.group_name!r}: call init_weights_update_group first", []
+        if not (len(msg.names) == len(msg.dtypes) == len(msg.shapes)):
+            return "names, dtypes and shapes must have the same length", []
+        try:
+            return None, [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
+                          for n, d, s in zip(msg.names, msg.dtypes, msg.shapes)]
+        except (ValueError, TypeError) as exc:
+            return str(exc), []
+
+    def _group_failed(self, group_name: str, exc: WeightGroupError) -> str:
+        self.update_groups.pop(group_name, None)  # tear down only this group; re-initialising it works
+        return f"{exc}; the group was torn down, re-initialise it"
+
+    def _stage_distributed(self, msg: StageDistributed) -> WeightResult:
+        """A bucket call of a multi-call transaction: receive every bucket and stage it."""
+        error, specs = self._specs(msg)
+        bucket_bytes = 1 if msg.load_format == "direct" else msg.bucket_bytes
+        staged = []
+        if error is None:
+            try:
+                staged = receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device,
+                                         msg.group_name)
+            except WeightGroupError as exc:
+                error = self._group_failed(msg.group_name, exc)
+        if error is not None:
+            if self.transaction is not None:
+                self.transaction.error = self.transaction.error or error
+            return WeightResult.fail(error)
+        return self._stage(staged, copy=False)
+
+    def _receive(self, msg: ReceiveDistributed) -> WeightResult:
+        """Receive the sender's buckets (a sender can die midway, so nothing live is touched until
+        every rank has everything): names, shapes, dtypes and coverage are validated before the
+        first byte; each bucket is written into the shadow weights as it lands, while the next is
+        on the wire; a unanimous vote makes the shadow live."""
+        t_start = time.perf_counter()
+        error, specs = self._specs(msg)
+        placed_bytes = 0
+        if error is None:
+            error, placed_bytes = self._receive_into_shadow(msg, specs)
+        t_received = time.perf_counter()
+        if not self._vote(error is None):
+            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+        self.runner.commit_shadow()
+        self.runner.after_weights_changed(complete=not msg.partial)
+        nbytes = sum(d.itemsize * math.prod(s) for _, d, s in specs)
+        return WeightResult.ok(f"loaded {len(specs)} tensors", num_bytes=nbytes, receive_s=t_received - t_start,
+                               commit_s=time.perf_counter() - t_received, received_in_place_bytes=placed_bytes)
+
+    def _receive_into_shadow(self, msg: ReceiveDistributed, specs: list) -> tuple[Optional[str], int]:
+        """Receive every bucket; write it into the shadow weights unless the update is already
+        rejected (then it is only drained, so the sender still completes).
+        Returns (error, bytes received in place)."""
+        runner = self.runner
+        rejected = self._released_error()
+        if rejected is None:
+            try:
+                plan_load(runner.name_map, [(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs],
+                          strict_dtype=True, require_complete=not msg.partial)
+            except WeightLoadError as exc:
+                rejected = str(exc)
+        if rejected is None and msg.partial:
+            runner.prepare_shadow()
+        name_map = runner.name_map
+        nonfinite: list[str] = []
+        placed_bytes = 0
+
+        def place(metas, total):
+            """The shadow's bytes for this bucket when its tensors lie there exactly as the bucket
+            lays them out (whole tensors of one dtype, no TP slicing): received in place."""
+            if rejected is not None:
+                return None
+            slices = [name_map[m.name].slice for m in metas]
+            if any(sl.dim is not None or sl.zero_tail is not None for sl in slices):
+                return None
+            if contiguous_run([sl.dst for sl in slices], metas, total, tail_padding_ok=False) is None:
+                return None
+            return runner.shadow_bytes(slices[0].dst, total)
+
+        def write_bucket(named, placed: bool):
+            nonlocal placed_bytes
+            if rejected is not None:
+                return
+            if msg.check_finite:
+                nonfinite.extend(nonfinite_names(named))
+            if placed:
+                placed_bytes += sum(v.numel() * v.element_size() for _, v in named)
+                return
+            with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
+                copy_slices([(view, name_map[name].slice) for name, view in named], where=runner.shadow_view)
+
+        bucket_bytes = 1 if msg.load_format == "direct" else msg.bucket_bytes
+        try:
+            receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device, msg.group_name,
+                            write_bucket, pool=self.receive_pool, place=place)
+        except WeightGroupError as exc:
+            return self._group_failed(msg.group_name, exc), 0
+        if rejected is None and nonfinite:
+            rejected = rejection_message([f"{n}: contains NaN or Inf values" for n in nonfinite])
+        return rejected, placed_bytes
+
+    def _probe(self, msg: ProbeUpdateGroup) -> WeightResult:
+        group = self.update_groups.get(msg.group_name)
+        if group is None:
+            return WeightResult.fail(f"no weight update group {msg.group_name!r}")
+        if self.probe_buffer is None or self.probe_buffer.numel() != msg.nbytes:  # reused, like receive buffers
+            self.probe_buffer = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
+        broadcast(group, self.probe_buffer)
+        return WeightResult.ok("probe received", num_bytes=msg.nbytes, value=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ reading weights back
+
+    def full_weight(self, name: str) -> torch.Tensor:
+        """The full Hugging Face tensor ``name`` (collective over the TP group)."""
+        target = self.runner.name_map[name]
+        param = target.param
+        local = param.local_part(param, target.shard_id) if hasattr(param, "local_part") else param.data
+        if self.tp_state.tp_size == 1:
+            parts = [local]
+        else:
+            parts = self.tp_state.comm.all_gather(local.contiguous(), self.tp_state.tp_size)
+        full = param.full_from_parts(parts, target.shard_id) if hasattr(param, "full_from_parts") else parts[0]
+        return full.detach().clone()
+
+    def _read(self, msg: ReadWeight) -> WeightResult:
+        # every rank sees the same name and state, so every rank refuses alike (no collective runs)
+        error = self._released_error()
+        if error is None and msg.name not in self.runner.name_map:
+            error = f"unknown weight name {msg.name!r}"
+        if error is not None:
+            return WeightResult.fail(error)
+        values = self.full_weight(msg.name).flatten()[: msg.truncate_size].float().cpu().tolist()
+        return WeightResult.ok(f"read {msg.name}", value=values)
+
+    def _checksum(self) -> WeightResult:
+        error = self._released_error()
+        if error is not None:
+            return WeightResult.fail(error)
+        tied = self.runner.model_config.tie_word_embeddings
+        names = sorted(n for n in self.runner.name_map if not (n == "lm_head.weight" and tied))
+        return WeightResult.ok("checksum", value=checksum_named_tensors((n, self.full_weight(n)) for n in names))
