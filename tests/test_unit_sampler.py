@@ -1,0 +1,128 @@
+"""The sampler's functions on hand-made logits: each processor, their order, and the logprob of
+the drawn token under the very distribution it was drawn from. No model, no engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout.batch import SamplingInputs
+from rollout.layers.sampler import processed_logprobs, sample
+
+V = 12
+
+
+def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def info_for(n: int, temperature=1.0, uniforms=None, vocab=V, **fields):
+    inputs = SamplingInputs(temperatures=[temperature] * n, uniforms=uniforms or [0.5] * n, **fields)
+    return inputs.to_device(vocab, torch.device("cpu"))
+
+
+def reference(logits, temperature=1.0, bias=None, allowed=None, rep=None, add=None, banned=None, top_k=0,
+              top_p=1.0, min_p=0.0):
+    """The documented order, spelled out for one row: bias/allowed -> repetition -> frequency/presence
+    -> min-tokens ban -> temperature -> top-k -> top-p -> min-p; returns log-probabilities."""
+    x = logits.clone()
+    for tok, val in (bias or {}).items():
+        x[tok] += val
+    if allowed is not None:
+        x[[t for t in range(V) if t not in allowed]] = float("-inf")
+    for tok, pen in (rep or {}).items():
+        x[tok] = x[tok] * pen if x[tok] < 0 else x[tok] / pen
+    for tok, amount in (add or {}).items():
+        x[tok] -= amount
+    for tok in banned or ():
+        x[tok] = float("-inf")
+    x = x / temperature
+    if top_k > 0:
+        kth = x.sort(descending=True).values[top_k - 1]
+        x[x < kth] = float("-inf")
+    if top_p < 1:
+        p = x.softmax(-1)
+        sp, si = p.sort(descending=True)
+        drop = (sp.cumsum(-1) - sp) >= top_p
+        x[si[drop]] = float("-inf")
+    if min_p > 0:
+        p = x.softmax(-1)
+        x[p < min_p * p.max()] = float("-inf")
+    return x.log_softmax(-1)
+
+
+def test_greedy_takes_the_argmax_and_reports_the_raw_logprob():
+    logits = logits_rows(3)
+    out = sample(logits, info_for(3, temperature=0.0))
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.allclose(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("name, fields, ref", [
+    ("bias", dict(bias=([0], [3], [5.0])), dict(bias={3: 5.0})),
+    ("allowed", dict(allowed=([0], [[1, 4, 7]])), dict(allowed={1, 4, 7})),
+    ("repetition", dict(repetition=([0, 0], [2, 5], [1.7, 1.7])), dict(rep={2: 1.7, 5: 1.7})),
+    ("frequency/presence", dict(additive_penalty=([0, 0], [1, 6], [0.8, 2.5])), dict(add={1: 0.8, 6: 2.5})),
+    ("min_new_tokens ban", dict(banned=([0, 0], [0, 9])), dict(banned=[0, 9])),
+    ("top_k", dict(top_ks=[3]), dict(top_k=3)),
+    ("top_p", dict(top_ps=[0.6]), dict(top_p=0.6)),
+    ("min_p", dict(min_ps=[0.2]), dict(min_p=0.2)),
+])
+def test_each_processor_shapes_the_distribution_it_samples_from(name, fields, ref):
+    logits = logits_rows(1, seed=3)
+    want = reference(logits[0], **ref)
+    info = info_for(1, temperature=1.0, **fields)
+    got = processed_logprobs(logits, info)[0]
+    kept = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), kept), name
+    assert torch.allclose(got[kept], want[kept], atol=1e-5), name
+    # every drawn token lies in the kept set, with its logprob under that distribution
+    for u in torch.linspace(0.01, 0.99, 25).tolist():
+        out = sample(logits, info_for(1, temperature=1.0, uniforms=[u], **fields))
+        tok = int(out.token_ids[0])
+        assert kept[tok], (name, u)
+        assert math.isclose(float(out.logprobs[0]), float(want[tok]), abs_tol=1e-5), (name, u)
+
+
+def test_the_order_temperature_then_top_k_then_top_p_then_min_p():
+    logits = logits_rows(1, seed=5)
+    fields = dict(top_ks=[6], top_ps=[0.8], min_ps=[0.1], repetition=([0], [4], [1.3]), bias=([0], [2], [1.0]))
+    for temperature in (0.5, 2.0):
+        want = reference(logits[0], temperature=temperature, bias={2: 1.0}, rep={4: 1.3}, top_k=6, top_p=0.8,
+                         min_p=0.1)
+        got = processed_logprobs(logits, info_for(1, temperature=temperature, **fields))[0]
+        kept = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), kept)
+        assert torch.allclose(got[kept], want[kept], atol=1e-5)
+    # the temperature acts before top-p: a hotter distribution keeps more tokens under the same top_p
+    cold = processed_logprobs(logits, info_for(1, temperature=0.3, top_ps=[0.8]))[0]
+    hot = processed_logprobs(logits, info_for(1, temperature=3.0, top_ps=[0.8]))[0]
+    assert int(torch.isfinite(hot).sum()) > int(torch.isfinite(cold).sum())
+
+
+def test_the_draw_is_the_inverse_cdf_of_its_uniform():
+    logits = logits_rows(1, seed=7)
+    probs = logits[0].softmax(-1)
+    cdf = probs.cumsum(-1)
+    for u in (0.0, 0.2, 0.5, 0.93):
+        out = sample(logits, info_for(1, uniforms=[u]))
+        expected = int((cdf > u).nonzero()[0])
+        assert int(out.token_ids[0]) == expected
+        assert math.isclose(float(out.logprobs[0]), math.log(float(probs[expected])), abs_tol=1e-5)
+
+
+def test_mixed_batches_sample_each_row_on_its_own_and_raw_mode_reports_raw_logprobs():
+    logits = logits_rows(3, seed=9)
+    inputs = SamplingInputs(temperatures=[0.0, 0.7, 1.0], uniforms=[0.3, 0.3, 0.3], top_ks=[0, 2, 0])
+    out = sample(logits, inputs.to_device(V, torch.device("cpu")))
+    assert int(out.token_ids[0]) == int(logits[0].argmax())
+    for row, (t, k) in enumerate([(0.7, 2), (1.0, 0)]):
+        alone = SamplingInputs(temperatures=[t], uniforms=[0.3], top_ks=[k] if k else None)
+        single = sample(logits[row + 1: row + 2], alone.to_device(V, torch.device("cpu")))
+        assert int(single.token_ids[0]) == int(out.token_ids[row + 1])
+        assert math.isclose(float(single.logprobs[0]), float(out.logprobs[row + 1]), abs_tol=1e-6)
+    raw = SamplingInputs(temperatures=[0.7], uniforms=[0.3], top_ks=[2], raw_logprobs=True)
+    r = sample(logits[1:2], raw.to_device(V, torch.device("cpu")))
+    assert math.isclose(float(r.logprobs[0]), float(logits[1].log_softmax(-1)[r.token_ids[0]]), abs_tol=1e-6)

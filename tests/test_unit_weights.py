@@ -1,0 +1,309 @@
+"""The weight path's parts without an engine: the wire layout's invariants, the loader's
+rejections, safetensors checks, the typed messages and results, and one rank's ``RankWeights``
+on a real ``ModelRunner``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout.loader import WeightLoadError, load_named_tensors, plan_load, weight_name_map
+from rollout.messages import (
+    WEIGHT_MESSAGES,
+    AbortTransaction,
+    ApplyTensors,
+    BeginTransaction,
+    CommitTransaction,
+    ReadWeight,
+    ReleaseMemory,
+    ResumeMemory,
+    StageTensors,
+    WeightResult,
+    WeightsChecksum,
+)
+from rollout.model_runner import ModelRunner, _flatten_parameters
+from rollout.models import ModelConfig, build_model
+from rollout.safetensors_io import safetensors_files, validate_safetensors_file
+from weight_sync.layout import (
+    ALIGN,
+    FIRST_BUCKET_BYTES,
+    aligned_nbytes,
+    bucket_layouts,
+    bucket_specs,
+    contiguous_run,
+    layout,
+    wire_order,
+)
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "tie_word_embeddings": False}
+
+
+def hf_order(cfg: dict) -> list[str]:
+    """Names in a trainer's own order (transformers' state_dict of the same config)."""
+    import transformers
+
+    hf_cfg = transformers.Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        return list(transformers.AutoModelForCausalLM.from_config(hf_cfg).state_dict())
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    """Our model on CPU, parameters laid out as the runner lays them (one flat buffer per dtype)."""
+    cfg = ModelConfig.from_dict(QWEN2)
+    with torch.device("meta"):
+        model = build_model(cfg, torch.float32)
+    _flatten_parameters(model, torch.device("cpu"))
+    return model, weight_name_map(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# wire layout
+
+
+def test_wire_order_is_a_stable_permutation_with_biases_last_in_each_layer():
+    names = ["embed.weight", "model.layers.0.q.weight", "model.layers.0.q.bias", "model.layers.0.k.weight",
+             "model.layers.0.k.bias", "model.layers.1.q.bias", "model.layers.1.q.weight", "norm.weight"]
+    order = wire_order(names)
+    assert sorted(order) == list(range(len(names)))
+    got = [names[i] for i in order]
+    assert got == ["embed.weight", "model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.0.q.bias",
+                   "model.layers.0.k.bias", "model.layers.1.q.weight", "model.layers.1.q.bias", "norm.weight"]
+
+
+def test_buckets_cover_wire_order_within_their_limits():
+    specs = [(f"model.layers.{i // 3}.w{i}.{'bias' if i % 3 == 2 else 'weight'}", torch.float32, (1000 + 37 * i,))
+             for i in range(30)]
+    bucket_bytes = 20_000
+    buckets = list(bucket_specs(specs, bucket_bytes))
+    flat = [s for b in buckets for s in b]
+    assert [s[0] for s in flat] == [specs[i][0] for i in wire_order([s[0] for s in specs])]
+    for i, b in enumerate(buckets):
+        size = sum(aligned_nbytes(d, s) for _, d, s in b)
+        limit = min(bucket_bytes, FIRST_BUCKET_BYTES) if i == 0 else bucket_bytes
+        assert size <= limit or len(b) == 1
+    big = [("a", torch.float32, (10_000,)), ("b", torch.float32, (10,))]
+    assert [len(b) for b in bucket_specs(big, 1024)] == [1, 1]  # a tensor larger than a bucket goes alone
+
+
+def test_layout_offsets_are_aligned_and_disjoint():
+    metas, total = layout([("a", torch.bfloat16, (3,)), ("b", torch.float32, (17, 2)), ("c", torch.int8, (1,))])
+    assert [m.offset % ALIGN for m in metas] == [0, 0, 0]
+    for m, nxt in zip(metas, metas[1:]):
+        assert m.offset + m.nbytes <= nxt.offset
+    assert total == sum(aligned_nbytes(torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
+                                       if m.dtype == "float32" else torch.int8, m.shape) for m in metas)
+
+
+def test_contiguous_run_accepts_only_tensors_lying_as_the_bucket_lays_them():
+    buf = torch.zeros(64, dtype=torch.float32)  # 256 bytes
+    metas, total = layout([("a", torch.float32, (16,)), ("b", torch.float32, (16,))])
+    a, b = buf[:16], buf[16:32]
+    run = contiguous_run([a, b], metas, total)
+    assert run is not None and run.numel() == total and run.data_ptr() == a.data_ptr()
+    assert contiguous_run([a, buf[32:48]], metas, total) is None  # a gap
+    assert contiguous_run([a, torch.zeros(16)], metas, total) is None  # another storage
+    assert contiguous_run([buf.view(16, 4)[:, 0], b], metas, total) is None  # not contiguous
+    odd, odd_total = layout([("a", torch.float32, (16,)), ("b", torch.float32, (3,))])  # last one padded
+    assert contiguous_run([a, buf[16:19]], odd, odd_total) is not None  # a sender may send the padding
+    assert contiguous_run([a, buf[16:19]], odd, odd_total, tail_padding_ok=False) is None  # a receiver must not
+
+
+def test_a_trainers_order_lands_in_the_engines_parameter_memory_in_place(engine_model):
+    model, name_map = engine_model
+    names = hf_order(QWEN2)
+    specs = [(n, torch.float32, tuple(name_map[n].slice.dst.shape)) for n in names]
+    for bucket_bytes in (4 << 10, 64 << 10, 1 << 30):
+        for metas, total in bucket_layouts(specs, bucket_bytes):
+            dsts = [name_map[m.name].slice.dst for m in metas]
+            assert contiguous_run(dsts, metas, total, tail_padding_ok=False) is not None, [m.name for m in metas]
+    # the alphabetical order of a safetensors file does not
+    shuffled = sorted(specs)
+    assert any(contiguous_run([name_map[m.name].slice.dst for m in metas], metas, total, tail_padding_ok=False) is None
+               for metas, total in bucket_layouts(shuffled, 64 << 10))
+
+
+# ---------------------------------------------------------------------------------------------
+# loader
+
+
+def full_set(name_map) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(n, torch.randn(t.slice.dst.shape, generator=g)) for n, t in name_map.items()]
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda ts: ts + [("model.nope.weight", torch.zeros(2))], "unknown weight name 'model.nope.weight'"),
+    (lambda ts: ts + [ts[0]], "given twice"),
+    (lambda ts: [(ts[0][0], torch.zeros(3, 3))] + ts[1:], "does not match the model's"),
+    (lambda ts: [(ts[0][0], ts[0][1].double())] + ts[1:], "dtype torch.float64 does not match"),
+    (lambda ts: [(ts[0][0], ts[0][1].long())] + ts[1:], "dtype torch.int64"),
+    (lambda ts: [(ts[0][0], torch.full_like(ts[0][1], float("nan")))] + ts[1:], "contains NaN or Inf"),
+    (lambda ts: ts[1:], "missing weights"),
+    (lambda ts: [(ts[0][0], [1.0, 2.0])] + ts[1:], "expected a tensor, got list"),
+    (lambda ts: [(7, ts[0][1])] + ts[1:], "weight names must be strings"),
+    (lambda ts: ["not a pair"] + ts, "expected (name, tensor) pairs"),
+])
+def test_plan_load_rejects_with_the_reason(engine_model, change, why):
+    _, name_map = engine_model
+    with pytest.raises(WeightLoadError) as info:
+        plan_load(name_map, change(full_set(name_map)), strict_dtype=True, check_finite=True)
+    assert why in str(info.value) and "nothing was loaded" in str(info.value)
+
+
+def test_plan_load_lists_every_problem_and_accepts_partial_sets(engine_model):
+    _, name_map = engine_model
+    ts = full_set(name_map)
+    bad = [("x.weight", torch.zeros(1)), (ts[0][0], torch.zeros(2, 2))]
+    with pytest.raises(WeightLoadError) as info:
+        plan_load(name_map, bad)
+    message = str(info.value)
+    assert "unknown weight name 'x.weight'" in message and "does not match" in message and "missing" in message
+    plan = plan_load(name_map, ts[:2] + [("model.rotary_emb.inv_freq", torch.zeros(3))], require_complete=False)
+    assert [n for n, _, _ in plan.items] == [ts[0][0], ts[1][0]]  # derived buffers are skipped
+
+
+def test_load_named_tensors_copies_in_place(engine_model):
+    model, name_map = engine_model
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ts = full_set(name_map)
+    report = load_named_tensors(model, ts)
+    assert report.num_tensors == len(ts)
+    for name, t in ts:
+        sl = name_map[name].slice
+        assert torch.equal(sl.dst, t)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # storage never moved
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors checks
+
+
+def write_raw(path: str, header: object, data: bytes = b"") -> str:
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, why", [
+    ([1, 2], "header must be a JSON object"),
+    ({"w": "x"}, "expected an object"),
+    ({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, "unsupported dtype"),
+    ({"w": {"dtype": "F32", "shape": ["1"], "data_offsets": [0, 4]}}, "shape must be a list of non-negative"),
+    ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, "shape must be a list of non-negative"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, "data_offsets must be [begin, end]"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "bad offsets"),
+])
+def test_malformed_headers_are_refused_with_the_reason(tmp_path, header, why):
+    path = write_raw(str(tmp_path / "model.safetensors"), header, b"\0" * 4)
+    with pytest.raises(WeightLoadError, match="") as info:
+        validate_safetensors_file(path)
+    assert why in str(info.value)
+
+
+def test_index_files_are_checked_and_confined_to_the_folder(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    for body, why in [({"metadata": {}}, "weight_map"), ([], "not a JSON object"), ({"weight_map": {"w": 3}}, "file names"),
+                      ({"weight_map": {"w": "../outside.safetensors"}}, "outside the model folder"),
+                      ({"weight_map": {"w": "missing.safetensors"}}, "do not exist")]:
+        index.write_text(json.dumps(body))
+        with pytest.raises(WeightLoadError) as info:
+            safetensors_files(str(folder))
+        assert why in str(info.value), body
+    write_raw(str(tmp_path / "outside.safetensors"), {})
+    os.symlink(tmp_path / "outside.safetensors", folder / "link.safetensors")
+    index.write_text(json.dumps({"weight_map": {"w": "link.safetensors"}}))
+    with pytest.raises(WeightLoadError, match="outside the model folder"):
+        safetensors_files(str(folder))
+    index.unlink()
+    with pytest.raises(WeightLoadError, match="outside the model folder"):  # a symlinked file, no index
+        safetensors_files(str(folder))
+
+
+# ---------------------------------------------------------------------------------------------
+# typed messages and results
+
+
+def test_messages_are_frozen_plain_data():
+    for cls in WEIGHT_MESSAGES:
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+    msg = ReleaseMemory(("weights",), True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.backup_weights = False
+    assert pickle.loads(pickle.dumps(msg)) == msg  # crosses a pipe to a spawned rank
+
+
+def test_weight_result_is_built_in_one_place_and_reads_like_a_dict():
+    ok = WeightResult.ok("loaded 3 tensors", num_bytes=12, receive_s=0.5)
+    assert ok.success and ok["success"] and ok["num_bytes"] == 12 and ok["receive_s"] == 0.5
+    assert ok.get("commit_s") is None and "receive_s" in ok
+    with pytest.raises(KeyError):
+        ok["commit_s"]
+    published = ok.published("v7", 1.25)
+    assert (published.weight_version, published.seconds, published.message) == ("v7", 1.25, "loaded 3 tensors")
+    merged = WeightResult.merge([ok, WeightResult.fail("bad name"), WeightResult.fail("other")])
+    assert not merged.success and merged.message == "TP rank 1: bad name"
+    assert WeightResult.merge([ok, ok]) is ok
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank's weights on a real runner (no engine, no scheduler)
+
+
+@pytest.fixture(scope="module")
+def rank(model_dir):
+    from rollout.layers.parallel_state import TpState, tp_state_context
+    from rollout.rank_weights import RankWeights
+
+    path = model_dir("unit-rank", "qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2)
+    cfg = EngineConfig(model_path=path, kv_cache_tokens=64)
+    state = TpState()
+    with tp_state_context(state):
+        runner = ModelRunner(cfg, ModelConfig.from_pretrained(path), torch.device("cpu"), torch.float32, 64)
+    return RankWeights(runner, state, torch.device("cpu"))
+
+
+def test_rank_applies_reads_and_refuses_while_released(rank):
+    name = "model.layers.0.self_attn.k_proj.weight"  # a packed shard of qkv
+    new = torch.full(rank.full_weight(name).shape, 0.25)
+    assert rank.handle(ApplyTensors(((name, new),), partial=True)).success
+    read = rank.handle(ReadWeight(name, 5))
+    assert read.success and read.value == [0.25] * 5
+    assert not rank.handle(ReadWeight("model.nope", 5)).success
+    assert rank.handle(ReleaseMemory(("weights",), backup_weights=True)).detail["freed_bytes"] > 0
+    for msg in (ReadWeight(name, 5), WeightsChecksum(), ApplyTensors(((name, new),), partial=True)):
+        result = rank.handle(msg)
+        assert not result.success and "released" in result.message, msg
+    assert rank.handle(ResumeMemory(("weights",))).success
+    assert rank.handle(ReadWeight(name, 3)).value == [0.25] * 3
+
+
+def test_rank_transaction_commits_all_or_nothing(rank):
+    name = "model.norm.weight"
+    before = rank.handle(ReadWeight(name, 4)).value
+    assert rank.handle(BeginTransaction()).success
+    assert rank.handle(StageTensors(((name, torch.full((64,), 3.0)),))).success
+    assert not rank.handle(StageTensors((("model.nope", torch.zeros(1)),))).success  # poisons the transaction
+    result = rank.handle(CommitTransaction(partial=True))
+    assert not result.success and "transaction discarded" in result.message
+    assert rank.handle(ReadWeight(name, 4)).value == before
+    assert not rank.handle(CommitTransaction()).success  # nothing open any more
+    rank.handle(BeginTransaction())
+    rank.handle(StageTensors(((name, torch.full((64,), 3.0)),)))
+    assert rank.handle(AbortTransaction()).success
+    assert rank.handle(ReadWeight(name, 4)).value == before
+    with pytest.raises(TypeError, match="not a weight message"):
+        rank.handle("apply_named_tensors")
