@@ -30,10 +30,10 @@ from safetensors.torch import load_file  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 from rollout.tools.bench_throughput import build_model  # noqa: E402
 from rollout.tools.hf import hf_parameter_order  # noqa: E402
-from rollout.tp_group import free_port  # noqa: E402
 from weight_sync import FlattenedTensorBucket, SharedMemoryBucket  # noqa: E402
 from weight_sync.distributed import WeightUpdateSender  # noqa: E402
 from weight_sync.layout import layout  # noqa: E402
+from weight_sync.process_group import free_port  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:

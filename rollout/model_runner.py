@@ -256,9 +256,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
         return freed
 
-    def resume_memory(self, tags) -> dict:
+    def resume_memory(self, tags) -> list[str]:
         """Regrow released buffers. Weights come back from their backup if one was kept; else they
-        hold nothing valid (``weights_valid`` is False) until a full update commits."""
+        hold nothing valid (``weights_valid`` is False) until a full update commits. Returns what
+        moved (graphs were then recaptured)."""
         if "weights" in tags and self.weights_released:
             for dtype, buf in self.param_buffers.items():
                 buf.untyped_storage().resize_(buf.numel() * buf.element_size())
@@ -278,7 +279,7 @@ class ModelRunner:
             moved = self.graph_runner.needs_recapture()
             if moved or "cuda_graph" in tags or not self.graph_runner.graphs:
                 self.graph_runner.capture()
-        return {"recaptured": bool(moved), "moved": moved[:5]}
+        return moved
 
     # ------------------------------------------------------------------ after an update, readiness
 

@@ -120,7 +120,8 @@ class RankWeights:
                 freed = self.runner.release_memory(msg.tags, msg.backup_weights)
                 return WeightResult.ok(f"released {', '.join(msg.tags)}", freed_bytes=freed)
             case ResumeMemory():
-                return WeightResult.ok(f"resumed {', '.join(msg.tags)}", **self.runner.resume_memory(msg.tags))
+                moved = self.runner.resume_memory(msg.tags)
+                return WeightResult.ok(f"resumed {', '.join(msg.tags)}", recaptured=bool(moved), moved=moved[:5])
             case ReadWeight():
                 return self._read(msg)
             case WeightsChecksum():

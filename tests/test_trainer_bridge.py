@@ -63,7 +63,7 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher):
 
     from weight_sync.process_group import free_port
 
-    exe = shutil.which(launcher)
+    exe = shutil.which(launcher, path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     if exe is None:
         pytest.skip(f"{launcher} launcher not installed")
     out = tmp_path / launcher

@@ -150,15 +150,17 @@ def test_n_samples_fork_off_one_prefill():
 
 
 def test_preemption_when_blocks_run_out_then_recompute():
-    sched, worker = make(num_blocks=4, block_size=2, enable_prefix_caching=False)
-    a, b = request([1, 2, 3], max_new_tokens=4), request([4, 5, 6], max_new_tokens=4)
-    sched.add_request(a)
-    sched.add_request(b)
+    sched, worker = make(num_blocks=6, block_size=2, enable_prefix_caching=False)
+    reqs = [request([1, 2, 3], max_new_tokens=4), request([4, 5, 6], max_new_tokens=4),
+            request([7, 8, 9], max_new_tokens=4)]
+    for r in reqs:
+        sched.add_request(r)
     run(sched)
     assert sched.stats.num_preemptions >= 1
-    assert b.seqs[0].num_preemptions >= 1  # the newest running sequence is the victim
-    assert a.seqs[0].output_ids == b.seqs[0].output_ids == [7, 7, 7, 7]
-    assert sched.block_manager.num_free_blocks == 4
+    assert reqs[0].seqs[0].num_preemptions == 0  # the oldest keeps running: the newest are the victims
+    assert reqs[2].seqs[0].num_preemptions >= 1
+    assert all(r.seqs[0].output_ids == [7, 7, 7, 7] for r in reqs)
+    assert sched.block_manager.num_free_blocks == 6
 
 
 def test_stop_checks_eos_stop_ids_min_tokens_and_ignore_eos():
@@ -208,6 +210,15 @@ def test_publish_weights_rekeys_the_prefix_cache_and_stamps_new_tokens():
     run(sched)
     assert after.seqs[0].num_cached_tokens == 0  # KV from the old weights is never matched
     assert after.seqs[0].output_versions == ["v2"] and first.seqs[0].output_versions == ["default"]
+    again = request([1, 2, 3, 4, 5], max_new_tokens=1)
+    sched.add_request(again)
+    run(sched)
+    assert again.seqs[0].num_cached_tokens == 4
+    sched.publish_weights(None, flush_cache=False)  # new weights under the same version name
+    same_name = request([1, 2, 3, 4, 5], max_new_tokens=1)
+    sched.add_request(same_name)
+    run(sched)
+    assert same_name.seqs[0].num_cached_tokens == 0 and same_name.seqs[0].output_versions == ["v2"]
     sched.publish_weights(None, flush_cache=True)
     assert sched.weight_version == "v2" and sched.block_manager.cached == {}
 

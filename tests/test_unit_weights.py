@@ -206,7 +206,7 @@ def write_raw(path: str, header: object, data: bytes = b"") -> str:
 ])
 def test_malformed_headers_are_refused_with_the_reason(tmp_path, header, why):
     path = write_raw(str(tmp_path / "model.safetensors"), header, b"\0" * 4)
-    with pytest.raises(WeightLoadError, match="") as info:
+    with pytest.raises(WeightLoadError) as info:
         validate_safetensors_file(path)
     assert why in str(info.value)
 

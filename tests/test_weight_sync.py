@@ -179,9 +179,10 @@ def test_update_waits_for_running_requests_or_aborts_them(model_dir, weights):
     with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
         for abort in (False, True):
             box = {}
+            started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
             t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
             t.start()
-            while e.get_stats()["num_decode_tokens"] < 5:
+            while e.get_stats()["num_decode_tokens"] < started + 5:
                 time.sleep(0.01)
             version = f"after-{abort}"
             result = e.update_weights_from_tensor(weights[2], weight_version=version, abort_all_requests=abort)
@@ -224,10 +225,11 @@ def test_pause_retract_and_abort(model_dir):
         ref = e.generate(input_ids=[5, 6, 7], sampling_params=sp)[0]
         for mode in ("retract", "abort"):
             box = {}
+            started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
             t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7],
                                                                                    sampling_params=sp)))
             t.start()
-            while e.get_stats()["num_decode_tokens"] < 5:
+            while e.get_stats()["num_decode_tokens"] < started + 5:
                 time.sleep(0.01)
             e.pause_generation(mode=mode)
             stats = e.get_stats()

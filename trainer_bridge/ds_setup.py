@@ -24,7 +24,7 @@ def setup_deepspeed_env(skip_shm_build: bool = True) -> None:
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:
-        from rollout.tp_group import free_port
+        from weight_sync.process_group import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
 
