@@ -1,14 +1,24 @@
 """Admission: a caller's prompts and sampling parameters become ``Request``s, or a ``ValueError``
 that says what to fix — in the caller's thread, before anything reaches the batch — and finished
 sequences become ``RolloutOutput``s.
+
+Each request's sampling inputs are turned into the step's own tensors here (``SamplingInputs`` →
+``SamplingBatchInfo``), so a value the step could not take fails its request alone, naming the
+field, instead of failing the whole batch later. ``input_ids`` may be lists, tuples, numpy arrays
+or tensors (1-D: one prompt, 2-D: a batch).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import time
+import uuid
 from typing import Optional
 
+import torch
+
+from rollout.batch import SamplingInputs
 from rollout.config import EngineConfig
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
@@ -17,19 +27,40 @@ from rollout.request import Request, Sequence
 from rollout.sampling_params import SamplingParams
 
 PromptIds = list[int]
+MAX_N = 4096  # samples per prompt
+
+
+def _token_list(p, i: int) -> list[int]:
+    """One prompt's ids as Python ints (numpy / torch integers accepted, bools and floats not)."""
+    if hasattr(p, "tolist") and not isinstance(p, (list, tuple)):
+        p = p.tolist()
+    if not isinstance(p, (list, tuple)):
+        raise ValueError(f"input_ids[{i}] must be a list of token ids, got {type(p).__name__}")
+    try:
+        return [operator.index(t) if not isinstance(t, bool) else _no_bool() for t in p]
+    except TypeError:
+        bad = next(t for t in p if isinstance(t, bool) or not hasattr(t, "__index__"))
+        raise ValueError(f"input_ids[{i}] holds {type(bad).__name__} {bad!r}: token ids must be integers") from None
+
+
+def _no_bool():
+    raise TypeError("bool")
 
 
 class Admission:
     """Turns API arguments into requests against this engine's limits and vocabulary."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, limits, tokenizer, detokenize, defaults: dict):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, limits, tokenizer, detokenize, defaults: dict,
+                 eos_ids: tuple[int, ...] = ()):
         self.config = config
         self.vocab_size = model_config.vocab_size
+        self.eos_ids = tuple(eos_ids)
         self.limits = limits  # the TP worker: max_req_input_len, max_req_len, context_len, max_total_num_tokens
         self.tokenizer = tokenizer
         self.detokenize = detokenize
         self.defaults = defaults  # generation_config.json values for unset sampling fields
         self._counter = itertools.count()
+        self._rid_prefix = f"req-{uuid.uuid4().hex[:8]}-"  # generated ids never collide with a caller's
 
     def prompt_ids(self, prompts, input_ids) -> list[PromptIds]:
         if (prompts is None) == (input_ids is None):
@@ -42,11 +73,19 @@ class Admission:
             if not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompts must be a string or a list of strings")
             return [list(self.tokenizer(p)["input_ids"]) for p in prompts]
-        if input_ids and all(isinstance(t, int) for t in input_ids):
-            input_ids = [input_ids]
-        if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
-            raise ValueError("input_ids must be a list of token ids or a list of such lists")
-        return [list(p) for p in input_ids]
+        if isinstance(input_ids, torch.Tensor) or type(input_ids).__module__ == "numpy":
+            if input_ids.ndim not in (1, 2):
+                raise ValueError(f"input_ids as an array must be 1-D (one prompt) or 2-D (a batch), "
+                                 f"got shape {tuple(input_ids.shape)}")
+            input_ids = input_ids.tolist()
+            if input_ids and not isinstance(input_ids[0], list):
+                input_ids = [input_ids]
+        if not isinstance(input_ids, (list, tuple)):
+            raise ValueError(f"input_ids must be a list of token ids or a list of such lists, "
+                             f"got {type(input_ids).__name__}")
+        if input_ids and not any(isinstance(p, (list, tuple)) or hasattr(p, "tolist") for p in input_ids):
+            input_ids = [input_ids]  # one prompt given as a flat list
+        return [_token_list(p, i) for i, p in enumerate(input_ids)]
 
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                       logprob_start_len: int, rid, on_update=None) -> list[Request]:
@@ -64,13 +103,20 @@ class Admission:
         if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
             raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or a position >= 0")
         rids = [rid] if isinstance(rid, str) else rid
-        if rids is not None and len(rids) != len(ids_list):
-            raise ValueError(f"got {len(rids)} rids for {len(ids_list)} prompts")
+        if rids is not None:
+            if not isinstance(rids, (list, tuple)) or not all(isinstance(r, str) and r for r in rids):
+                raise ValueError("rid must be a non-empty string or a list of them (one per prompt)")
+            if len(rids) != len(ids_list):
+                raise ValueError(f"got {len(rids)} rids for {len(ids_list)} prompts")
+            if len(set(rids)) != len(rids):
+                raise ValueError("rids must be unique within a call")
         vocab, w = self.vocab_size, self.limits
         reqs = []
         for i, (ids, sp) in enumerate(zip(ids_list, params)):
             if not isinstance(sp, SamplingParams):
                 raise ValueError("sampling_params must be SamplingParams, a dict, or a list of them")
+            if sp.n > MAX_N:
+                raise ValueError(f"SamplingParams.n={sp.n}: at most {MAX_N} samples per prompt")
             sp.check_vocab(vocab)
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
@@ -86,9 +132,25 @@ class Admission:
             counter = next(self._counter)
             seed = sp.seed if sp.seed is not None else derive_seed(self.config.seed, counter)
             seq_ids = [next(self._counter) for _ in range(sp.n)]
-            reqs.append(Request(rids[i] if rids else f"req-{counter}", i, ids, sp.resolved(self.defaults), seed,
-                                seq_ids, return_logprob, top_logprobs_num, logprob_start_len, on_update))
+            params = sp.resolved(self.defaults).for_vocab(vocab, self.eos_ids)
+            req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
+                          return_logprob, top_logprobs_num, logprob_start_len, on_update)
+            self._check_step_form(req, i)
+            reqs.append(req)
         return reqs
+
+    def _check_step_form(self, req: Request, i: int) -> None:
+        """Build this request's sampling row exactly as a step will (on the CPU): what cannot be
+        turned into the step's tensors, or turns into non-finite values, fails here."""
+        try:
+            info = SamplingInputs.from_seqs(req.seqs[:1], self.eos_ids, self.config.logprob_mode == "raw")
+            dev = info.to_device(self.vocab_size, torch.device("cpu"))
+        except (RuntimeError, OverflowError, ValueError, TypeError, IndexError) as exc:
+            raise ValueError(f"prompt {i}: its sampling parameters cannot be run ({exc})") from None
+        for name in ("temperatures", "top_ps", "min_ps"):
+            t = getattr(dev, name)
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"prompt {i}: SamplingParams.{name[:-1]} is not finite in float32")
 
     def to_output(self, req: Request, seq: Sequence, current_version: str) -> RolloutOutput:
         text = seq.text
@@ -114,5 +176,7 @@ class Admission:
         """Every sample of every request, prompt-major; a failed request raises its error."""
         errors: list[Optional[BaseException]] = [r.error for r in reqs if r.error is not None]
         if errors:
+            if isinstance(errors[0], ValueError):  # the request itself was refused: say so as it is
+                raise errors[0]
             raise RuntimeError(f"generation failed: {errors[0]!r}") from errors[0]
         return [self.to_output(r, s, current_version) for r in reqs for s in r.seqs]

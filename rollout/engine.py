@@ -80,9 +80,9 @@ class RolloutEngine:
         self.scheduler = Scheduler(self.config, self.worker, self.eos_token_ids, self._detokenize)
         defaults = self.model_config.generation_defaults if self.config.use_generation_config else {}
         self._admission = Admission(self.config, self.model_config, self.worker, self.tokenizer, self._detokenize,
-                                    defaults)
+                                    defaults, self.eos_token_ids)
         # an external-launch follower runs the leader's steps inside generate(): no loop thread
-        self._loop = EngineLoop(self.scheduler, start=not self.is_follower)
+        self._loop = EngineLoop(self.scheduler, self.worker.model_runner.memory_error, start=not self.is_follower)
         self._weights = EngineWeights(self.worker, self.scheduler, self._loop,
                                       ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup))
         if not self.is_follower:

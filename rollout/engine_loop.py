@@ -56,8 +56,10 @@ class _Stop:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, start: bool = True):
+    def __init__(self, scheduler: Scheduler, memory_error: Callable[[], Optional[str]] = lambda: None,
+                 start: bool = True):
         self.scheduler = scheduler
+        self.memory_error = memory_error  # why no forward can run now (memory released), or None
         self.paused = False  # set and read on the loop thread only
         self.fatal: Optional[BaseException] = None
         self._alive = True
@@ -137,7 +139,11 @@ class EngineLoop:
                 while held and not (isinstance(held[0], _Call) and held[0].quiet and not self._is_quiet()):
                     self._execute(held.popleft())
                 if sched.has_work() and not self.paused:
-                    sched.step()
+                    error = self.memory_error()
+                    if error is not None:  # e.g. admitted just before a release: never run on freed storage
+                        sched.fail_all(RuntimeError(error))
+                    else:
+                        sched.step()
             except TpWorkerError as exc:  # a rank is gone: fail everything and stop serving
                 logger.error("%s", exc)
                 self.fatal = exc

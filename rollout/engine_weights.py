@@ -70,11 +70,13 @@ class EngineWeights:
             self.scheduler.weight_version, time.perf_counter() - t0), quiet=quiet)
 
     def release(self, tags: tuple[str, ...], backup_weights: bool) -> WeightResult:
-        """Free memory at a quiet point; released KV takes the prefix cache with it."""
+        """Free memory at a quiet point; released KV takes the prefix cache with it. Requests paused
+        in place would lose the KV they hold: they are retracted first (recomputed on continue)."""
         t0 = time.perf_counter()
 
         def run() -> WeightResult:
             if "kv_cache" in tags:
+                self.scheduler.retract_all()
                 self.scheduler.flush_cache()
             result = self.worker.run_weight_op(ReleaseMemory(tags, backup_weights))
             return result.published(self.scheduler.weight_version, time.perf_counter() - t0)

@@ -2,14 +2,25 @@
 
 Unset fields (None) take the model's ``generation_config.json`` defaults when the engine allows
 it, else neutral values. Every invalid value raises ``ValueError`` naming the field.
+
+Every number must survive the step's float32 / int64 form: non-finite values and values past
+float32's range are refused (a Python int such as ``10**400`` is not a float at all). Defined
+rather than refused: a temperature below ``GREEDY_BELOW`` (1e-5, vLLM's rule) is greedy, since it
+would be 0 or subnormal in float32; a ``top_k`` of the vocabulary size or more keeps every token;
+top-p always keeps the most likely token (so ``top_p=1e-300``, 0 in float32, is greedy-like, not
+empty).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (float32 would make them 0 or subnormal)
+MAX_LOGIT_BIAS = 1e30  # |bias| above this could overflow float32 logits to inf
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -40,8 +51,8 @@ class SamplingParams:
             bad("max_new_tokens", "must be an integer >= 0")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", "must be an integer in [0, max_new_tokens]")
-        if self.temperature is not None and not (_is_num(self.temperature) and self.temperature >= 0):
-            bad("temperature", "must be >= 0 (0 means greedy)")
+        if self.temperature is not None and not (_is_num(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if self.top_p is not None and not (_is_num(self.top_p) and 0 < self.top_p <= 1):
             bad("top_p", "must be in (0, 1]")
         if self.top_k is not None and not (_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1))):
@@ -64,15 +75,19 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not (_is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
                 bad(name, "must be in [-2, 2]")
-        if self.repetition_penalty is not None and not (_is_num(self.repetition_penalty) and self.repetition_penalty > 0):
-            bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if self.repetition_penalty is not None and not (_is_num(self.repetition_penalty)
+                                                        and 0 < self.repetition_penalty <= FLOAT32_MAX):
+            bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 bad("logit_bias", "must map token ids to numbers")
             if any(k < 0 for k in self.logit_bias):
                 bad("logit_bias", "token ids must be >= 0")
+            if not all(abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN fails this too
+                bad("logit_bias", f"values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] "
+                                  "(use allowed_token_ids to restrict the vocabulary)")
         if self.allowed_token_ids is not None and not (isinstance(self.allowed_token_ids, (list, tuple))
                                                        and self.allowed_token_ids
                                                        and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
@@ -85,6 +100,8 @@ class SamplingParams:
                   for k, v in NEUTRAL.items()}
         if values["top_k"] == 0:
             values["top_k"] = -1
+        if values["temperature"] < GREEDY_BELOW:
+            values["temperature"] = 0.0
         return replace(self, **values)
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -94,6 +111,18 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}: token ids must be < vocab size {vocab_size}")
         if self.logit_bias and max(self.logit_bias) >= vocab_size:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be < vocab size {vocab_size}")
+
+    def for_vocab(self, vocab_size: int, eos_ids: tuple[int, ...]) -> SamplingParams:
+        """This (resolved) request as the step will run it over ``vocab_size`` tokens: a ``top_k``
+        of the vocabulary or more keeps every token; a min_new_tokens mask that would ban every
+        allowed token is refused."""
+        out = self if self.top_k < vocab_size else replace(self, top_k=-1)
+        if self.min_new_tokens > 0 and self.allowed_token_ids:
+            banned = set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids))
+            if set(self.allowed_token_ids) <= banned:
+                raise ValueError("SamplingParams.allowed_token_ids: with min_new_tokens > 0 every allowed token is a "
+                                 "stop token, so nothing could be sampled; allow another token or drop min_new_tokens")
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
@@ -109,4 +138,10 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A real number that is finite as a float (an int beyond float range is not)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False

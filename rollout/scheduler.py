@@ -115,8 +115,22 @@ class Scheduler:
             self._preempt(seq)
 
     def add_request(self, req: Request) -> None:
+        if req.rid in self.requests:  # an abort or a result would reach the wrong caller
+            self._reject(req, ValueError(f"request id {req.rid!r} is already in flight; give each request a unique rid"))
+            return
         self.requests[req.rid] = req
         self.waiting.append(req.seqs[0])
+
+    def _reject(self, req: Request, error: BaseException) -> None:
+        """Finish a request that never ran, with ``error`` for its caller."""
+        req.error = error
+        req.pending_followers = []
+        for seq in req.seqs:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        req.finish_time = time.perf_counter()
+        req.done.set()
+        if req.on_update is not None:
+            req.on_update(req, list(req.seqs))
 
     def abort(self, rid: Optional[str] = None) -> int:
         """Finish the request (or every request, rid=None) with reason "abort"; returns how many."""

@@ -46,6 +46,7 @@ def reference(logits, temperature=1.0, bias=None, allowed=None, rep=None, add=No
         p = x.softmax(-1)
         sp, si = p.sort(descending=True)
         drop = (sp.cumsum(-1) - sp) >= top_p
+        drop[0] = False  # the most likely token always survives
         x[si[drop]] = float("-inf")
     if min_p > 0:
         p = x.softmax(-1)
@@ -100,6 +101,22 @@ def test_the_order_temperature_then_top_k_then_top_p_then_min_p():
     cold = processed_logprobs(logits, info_for(1, temperature=0.3, top_ps=[0.8]))[0]
     hot = processed_logprobs(logits, info_for(1, temperature=3.0, top_ps=[0.8]))[0]
     assert int(torch.isfinite(hot).sum()) > int(torch.isfinite(cold).sum())
+
+
+def test_top_p_runs_before_min_p():
+    """p = .4/.3/.2/.1: top_p=.75 first keeps three tokens and min_p=.3 then keeps all three; the
+    other order (min_p first renormalises to .44/.33/.22) would leave two."""
+    logits = torch.full((1, V), -40.0)
+    logits[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    got = processed_logprobs(logits, info_for(1, top_ps=[0.75], min_ps=[0.3]))[0]
+    assert torch.isfinite(got).nonzero().flatten().tolist() == [0, 1, 2]
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token():
+    logits = logits_rows(2, seed=11)
+    for top_p in (1e-300, 1e-9):
+        out = sample(logits, info_for(2, top_ps=[top_p, top_p], uniforms=[0.99, 0.01]))
+        assert torch.equal(out.token_ids, logits.argmax(-1)) and torch.equal(out.logprobs, torch.zeros(2))
 
 
 def test_the_draw_is_the_inverse_cdf_of_its_uniform():

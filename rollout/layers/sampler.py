@@ -89,6 +89,7 @@ def _mask_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     k = min(_TOP_P_CANDIDATES, x.shape[-1])
     cand_p, cand_idx = probs.topk(k, dim=-1)
     keep_c = (cand_p.cumsum(-1) - cand_p) < top_ps.unsqueeze(1)
+    keep_c[:, 0] = True  # the most likely token always survives (a top_p that is 0 in float32 keeps it)
     keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, cand_idx, keep_c)
     # Rows whose candidates hold less than top_p of the mass need the exact full sort.
     uncovered = (cand_p.sum(-1) < top_ps) & (top_ps < 1)
@@ -96,6 +97,7 @@ def _mask_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
         rows = uncovered.nonzero().squeeze(1)
         sp, si = probs[rows].sort(dim=-1, descending=True)
         keep_rows = (sp.cumsum(-1) - sp) < top_ps[rows].unsqueeze(1)
+        keep_rows[:, 0] = True
         keep[rows] = torch.zeros_like(keep_rows).scatter_(1, si, keep_rows)
     keep |= (top_ps >= 1).unsqueeze(1)
     return x.masked_fill(~keep, float("-inf"))
