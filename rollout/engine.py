@@ -277,6 +277,9 @@ class RolloutEngine:
                              "shared-memory handle")
         if isinstance(named_tensors, FlattenedTensorBucket):
             named_tensors = named_tensors.named_tensors()
+        if not isinstance(named_tensors, (dict, list, tuple)):
+            raise ValueError(f"named_tensors must be a list of (name, tensor), a FlattenedTensorBucket or a bucket "
+                             f"handle (dict), got {type(named_tensors).__name__}")
         if isinstance(named_tensors, dict):  # another process's bucket: every rank opens it
             msg = (StageHandle(named_tensors) if transaction
                    else ApplyHandle(named_tensors, check_finite, partial))
@@ -318,8 +321,14 @@ class RolloutEngine:
                                         partial: bool = False, transaction: bool = False) -> WeightResult:
         """Receive tensors broadcast by the trainer (``weight_sync.WeightUpdateSender.send`` with the same
         ``bucket_bytes``), staged until all arrived, then committed on every TP rank or on none."""
-        spec = (tuple(names), tuple(str(d) for d in dtypes), tuple(tuple(int(x) for x in s) for s in shapes),
-                group_name, int(bucket_bytes or DEFAULT_BUCKET_BYTES), load_format)
+        try:
+            spec = (tuple(str(n) for n in names), tuple(str(d) for d in dtypes),
+                    tuple(tuple(int(x) for x in s) for s in shapes), str(group_name),
+                    int(bucket_bytes or DEFAULT_BUCKET_BYTES), str(load_format))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"names, dtypes and shapes must be lists (shapes: lists of ints): {exc}") from None
+        if load_format not in ("flattened_bucket", "direct"):
+            raise ValueError(f"load_format={load_format!r}: use 'flattened_bucket' or 'direct'")
         if transaction:  # one bucket call of an open transaction: receive and stage only
             return self._weights.run(StageDistributed(*spec))
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
@@ -355,6 +364,8 @@ class RolloutEngine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first ``truncate_size`` values of the full Hugging Face tensor ``name`` (gathered over TP)."""
+        if name not in self.worker.model_runner.name_map:  # checked here, before any rank is asked
+            raise ValueError(f"unknown weight name {name!r}")
         result = self._weights.run(ReadWeight(name, int(truncate_size)))
         if not result.success:
             raise ValueError(result.message)

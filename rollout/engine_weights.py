@@ -29,6 +29,8 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def check_memory_tags(tags) -> tuple[str, ...]:
+    if isinstance(tags, str):
+        tags = [tags]
     tags = tuple(MEMORY_TAGS if tags is None else tags)
     bad = sorted(set(tags) - set(MEMORY_TAGS))
     if bad:

@@ -111,8 +111,12 @@ def validate_safetensors_file(path: str) -> None:
     spans.sort()
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise WeightLoadError(f"{name}: tensors overlap in the data region")
-    if spans and spans[-1][1] != data_len:
-        raise WeightLoadError(f"{name}: {data_len - spans[-1][1]} unexpected bytes after the last tensor")
+    # the tensors must tile the data region exactly (what the safetensors format requires)
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or (spans and spans[0][0] != 0):
+        raise WeightLoadError(f"{name}: the data region has gaps between tensors (corrupt file)")
+    end = spans[-1][1] if spans else 0
+    if end != data_len:
+        raise WeightLoadError(f"{name}: {data_len - end} unexpected bytes after the last tensor")
 
 
 def iter_safetensors(model_path: str, validate: bool = False) -> Iterable[tuple[str, LazyTensor]]:
@@ -125,8 +129,12 @@ def iter_safetensors(model_path: str, validate: bool = False) -> Iterable[tuple[
         for path in files:
             validate_safetensors_file(path)
     for path in files:
-        handle = safe_open(path, framework="pt", device="cpu")
-        for name in handle.keys():
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+            names = list(handle.keys())
+        except Exception as exc:  # noqa: BLE001 - the library's own error, said as ours
+            raise WeightLoadError(f"{os.path.basename(path)}: cannot be read as safetensors ({exc})") from None
+        for name in names:
             sl = handle.get_slice(name)
             dtype = ST_DTYPES.get(sl.get_dtype(), (None,))[0]
             if dtype is None:

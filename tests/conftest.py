@@ -27,3 +27,13 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_path(model_dir):
     return model_dir("llama-default", "llama")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-long", action="store_true",
+                     help="run the fuzz module with many more examples (tests/test_fuzz.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("--fuzz-long"):
+        os.environ["ROLLOUT_FUZZ_EXAMPLES"] = os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400")
