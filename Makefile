@@ -24,7 +24,7 @@ demo: install
 		examples/grpo_colocated.py --out-dir rl_runs/demo
 
 test: install
-	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts
+	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts examples
 	$(PYTHON) -m pytest -q --durations=25 tests
 
 bench: install

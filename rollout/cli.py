@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -74,6 +75,47 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _engine_option_flags(p: argparse.ArgumentParser) -> None:
+    """Every ``EngineConfig`` option as a flag (``--max-num-seqs``, ``--enable-overlap`` / ``--no-...``)."""
+    import dataclasses
+    import typing
+
+    from rollout.config import EngineConfig
+
+    g = p.add_argument_group("engine (every EngineConfig option; see rollout/config.py; --request-timeout-s also "
+                             "bounds each HTTP generation request, 600 s when unset)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        if base is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f"EngineConfig.{f.name} (default: {f.default})")
+        else:
+            g.add_argument(flag, dest=f.name, type=base, default=f.default, required=f.name == "model_path",
+                           help=f"EngineConfig.{f.name}" + ("" if f.name == "model_path" else f" (default: {f.default})"))
+
+
+def _cmd_serve(args) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from rollout import RolloutEngine
+    from rollout.config import EngineConfig
+    from rollout.server.app import ServerConfig, create_app
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
+                          allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
+                          request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name)
+    with RolloutEngine(options.pop("model_path"), **options) as engine:
+        uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_keep_alive=30)
+    return 0
+
+
 def _cmd_demo(args) -> int:
     from rollout.tools.demo import main as demo_main
 
@@ -103,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
                           add_help=False)
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_cmd_demo)
+    serve = sub.add_parser("serve", help="an HTTP server (SGLang and OpenAI routes) over one engine",
+                           description="Serve one engine over HTTP: /generate, /v1/completions, /v1/chat/completions, "
+                                       "the weight-refresh and control routes, /health, /metrics.")
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=30000, help="port to listen on")
+    s.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
+                   help="every route but /health needs 'Authorization: Bearer KEY' (env ROLLOUT_API_KEY)")
+    s.add_argument("--admin-api-key", default=os.environ.get("ROLLOUT_ADMIN_API_KEY"),
+                   help="weight and control routes need this key instead (env ROLLOUT_ADMIN_API_KEY)")
+    s.add_argument("--allowed-weight-dirs", nargs="*", default=None,
+                   help="update_weights_from_disk reads only under these folders (symlinks resolved)")
+    s.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: folder name)")
+    s.add_argument("--max-body-mb", type=float, default=32.0, help="larger request bodies are refused (413)")
+    _engine_option_flags(serve)
+    serve.set_defaults(func=_cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks (`rollout bench throughput --help`)")
     bench.add_argument("which", choices=["throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -189,8 +189,10 @@ class RolloutEngine:
         updates: asyncio.Queue = asyncio.Queue()
 
         def on_update(req: Request, seqs: list[Sequence]) -> None:
-            outs = [self._admission.to_output(req, s, self.scheduler.weight_version) for s in seqs] if stream else []
             final = req.done.is_set()  # read here, in order with the updates: the last one is final
+            if not stream and not final:
+                return  # only the end matters: no wake-up of the caller's event loop per step
+            outs = [self._admission.to_output(req, s, self.scheduler.weight_version) for s in seqs] if stream else []
             loop.call_soon_threadsafe(updates.put_nowait, (req, outs, final))
 
         self._check_ready()

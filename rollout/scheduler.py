@@ -102,7 +102,8 @@ class Scheduler:
 
     def get_stats(self) -> dict:
         bm = self.block_manager
-        return {**vars(self.stats), "prefix_cache_queries": bm.stats.num_queries,
+        return {**vars(self.stats), "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "prefix_cache_queries": bm.stats.num_queries,
                 "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
                 "num_blocks": bm.num_blocks}
 

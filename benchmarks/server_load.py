@@ -1,0 +1,121 @@
+"""Server load benchmark: the same workload through the in-process engine and through
+``rollout serve`` on loopback, then the server again while weights are refreshed from disk every
+few seconds. Reports requests/s, tokens/s and p50/p99 latency; the server's cost is its tokens/s
+against the in-process engine's. Writes JSON and a PNG to ``--out-dir``.
+
+    python benchmarks/server_load.py --model smollm2 --requests 200 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from rollout import RolloutEngine  # noqa: E402
+from rollout.server import RolloutClient  # noqa: E402
+from rollout.tools.bench_throughput import build_model  # noqa: E402
+from rollout.tools.server_load import run_in_process_load, run_server_load  # noqa: E402
+from weight_sync.process_group import free_port  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.5b-random, tiny, or a folder")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--refresh-every-s", type=float, default=3.0)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    args = ap.parse_args(argv)
+    path = build_model(args.model, args.workdir)
+    from rollout.models import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, min(1000, vocab), (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 64, (args.requests,), generator=g)]
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                "ignore_eos": True, "seed": 1}
+    engine_kw = dict(dtype=args.dtype, kv_cache_tokens=args.requests * (64 + args.max_new_tokens + 16))
+    res = {"model": args.model, "dtype": args.dtype, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
+           "threads": torch.get_num_threads(), "machine": platform.platform(), "torch": torch.__version__}
+
+    with RolloutEngine(path, **engine_kw) as engine:
+        run_in_process_load(engine, prompts[:8], sampling)  # warm-up
+        res["in_process"] = run_in_process_load(engine, prompts, sampling)["summary"]
+    print("in-process:", json.dumps(res["in_process"]), flush=True)
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path", path, "--port",
+           str(port), "--dtype", args.dtype, "--kv-cache-tokens", str(engine_kw["kv_cache_tokens"]),
+           "--allowed-weight-dirs", os.path.dirname(os.path.abspath(path))]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutClient(url)
+    try:
+        client.wait_ready(600)
+        run_server_load(url, prompts[:8], sampling)  # warm-up
+        res["server"] = run_server_load(url, prompts, sampling)["summary"]
+        print("server:", json.dumps(res["server"]), flush=True)
+        k = [0]
+
+        def refresh(_):
+            k[0] += 1
+            return client.update_weights_from_disk(path, weight_version=f"refresh-{k[0]}")
+
+        run = run_server_load(url, prompts, sampling, refresh=refresh, refresh_every_s=args.refresh_every_s,
+                              spread_s=2 * args.refresh_every_s)
+        res["server_with_refreshes"] = {**run["summary"], "refreshes": len(run["refreshes"]),
+                                        "refresh_seconds": [r.seconds for r in run["refreshes"]],
+                                        "errors": run["errors"][:5]}
+        print("server + refreshes:", json.dumps(res["server_with_refreshes"]), flush=True)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(60)
+    res["server_fraction_of_in_process_tokens_per_s"] = res["server"]["tokens_per_s"] / res["in_process"]["tokens_per_s"]
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"server_load_{args.model.replace('/', '_')}_{args.dtype}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    _plot(res, stem + ".png")
+    print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}, indent=1))
+    return res
+
+
+def _plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [("in-process", res["in_process"]), ("server", res["server"]),
+            ("server +\nrefreshes", res["server_with_refreshes"])]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar([n for n, _ in runs], [r["tokens_per_s"] for _, r in runs], color=["#888", "#3a7", "#37a"])
+    axes[0].set_ylabel("tokens/s")
+    axes[0].set_title(f"{res['model']} {res['dtype']}, {res['requests']} concurrent requests")
+    x = range(len(runs))
+    axes[1].bar([i - 0.2 for i in x], [r["p50_s"] for _, r in runs], width=0.4, label="p50")
+    axes[1].bar([i + 0.2 for i in x], [r["p99_s"] for _, r in runs], width=0.4, label="p99")
+    axes[1].set_xticks(list(x), [n for n, _ in runs])
+    axes[1].set_ylabel("latency (s)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"done in {time.time() - t0:.0f}s")

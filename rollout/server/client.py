@@ -1,0 +1,199 @@
+"""``RolloutClient``: the engine's verbs over HTTP, returning the same typed results as the
+in-process engine (``RolloutOutput`` lists, ``WeightResult``s)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+import httpx
+
+from rollout.messages import WeightResult
+from rollout.outputs import RolloutOutput
+from rollout.sampling_params import SamplingParams
+
+
+class RolloutServerError(RuntimeError):
+    """The server refused or failed a request; ``status`` is its HTTP status."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+def _sampling(sp) -> Union[dict, list, None]:
+    if sp is None or isinstance(sp, dict):
+        return sp
+    if isinstance(sp, list):
+        return [_sampling(x) for x in sp]
+    return {k: v for k, v in vars(sp).items() if v is not None}
+
+
+def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None) -> RolloutOutput:
+    """A ``/generate`` item back into the engine's ``RolloutOutput``."""
+    meta = item["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    input_lp = meta.get("input_token_logprobs") or []
+    return RolloutOutput(
+        rid=meta["id"], prompt_index=meta.get("prompt_index", 0), sample_index=meta.get("sample_index", 0),
+        prompt_token_ids=list(prompt_ids or []), output_token_ids=list(item["output_ids"]),
+        output_logprobs=[lp for lp, _, _ in meta.get("output_token_logprobs") or []], text=item.get("text"),
+        output_top_logprobs=[[(t, lp) for lp, t, _ in top] for top in meta.get("output_top_logprobs") or []],
+        input_logprobs=[lp for lp, _, _ in input_lp],
+        input_top_logprobs=[[(t, lp) for lp, t, _ in top] for top in meta.get("input_top_logprobs") or []],
+        finish_reason=finish.get("type"), matched_stop=finish.get("matched"),
+        logprob_mode=meta.get("logprob_mode", "processed"), weight_version=meta.get("weight_version", "default"),
+        output_weight_versions=list(meta.get("output_weight_versions") or []),
+        num_cached_tokens=meta.get("cached_tokens", 0), latency_s=meta.get("e2e_latency"))
+
+
+class RolloutClient:
+    """``RolloutClient("http://127.0.0.1:30000", api_key=...)``: one HTTP connection pool; the admin
+    key (if the server has one) goes to the weight and control routes."""
+
+    def __init__(self, base_url: str, api_key: Optional[str] = None, admin_api_key: Optional[str] = None,
+                 timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def _headers(self, admin: bool) -> dict:
+        key = (self.admin_api_key or self.api_key) if admin else (self.api_key or self.admin_api_key)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _post(self, path: str, body: Optional[dict] = None, admin: bool = False) -> httpx.Response:
+        return self.http.post(path, json=body or {}, headers=self._headers(admin))
+
+    def _json(self, r: httpx.Response) -> Any:
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise RolloutServerError(r.status_code, str(detail))
+        return r.json()
+
+    def _weight(self, path: str, body: Optional[dict] = None) -> WeightResult:
+        r = self._post(path, body, admin=True)
+        data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if "success" not in data:
+            self._json(r)  # an auth or body error: raise it
+        return WeightResult(bool(data["success"]), str(data.get("message", "")), data.get("weight_version"),
+                            float(data.get("seconds", 0.0)), int(data.get("num_bytes", 0)), data.get("detail") or {})
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Union[str, list[str], None] = None, input_ids=None,
+                 sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None) -> list[RolloutOutput]:
+        """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``."""
+        if input_ids is not None and input_ids and isinstance(input_ids[0], int):
+            input_ids = [input_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
+                "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                "logprob_start_len": logprob_start_len, "rid": rid}
+        items = self._json(self._post("/generate", {k: v for k, v in body.items() if v is not None}))
+        items = items if isinstance(items, list) else [items]
+        return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None)
+                for it in items]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights_from_disk(self, model_path: str, **kw) -> WeightResult:
+        return self._weight("/update_weights_from_disk", {"model_path": model_path, **kw})
+
+    def update_weights_from_tensor(self, handle: dict, **kw) -> WeightResult:
+        """A same-host bucket handle (``SharedMemoryBucket.write`` / ``CudaIpcBucket.write``)."""
+        return self._weight("/update_weights_from_tensor", {"serialized_named_tensors": handle, **kw})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: Optional[str] = None,
+                                  timeout_s: float = 60.0) -> WeightResult:
+        return self._weight("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", **kw) -> WeightResult:
+        return self._weight("/update_weights_from_distributed", {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                                                 "group_name": group_name, **kw})
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> WeightResult:
+        return self._weight("/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self, weight_version: Optional[str] = None) -> WeightResult:
+        return self._weight("/begin_weight_update", {"weight_version": weight_version})
+
+    def commit_weight_update(self, **kw) -> WeightResult:
+        return self._weight("/commit_weight_update", kw)
+
+    def abort_weight_update(self) -> WeightResult:
+        return self._weight("/abort_weight_update")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return self._json(self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                                     admin=True))
+
+    def get_weight_version(self) -> str:
+        return self._json(self.http.get("/get_weight_version", headers=self._headers(False)))["weight_version"]
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._json(self._post("/update_weight_version", {"new_version": weight_version}, admin=True))
+
+    # ------------------------------------------------------------------ control
+
+    def flush_cache(self) -> bool:
+        return self._json(self._post("/flush_cache", admin=True))["success"]
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._json(self._post("/pause_generation", {"mode": mode}, admin=True))
+
+    def continue_generation(self) -> None:
+        self._json(self._post("/continue_generation", admin=True))
+
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        self._json(self._post("/abort_request", {"rid": rid, "abort_all": abort_all}, admin=True))
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None, backup_weights: bool = False) -> WeightResult:
+        return self._weight("/release_memory_occupation", {"tags": tags, "backup_weights": backup_weights})
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> WeightResult:
+        return self._weight("/resume_memory_occupation", {"tags": tags})
+
+    # ------------------------------------------------------------------ ops
+
+    def health(self) -> bool:
+        try:
+            return self.http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no healthy server at {self.base_url} within {timeout_s}s")
+            time.sleep(0.2)
+
+    def get_server_info(self) -> dict:
+        return self._json(self.http.get("/get_server_info", headers=self._headers(False)))
+
+    def get_model_info(self) -> dict:
+        return self._json(self.http.get("/get_model_info", headers=self._headers(False)))
+
+    def metrics(self) -> str:
+        r = self.http.get("/metrics", headers=self._headers(False))
+        if r.status_code >= 400:
+            self._json(r)
+        return r.text
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,164 @@
+"""Request bodies of every route (pydantic: a bad body is a 422 naming the field), with SGLang's and
+OpenAI's field names. Unknown fields are refused, except on the OpenAI routes, where clients send
+fields we do not use (they are ignored, as OpenAI-compatible servers do)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 256  # samples per prompt over HTTP
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+
+class GenerateRequest(Strict):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int = Field(-1, ge=-1)
+    stream: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class OpenAISampling(Lenient):
+    """The sampling fields both OpenAI routes share (plus vLLM/SGLang extensions: top_k, min_p,
+    repetition_penalty, stop_token_ids, ignore_eos, min_tokens)."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    stream: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=0)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(Lenient):
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+
+# ---------------------------------------------------------------------------------------------
+# weights and control (SGLang's fields)
+
+class UpdateFromDiskRequest(Strict):
+    model_path: str
+    load_format: str = "auto"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    recapture_cuda_graph: bool = False
+
+
+class UpdateFromTensorRequest(Strict):
+    """A same-host bucket handle (``weight_sync.SharedMemoryBucket.write`` / ``CudaIpcBucket.write``):
+    plain JSON, never a pickle. SGLang sends one payload per TP rank; our ranks all open the one."""
+
+    serialized_named_tensors: Union[dict[str, Any], list[dict[str, Any]]]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    partial: bool = False
+    transaction: bool = False
+
+
+class InitGroupRequest(Strict):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class UpdateFromDistributedRequest(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Literal["flattened_bucket", "direct"] = "flattened_bucket"
+    bucket_bytes: Optional[int] = Field(None, gt=0)
+    partial: bool = False
+    transaction: bool = False
+
+
+class GroupNameRequest(Strict):
+    group_name: str = "weight_update_group"
+
+
+class GetWeightsRequest(Strict):
+    name: str
+    truncate_size: int = Field(100, ge=0, le=1_000_000)
+
+
+class VersionRequest(Strict):
+    new_version: str = Field(min_length=1)
+
+
+class BeginUpdateRequest(Strict):
+    weight_version: Optional[str] = None
+
+
+class CommitUpdateRequest(Strict):
+    flush_cache: bool = True
+    partial: bool = False
+    abort_all_requests: bool = False
+
+
+class PauseRequest(Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortRequest(Strict):
+    rid: Optional[str] = None
+    abort_all: bool = False
+
+
+class MemoryRequest(Strict):
+    tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = None
+
+
+class ReleaseRequest(MemoryRequest):
+    backup_weights: bool = False

@@ -1,0 +1,99 @@
+"""``ServerTarget``: push a trainer's weights into a rollout server reached by URL, over the
+server's distributed route (a weight-update group the trainer's rank 0 hosts). Three lines::
+
+    client = RolloutClient("http://127.0.0.1:30000", admin_api_key=key)
+    target = ServerTarget(client)                       # rendezvous: the server's ranks join our group
+    push_weights(model_engine, target, version="step-7")  # gather (ZeRO-3) -> broadcast buckets -> commit
+
+Each gathered bucket is one staged call of a transaction: the server posts its receives
+(``/update_weights_from_distributed`` with ``transaction=True``) while this process broadcasts the
+bucket straight from its flat buffer; ``commit`` applies everything on every server rank, or
+nothing. Under a multi-rank trainer every rank gathers (a collective), rank 0 alone talks to the
+server.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rollout.messages import WeightResult
+from rollout.server.client import RolloutClient
+from trainer_bridge.targets import WeightTarget
+from weight_sync.distributed import WeightUpdateSender
+from weight_sync.layout import dtype_from_name
+from weight_sync.process_group import free_port
+
+
+class _Call(threading.Thread):
+    """An HTTP call that blocks until our broadcasts arrive: run beside them."""
+
+    def __init__(self, fn, *args, **kwargs):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.result = self.error = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller after join
+            self.error = exc
+
+    def get(self, timeout_s: float):
+        self.join(timeout_s)
+        if self.is_alive():
+            raise TimeoutError(f"the server did not answer {self.fn.__name__} within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class ServerTarget(WeightTarget):
+    def __init__(self, client: RolloutClient, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
+                 group_name: str = "trainer-push", backend: str = "gloo", timeout_s: float = 60.0):
+        self.client, self.group_name, self.timeout_s = client, group_name, timeout_s
+        info = client.get_server_info()
+        self.dtype = dtype_from_name(info["dtype"])
+        self.device = torch.device("cpu" if backend == "gloo" else "cuda")
+        self.is_sender = not (dist.is_initialized() and dist.get_rank() != 0)
+        self.sender: Optional[WeightUpdateSender] = None
+        if self.is_sender:
+            port = master_port or free_port(master_address)
+            world = 1 + int(info["tp_size"])
+            join = _Call(client.init_weights_update_group, master_address, port, 1, world, group_name, backend,
+                         timeout_s)
+            self.sender = WeightUpdateSender(master_address, port, world, group_name, backend, timeout_s)
+            result = join.get(timeout_s + 10)
+            if not result.success:
+                raise RuntimeError(f"the server could not join weight group {group_name!r}: {result.message}")
+
+    def begin(self, version: str) -> None:
+        if self.is_sender:
+            result = self.client.begin_weight_update(version)
+            if not result.success:
+                raise RuntimeError(result.message)
+
+    def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.is_sender:
+            return
+        names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) + (64 << 10)
+        staged = _Call(self.client.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
+                       bucket_bytes=nbytes, transaction=True)
+        self.sender.send(named_tensors, bucket_bytes=nbytes)
+        result = staged.get(self.timeout_s + 10)
+        if not result.success:
+            raise RuntimeError(f"the server rejected a bucket: {result.message}")
+
+    def commit(self) -> Optional[WeightResult]:
+        return self.client.commit_weight_update() if self.is_sender else None
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.client.destroy_weights_update_group(self.group_name)
+            self.sender.close()
+            self.sender = None
