@@ -394,3 +394,33 @@ def test_weight_refresh_example_against_the_server(server, models):
         assert summary["version"] == f"example-{via}" and summary["after_version"] == f"example-{via}"
         assert summary["read_back_matches"]
     assert client.update_weights_from_disk(_a_copy(models), weight_version="default").success
+
+
+def test_requests_behind_a_pause_are_aborted_at_their_timeout(models):
+    """A short --request-timeout-s: requests queued while generation is paused (as behind an update's
+    quiet point) are answered 504 in time, streamed or not, and leave nothing running."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path",
+                             models[0], "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "2048",
+                             "--request-timeout-s", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutClient(url)
+    try:
+        client.wait_ready(120)
+        client.pause_generation("abort")
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY}, timeout=30)
+        assert r.status_code == 504 and "did not finish within 2" in r.json()["detail"]
+        assert time.monotonic() - t0 < 10
+        with httpx.stream("POST", f"{url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY,
+                                                          "stream": True}, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert "did not finish within 2" in events[0] and events[-1] == "data: [DONE]"
+        client.continue_generation()
+        stats = client.get_server_info()["stats"]
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert len(client.generate(input_ids=PROMPTS, sampling_params=GREEDY)) == len(PROMPTS)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(30)

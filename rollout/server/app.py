@@ -184,13 +184,17 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
 
         async def body() -> AsyncIterator[str]:
             last: dict = {}
+            deadline = time.monotonic() + config.request_timeout_s
             try:
-                async with asyncio.timeout(config.request_timeout_s):
-                    async for snap in events:
-                        last[(snap.prompt_index, snap.sample_index)] = snap
-                        for piece in shape(snap):
-                            yield _sse(piece)
-            except TimeoutError:
+                while True:
+                    try:  # a timed-out wait cancels the engine's iterator, which aborts the requests
+                        snap = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                    except StopAsyncIteration:
+                        break
+                    last[(snap.prompt_index, snap.sample_index)] = snap
+                    for piece in shape(snap):
+                        yield _sse(piece)
+            except (TimeoutError, asyncio.TimeoutError):
                 yield _sse({"error": f"the request did not finish within {config.request_timeout_s}s (aborted)"})
             except (ValueError, RuntimeError) as exc:
                 yield _sse({"error": str(exc)})
