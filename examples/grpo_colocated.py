@@ -37,6 +37,10 @@ def parse(argv=None):
     ap.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
     ap.add_argument("--tp-size", type=int, default=None, help="engine TP size (default: the world size)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--top-k", type=int, default=-1, help="sampling truncation (masks are then returned and replayed)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--tis-cap", type=float, default=None)
     ap.add_argument("--no-push", action="store_true", help="control run: never push weights to the engine")
@@ -114,6 +118,7 @@ def main(argv=None) -> list:
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
                      kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
+                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                      release_memory=not args.no_release and not args.no_push, seed=args.seed, out_dir=args.out_dir,
                      push_per_parameter=args.push_per_parameter, bucket_bytes=args.bucket_mb << 20)
     run = None
@@ -124,11 +129,11 @@ def main(argv=None) -> list:
                          mode=os.environ.get("WANDB_MODE", "offline"))
     if rank == 0:
         print(f"{'step':>4} {'reward':>7} {'tok/s':>7} {'rollout s':>9} {'train s':>7} {'sync s':>6} "
-              f"{'|dlogp| mean':>12} {'max':>9} {'released MB':>11}", flush=True)
+              f"{'|dlogp| mean':>12} {'max':>9} {'unmasked max':>12} {'released MB':>11}", flush=True)
 
     def log(x):
         print(f"{x.step:>4} {x.reward:>7.3f} {x.rollout_tok_s:>7.0f} {x.rollout_s:>9.3f} {x.train_s:>7.3f} "
-              f"{x.sync_s:>6.3f} {x.mismatch_mean:>12.2e} {x.mismatch_max:>9.2e} "
+              f"{x.sync_s:>6.3f} {x.mismatch_mean:>12.2e} {x.mismatch_max:>9.2e} {x.mismatch_unmasked_max:>12.2e} "
               f"{x.engine_released_bytes / 2**20:>11.1f}", flush=True)
         if run is not None:
             run.log({k: v for k, v in vars(x).items() if isinstance(v, (int, float))}, step=x.step)

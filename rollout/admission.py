@@ -88,7 +88,10 @@ class Admission:
         return [_token_list(p, i) for i, p in enumerate(input_ids)]
 
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
-                      logprob_start_len: int, rid, on_update=None) -> list[Request]:
+                      logprob_start_len: int, rid, on_update=None,
+                      return_sampling_mask: Optional[bool] = None) -> list[Request]:
+        if return_sampling_mask is None:
+            return_sampling_mask = self.config.return_sampling_mask
         ids_list = self.prompt_ids(prompts, input_ids)
         if not ids_list:
             raise ValueError("no prompts given")
@@ -134,7 +137,7 @@ class Admission:
             seq_ids = [next(self._counter) for _ in range(sp.n)]
             params = sp.resolved(self.defaults).for_vocab(vocab, self.eos_ids)
             req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
-                          return_logprob, top_logprobs_num, logprob_start_len, on_update)
+                          return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs
@@ -167,6 +170,8 @@ class Admission:
             logprob_mode=self.config.logprob_mode,
             weight_version=seq.output_versions[-1] if seq.output_versions else current_version,
             output_weight_versions=list(seq.output_versions), num_cached_tokens=seq.num_cached_tokens,
+            output_token_sampling_mask=list(seq.output_sampling_masks),
+            output_token_sampling_logprobs=list(seq.output_sampling_logprobs),
             num_preemptions=seq.num_preemptions,
             time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,
             latency_s=end - req.arrival_time,

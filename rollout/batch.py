@@ -31,9 +31,11 @@ class SamplingInputs:
     banned: Optional[tuple[list[int], list[int]]] = None
     top_logprobs_num: int = 0
     raw_logprobs: bool = False
+    mask_rows: Optional[list[int]] = None  # rows whose kept-token set is returned
+    max_mask_size: int = 0
 
     @staticmethod
-    def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool) -> SamplingInputs:
+    def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool, max_mask_size: int = 0) -> SamplingInputs:
         """One row per sequence: the state that decides its next token (position = output index)."""
         params = [s.params for s in seqs]
         info = SamplingInputs(
@@ -42,6 +44,9 @@ class SamplingInputs:
             top_logprobs_num=max((s.req.top_logprobs_num for s in seqs), default=0),
             raw_logprobs=raw_logprobs,
         )
+        mask_rows = [i for i, s in enumerate(seqs) if s.req.return_sampling_mask]
+        if mask_rows:
+            info.mask_rows, info.max_mask_size = mask_rows, max_mask_size
         if any(p.top_k > 0 for p in params):
             info.top_ks = [p.top_k for p in params]
         if any(p.top_p < 1 for p in params):
@@ -84,6 +89,8 @@ class SamplingInputs:
                                  all_greedy=all(x <= 0 for x in self.temperatures),
                                  has_greedy=any(x <= 0 for x in self.temperatures),
                                  all_temp_one=all(x == 1.0 or x <= 0 for x in self.temperatures))
+        if self.mask_rows is not None:
+            info.mask_rows, info.max_mask_size = t(self.mask_rows, torch.long), self.max_mask_size
         if self.top_ks is not None:
             info.top_ks = t(self.top_ks, torch.long)
         if self.top_ps is not None:
@@ -139,6 +146,8 @@ class GenerationBatchResult:
     input_logprobs: Optional[torch.Tensor] = None  # [N_in]
     input_top_ids: Optional[torch.Tensor] = None
     input_top_logprobs: Optional[torch.Tensor] = None
+    sampling_masks: Optional[list] = None  # per row of SamplingInputs.mask_rows: sorted kept ids, None past the cap
+    sampling_logprobs: Optional[torch.Tensor] = None  # [S] logprob renormalised over the kept set
     delay_sample_func: Optional[Callable[[SamplingInputs], GenerationBatchResult]] = None
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0

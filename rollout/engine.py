@@ -139,14 +139,19 @@ class RolloutEngine:
                  input_ids: Union[PromptIds, list[PromptIds], None] = None,
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
-                 rid: Union[str, list[str], None] = None) -> list[RolloutOutput]:
+                 rid: Union[str, list[str], None] = None,
+                 return_sampling_mask: Optional[bool] = None) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
+        ``return_sampling_mask`` (default: the engine's option): every output token also carries the
+        sorted ids that survived the processors (``output_token_sampling_mask``) and its logprob
+        renormalised over them (``output_token_sampling_logprobs``), for trainer-side replay
+        (``trainer_bridge.replay``).
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                             logprob_start_len, rid)
+                                             logprob_start_len, rid, return_sampling_mask=return_sampling_mask)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -180,7 +185,7 @@ class RolloutEngine:
 
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
-                             stream: bool = False):
+                             stream: bool = False, return_sampling_mask: Optional[bool] = None):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -197,7 +202,7 @@ class RolloutEngine:
 
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                             logprob_start_len, rid, on_update)
+                                             logprob_start_len, rid, on_update, return_sampling_mask)
         for r in reqs:
             self._loop.submit(r)
 

@@ -24,6 +24,10 @@ class RolloutOutput:
     logprob_mode: str = "processed"  # "processed" | "raw"
     weight_version: str = "default"
     output_weight_versions: list[str] = field(default_factory=list)  # one per output token
+    # with return_sampling_mask: per output token, the sorted ids that survived the processors, and
+    # the token's logprob renormalised over them (greedy tokens: the token alone, logprob 0)
+    output_token_sampling_mask: list[list[int]] = field(default_factory=list)
+    output_token_sampling_logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a shared prefix
     num_preemptions: int = 0
     time_to_first_token_s: Optional[float] = None

@@ -35,6 +35,8 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.output_versions: list[str] = []
+        self.output_sampling_masks: list[list[int]] = []  # with return_sampling_mask
+        self.output_sampling_logprobs: list[float] = []
         self.finish_reason: Optional[str] = None
         self.matched_stop = None
         self.stop_text_offset: Optional[int] = None
@@ -68,13 +70,15 @@ class Sequence:
 class Request:
     def __init__(self, rid: str, prompt_index: int, prompt_ids: list[int], params: SamplingParams, seed: int,
                  seq_ids: list[int], return_logprob: bool, top_logprobs_num: int, logprob_start_len: int,
-                 on_update: Optional[Callable[[Request, list[Sequence]], None]] = None):
+                 on_update: Optional[Callable[[Request, list[Sequence]], None]] = None,
+                 return_sampling_mask: bool = False):
         self.rid = rid
         self.prompt_index = prompt_index
         self.prompt_ids = prompt_ids
         self.params = params
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.return_sampling_mask = return_sampling_mask
         # Prompt logprobs cover positions >= logprob_start_len (-1: none). The logprob of token p
         # comes from the logits at position p - 1.
         wants_input = return_logprob and 0 <= logprob_start_len < len(prompt_ids)

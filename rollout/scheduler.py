@@ -189,7 +189,8 @@ class Scheduler:
 
     def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
         """Built from sequence state when sampling happens (late, under overlap)."""
-        return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.logprob_mode == "raw")
+        return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.logprob_mode == "raw",
+                                        self.config.max_sampling_mask_size)
 
     def drain(self) -> None:
         """Finish the launched batch (overlap mode) so the model is quiet: for flushes, updates, stops."""
@@ -394,6 +395,7 @@ class Scheduler:
             lps = result.next_token_logprobs.tolist()
             top_ids = result.top_ids.tolist() if result.top_ids is not None else None
             top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            masks = self._masks_by_row(samplers, result)
             now = time.perf_counter()
             for i, seq in enumerate(samplers):
                 seq.num_pending -= 1
@@ -406,6 +408,15 @@ class Scheduler:
                         k = seq.req.top_logprobs_num
                         seq.output_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])))
                 seq.output_versions.append(batch.weight_version)
+                if masks is not None and i in masks:
+                    if masks[i][0] is None:  # the kept set is larger than the cap: this request fails alone
+                        self._fail_request(seq.req, ValueError(
+                            f"a sampling mask of this request would hold more than max_sampling_mask_size="
+                            f"{self.config.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, min_p, "
+                            f"allowed_token_ids) or raise the engine's max_sampling_mask_size"))
+                        continue
+                    seq.output_sampling_masks.append(masks[i][0])
+                    seq.output_sampling_logprobs.append(masks[i][1])
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq)
@@ -420,6 +431,19 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.on_update is not None and not req.is_finished:
                 req.on_update(req, seqs)
+
+    @staticmethod
+    def _masks_by_row(samplers: list[Sequence], result: GenerationBatchResult):
+        """{sample row: (kept ids or None, renormalised logprob)} for the rows that asked for masks."""
+        if result.sampling_masks is None:
+            return None
+        rows = [i for i, s in enumerate(samplers) if s.req.return_sampling_mask]
+        lps = result.sampling_logprobs.tolist()
+        return {row: (mask, lps[row]) for row, mask in zip(rows, result.sampling_masks)}
+
+    def _fail_request(self, req: Request, error: BaseException) -> None:
+        req.error = error
+        self.abort(req.rid)
 
     def _record_input_logprobs(self, batch: ScheduledBatch, result: GenerationBatchResult) -> None:
         values = result.input_logprobs.tolist()

@@ -105,6 +105,7 @@ class TpModelWorker(BaseTpWorker):
             result.next_token_ids, result.next_token_logprobs = out.token_ids, out.logprobs
             self._future_token_ids = out.token_ids  # the next batch's placeholders read these
             result.top_ids, result.top_logprobs = out.top_ids, out.top_logprobs
+            result.sampling_masks, result.sampling_logprobs = out.masks, out.sampling_logprobs
             result.delay_sample_func = None
             result.sample_time_s = time.perf_counter() - t1
             return result

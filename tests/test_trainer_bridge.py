@@ -81,3 +81,13 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher):
     reference, _ = run_demo(tmp_path, "--zero-stage", "3", steps=2)
     assert [x["reward"] for x in logs] == [x["reward"] for x in reference]
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
+
+
+def test_grpo_with_truncated_sampling_replays_masks_exactly(tmp_path):
+    """top-k / top-p / min-p and a repetition penalty on: the trainer replays the engine's masks, so
+    the fp32 mismatch stays below 1e-4 while the unmasked recompute is visibly biased."""
+    logs, _ = run_demo(tmp_path, "--zero-stage", "3", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05",
+                       "--repetition-penalty", "1.2", steps=5)
+    assert all(x["mismatch_max"] < 1e-4 for x in logs)
+    assert all(abs(x["ratio_mean"] - 1) < 1e-3 for x in logs)
+    assert all(x["mismatch_unmasked_max"] > 1e-2 and x["ratio_unmasked_out_of_band"] > 0.1 for x in logs)

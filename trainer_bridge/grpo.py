@@ -2,8 +2,9 @@
 
 Each step: rollouts with processed logprobs (the behaviour policy) -> rewards -> group-normalised
 advantages over the ``n`` samples of a prompt -> the trainer recomputes the same tokens' logprobs
-(logits / sampling temperature; sampling runs without top-k/top-p/min-p so no mask applies) and
-reports the train/rollout mismatch -> clipped policy-gradient loss (optional KL to a frozen
+(with top-k / top-p / min-p or penalties on, the engine returns each token's sampling mask and the
+trainer replays it, ``trainer_bridge.replay``; otherwise logits / temperature) and reports the
+train/rollout mismatch, masked and unmasked -> clipped policy-gradient loss (optional KL to a frozen
 reference, optional truncated importance sampling) -> one DeepSpeed step -> the new weights are
 pushed into the engine as one transaction whose version is the step. Colocated cycle: release the
 engine's KV and weights -> train -> resume weights -> push -> resume KV -> generate.
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_bridge.push import push_weights
+from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.targets import ColocatedTarget
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,10 @@ class GRPOConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     tis_cap: Optional[float] = None  # truncated importance sampling: weight min(exp(train - rollout), cap)
+    top_k: int = -1  # sampling truncation: with any of these on, masks are returned and replayed
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     push_weights: bool = True  # False: the engine keeps the initial weights (a control run)
     release_memory: bool = True  # colocated: free the engine's KV and weights while training
     bucket_bytes: int = 256 << 20
@@ -57,29 +63,34 @@ class StepLog:
     rollout_s: float
     train_s: float
     sync_s: float
-    mismatch_mean: float
+    mismatch_mean: float  # |trainer - engine| logprob of the tokens, as the loss sees it (masked replay if masks)
     mismatch_max: float
     loss: float
+    mismatch_unmasked_mean: float = 0.0  # the same without the masks (log_softmax(logits / T))
+    mismatch_unmasked_max: float = 0.0
+    ratio_mean: float = 1.0  # mean importance ratio exp(trainer - engine), as the loss sees it
+    ratio_unmasked_mean: float = 1.0
+    ratio_unmasked_out_of_band: float = 0.0  # fraction of tokens whose unmasked ratio is outside [0.9, 1.1]
     engine_released_bytes: int = 0
     rss_peak_mb: float = 0.0
     sync_phases: dict = field(default_factory=dict)
     push_verified: Optional[bool] = None
 
 
-def _rollout(engine, prompts, sp, rank: int, world: int):
+def _rollout(engine, prompts, sp, rank: int, world: int, masks: bool = False):
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
     engine of its own, so each generates its share of the prompts and the outputs are gathered."""
     if engine.config.tp_size > 1 or world == 1:
-        return engine.generate(input_ids=prompts, sampling_params=sp)
-    mine = engine.generate(input_ids=prompts[rank::world], sampling_params=sp)
+        return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks)
+    mine = engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
     parts = [None] * world
     dist.all_gather_object(parts, mine)
     n = sp.n
     return [o for i in range(len(prompts)) for o in parts[i % world][(i // world) * n: (i // world + 1) * n]]
 
 
-def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
-    """Per-token log-probabilities (logits / temperature) of each completion under ``model``."""
+def completion_logits(model, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """Per completion, ``model``'s raw logits [T, V] at the positions that produced its T tokens."""
     width = max(map(len, seqs))
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -87,8 +98,17 @@ def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temp
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return [lp[i, p - 1: len(s) - 1] for i, (s, p) in enumerate(zip(seqs, prompt_lens))]
+    return [logits[i, p - 1: len(s) - 1] for i, (s, p) in enumerate(zip(seqs, prompt_lens))]
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
+    """Per-token log-probabilities (logits / temperature) of each completion under ``model``."""
+    return [_token_logprobs(lg, s[p:], temperature)
+            for lg, s, p in zip(completion_logits(model, seqs, prompt_lens), seqs, prompt_lens)]
 
 
 def verify_pushed(ds_engine, rollout_engine, truncate: int = 64) -> bool:
@@ -126,9 +146,11 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         pick = torch.randperm(len(prompts), generator=g)[: cfg.prompts_per_step].tolist()
         batch_prompts = [prompts[i] for i in pick]
         sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                            seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=-1, top_p=1.0)
+                            seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
+                            top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+        masked = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0 or cfg.repetition_penalty != 1.0
         t0 = time.perf_counter()
-        outs = _rollout(rollout_engine, batch_prompts, sp, rank, world)
+        outs = _rollout(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
         rollout_s = time.perf_counter() - t0
         n_tok = sum(len(o.output_token_ids) for o in outs)
         rewards = torch.tensor([reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
@@ -143,10 +165,19 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         mine = list(range(rank, len(outs), world))
         seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
         plens = [len(outs[i].prompt_token_ids) for i in mine]
-        new_lp = sequence_logprobs(ds_engine, seqs, plens, cfg.temperature)
+        logits = completion_logits(ds_engine, seqs, plens)
+        unmasked_lp = [_token_logprobs(lg, outs[i].output_token_ids, cfg.temperature) for lg, i in zip(logits, mine)]
+        new_lp = [replay_logprobs(lg, outs[i].prompt_token_ids, outs[i].output_token_ids,
+                                  outs[i].output_token_sampling_mask, sp) for lg, i in zip(logits, mine)] \
+            if masked else unmasked_lp
         engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
         diffs = torch.cat([(a.detach() - b).abs() for a, b in zip(new_lp, engine_lp)])
-        stats = torch.tensor([float(diffs.sum()), float(diffs.numel()), float(diffs.max())])
+        udiffs = torch.cat([(a.detach() - b) for a, b in zip(unmasked_lp, engine_lp)])
+        ratios = torch.cat([torch.exp(a.detach() - b) for a, b in zip(new_lp, engine_lp)])
+        # sum, count, sum |unmasked|, sum ratio, sum unmasked ratio, unmasked out of band | max, max unmasked
+        stats = torch.tensor([float(diffs.sum()), float(diffs.numel()), float(udiffs.abs().sum()), float(ratios.sum()),
+                              float(udiffs.exp().sum()), float(((udiffs.exp() - 1).abs() > 0.1).sum()),
+                              float(diffs.max()), float(udiffs.abs().max())])
         losses = []
         for lp, old, i in zip(new_lp, engine_lp, mine):
             ratio = torch.exp(lp - old)
@@ -185,11 +216,15 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         sync_s = time.perf_counter() - t2
         peak = max(peak, rss_mb())
         if dist.is_initialized():
-            dist.all_reduce(stats[:2])
-            dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX)
+            dist.all_reduce(stats[:6])
+            dist.all_reduce(stats[6:], op=dist.ReduceOp.MAX)
+        count = float(stats[1])
         log = StepLog(step=step + 1, reward=float(rewards.mean()), rollout_tok_s=n_tok / rollout_s,
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
-                      mismatch_mean=float(stats[0] / stats[1]), mismatch_max=float(stats[2]), loss=float(loss.detach()),
+                      mismatch_mean=float(stats[0]) / count, mismatch_max=float(stats[6]), loss=float(loss.detach()),
+                      mismatch_unmasked_mean=float(stats[2]) / count, mismatch_unmasked_max=float(stats[7]),
+                      ratio_mean=float(stats[3]) / count, ratio_unmasked_mean=float(stats[4]) / count,
+                      ratio_unmasked_out_of_band=float(stats[5]) / count,
                       engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified)
         logs.append(log)
         if log_fn is not None and rank == 0:

@@ -10,6 +10,11 @@ back to a sort only for the rows whose candidates do not reach ``top_p``.
 
 Greedy rows report the log-probability under the raw logits; ``raw`` mode reports raw logprobs
 for every row.
+
+Sampling masks (rows in ``mask_rows`` only, so the common path pays nothing): the sorted ids whose
+processed logit is finite — what survived bias/allowed tokens, the min-tokens ban, top-k, top-p and
+min-p — and the drawn token's logprob renormalised over them (a greedy row: the token alone, 0).
+Reading them back costs one host sync per step that asks for them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class SamplingBatchInfo:
     banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows, ids (min_new_tokens)
     top_logprobs_num: int = 0
     raw_logprobs: bool = False
+    mask_rows: Optional[torch.Tensor] = None  # [M] rows whose kept-token set is returned
+    max_mask_size: int = 0  # a larger kept set is reported as None (its request fails)
     all_greedy: bool = False
     has_greedy: bool = False
     all_temp_one: bool = False  # every sampled row has temperature 1: skip the division
@@ -49,6 +56,29 @@ class SampleOutput:
     logprobs: torch.Tensor  # [S] float32
     top_ids: Optional[torch.Tensor] = None  # [S, k]
     top_logprobs: Optional[torch.Tensor] = None  # [S, k]
+    masks: Optional[list] = None  # per mask row: sorted kept ids (list), or None past max_mask_size
+    sampling_logprobs: Optional[torch.Tensor] = None  # [S] renormalised over the kept set (greedy: 0)
+
+
+def _sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: torch.Tensor,
+                    processed_lp: torch.Tensor, info: SamplingBatchInfo) -> tuple[list, torch.Tensor]:
+    """Kept-token sets of the mask rows (one host sync) and every row's renormalised logprob."""
+    rows = info.mask_rows
+    greedy = info.temperatures <= 0
+    one_hot = torch.zeros(rows.numel(), x.shape[-1], dtype=torch.bool, device=x.device)
+    one_hot.scatter_(1, token_ids.index_select(0, rows).unsqueeze(1), True)
+    if dist is None:
+        kept = one_hot
+    else:
+        kept = torch.where(greedy.index_select(0, rows).unsqueeze(1), one_hot,
+                           torch.isfinite(dist.index_select(0, rows)))
+    counts = kept.sum(dim=1).tolist()
+    ids = kept.nonzero()[:, 1].tolist()
+    masks, start = [], 0
+    for c in counts:
+        masks.append(ids[start: start + c] if c <= info.max_mask_size else None)
+        start += c
+    return masks, torch.where(greedy, torch.zeros_like(processed_lp), processed_lp)
 
 
 def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -153,9 +183,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
             greedy = info.temperatures <= 0
             token_ids = torch.where(greedy, x.argmax(dim=-1), token_ids)
             logprobs = torch.where(greedy, _token_logprob(logits, token_ids), logprobs)
+    masks = sampling_lp = None
+    if info.mask_rows is not None:
+        masks, sampling_lp = _sampling_masks(x, dist, token_ids, logprobs, info)
     if info.raw_logprobs:
         logprobs = _token_logprob(logits, token_ids)
-    out = SampleOutput(token_ids=token_ids, logprobs=logprobs)
+    out = SampleOutput(token_ids=token_ids, logprobs=logprobs, masks=masks, sampling_logprobs=sampling_lp)
     if info.top_logprobs_num > 0:
         # The same distribution each row's logprob comes from.
         lp = torch.log_softmax(logits, dim=-1)

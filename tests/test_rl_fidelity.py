@@ -1,0 +1,88 @@
+"""Sampling masks and trainer-side replay: with top-k / top-p / min-p and a repetition penalty on,
+the trainer's replayed logprobs equal the engine's (fp32), while the unmasked recompute is biased."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_logits, random_prompts
+
+from rollout import RolloutEngine, SamplingParams
+from trainer_bridge.replay import replay_logprobs
+
+PROMPTS = random_prompts(300, [7, 12, 5], seed=140)
+TRUNCATED = SamplingParams(n=4, max_new_tokens=10, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,
+                           repetition_penalty=1.2, seed=9, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir("fid-qwen3", "qwen3", seed=21, head_std=1.5)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with RolloutEngine(model, dtype="float32", kv_cache_tokens=2048) as e:
+        yield e
+
+
+def trainer_logits(path, o) -> torch.Tensor:
+    """The trainer's raw logits at the positions that produced each output token."""
+    logits = hf_logits(path, o.prompt_token_ids + o.output_token_ids)
+    n = len(o.prompt_token_ids)
+    return logits[n - 1: n - 1 + len(o.output_token_ids)]
+
+
+def test_masks_are_the_kept_sets_and_replay_matches_the_engine(engine, model):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=TRUNCATED, return_sampling_mask=True)
+    worst_masked, worst_unmasked = 0.0, 0.0
+    for o in outs:
+        assert len(o.output_token_sampling_mask) == len(o.output_token_ids) == len(o.output_token_sampling_logprobs)
+        for tok, mask in zip(o.output_token_ids, o.output_token_sampling_mask):
+            assert mask == sorted(set(mask)) and tok in mask and 1 <= len(mask) <= 20
+        assert o.output_token_sampling_logprobs == pytest.approx(o.output_logprobs, abs=1e-6)
+        logits = trainer_logits(model, o)
+        replayed = replay_logprobs(logits, o.prompt_token_ids, o.output_token_ids, o.output_token_sampling_mask,
+                                   TRUNCATED)
+        unmasked = torch.log_softmax(logits / TRUNCATED.temperature, -1).gather(
+            1, torch.tensor(o.output_token_ids)[:, None])[:, 0]
+        engine_lp = torch.tensor(o.output_logprobs)
+        worst_masked = max(worst_masked, float((replayed - engine_lp).abs().max()))
+        worst_unmasked = max(worst_unmasked, float((unmasked - engine_lp).abs().max()))
+    assert worst_masked < 1e-4
+    assert worst_unmasked > 1e-2  # truncated support: the unmasked recompute is off by the kept mass
+
+
+def test_masks_cost_nothing_when_off_and_do_not_change_tokens(engine):
+    plain = engine.generate(input_ids=PROMPTS, sampling_params=TRUNCATED)
+    masked = engine.generate(input_ids=PROMPTS, sampling_params=TRUNCATED, return_sampling_mask=True)
+    assert [o.output_token_ids for o in plain] == [o.output_token_ids for o in masked]
+    assert all(o.output_token_sampling_mask == [] for o in plain)
+
+
+def test_greedy_masks_are_the_token_alone(engine):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=4, temperature=0,
+                                                                              ignore_eos=True),
+                           return_sampling_mask=True)
+    for o in outs:
+        assert o.output_token_sampling_mask == [[t] for t in o.output_token_ids]
+        assert o.output_token_sampling_logprobs == [0.0] * 4
+
+
+def test_a_mask_past_the_cap_fails_its_request_alone(model):
+    with RolloutEngine(model, dtype="float32", kv_cache_tokens=2048, max_sampling_mask_size=8) as e:
+        wide = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+        with pytest.raises(ValueError, match="max_sampling_mask_size=8"):
+            e.generate(input_ids=PROMPTS[0], sampling_params=wide, return_sampling_mask=True)
+        ok = e.generate(input_ids=PROMPTS[0], sampling_params=SamplingParams(
+            max_new_tokens=4, temperature=1.0, top_k=8, seed=1, ignore_eos=True), return_sampling_mask=True)
+        assert all(len(m) <= 8 for m in ok[0].output_token_sampling_mask)
+
+
+def test_overlap_and_tp2_give_the_same_masks(model, engine):
+    ref = engine.generate(input_ids=PROMPTS, sampling_params=TRUNCATED, return_sampling_mask=True)
+    for kw in (dict(enable_overlap=True), dict(tp_size=2)):
+        with RolloutEngine(model, dtype="float32", kv_cache_tokens=2048, **kw) as e:
+            got = e.generate(input_ids=PROMPTS, sampling_params=TRUNCATED, return_sampling_mask=True)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref], kw
+        assert [o.output_token_sampling_mask for o in got] == [o.output_token_sampling_mask for o in ref], kw
