@@ -79,6 +79,26 @@ class SamplingInputs:
         info.banned = banned if banned[0] else None
         return info
 
+    def row(self, i: int) -> SamplingInputs:
+        """Row ``i`` alone, as a one-row batch."""
+        def pick(x):
+            return None if x is None else [x[i]]
+
+        def rows_of(t):  # (rows, *values) with rows remapped to 0
+            if t is None:
+                return None
+            keep = [k for k, r in enumerate(t[0]) if r == i]
+            return None if not keep else tuple([0] * len(keep) if j == 0 else [col[k] for k in keep]
+                                               for j, col in enumerate(t))
+
+        return SamplingInputs(
+            temperatures=[self.temperatures[i]], uniforms=[self.uniforms[i]], top_ks=pick(self.top_ks),
+            top_ps=pick(self.top_ps), min_ps=pick(self.min_ps), bias=rows_of(self.bias), allowed=rows_of(self.allowed),
+            repetition=rows_of(self.repetition), additive_penalty=rows_of(self.additive_penalty),
+            banned=rows_of(self.banned), top_logprobs_num=self.top_logprobs_num, raw_logprobs=self.raw_logprobs,
+            mask_rows=[0] if self.mask_rows is not None and i in self.mask_rows else None,
+            max_mask_size=self.max_mask_size)
+
     def to_device(self, vocab_size: int, device: torch.device) -> SamplingBatchInfo:
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype, device=device)

@@ -33,6 +33,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
     launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
+    deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request
     tp_timeout_s: float = 30.0  # rendezvous and every TP collective: a dead or hung rank fails within this

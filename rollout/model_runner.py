@@ -60,6 +60,21 @@ def _input_ids(batch: ModelWorkerBatch, device: torch.device, future_token_ids: 
     return input_ids
 
 
+def _sample_rows(logits: torch.Tensor, sampling: SamplingInputs, vocab: int, device) -> SampleOutput:
+    """``sample`` one row at a time (batch-invariant mode), outputs stacked as one batch's."""
+    outs = [sample(logits[i: i + 1], sampling.row(i).to_device(vocab, device)) for i in range(logits.shape[0])]
+
+    def cat(name):
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else torch.cat(parts)
+
+    masks = [m for o in outs for m in (o.masks or [])] if sampling.mask_rows is not None else None
+    sampling_lp = None
+    if sampling.mask_rows is not None:  # rows without a mask report their logprob (never read)
+        sampling_lp = torch.cat([o.sampling_logprobs if o.sampling_logprobs is not None else o.logprobs for o in outs])
+    return SampleOutput(cat("token_ids"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"), masks, sampling_lp)
+
+
 def _has_triton() -> bool:
     import importlib.util
 
@@ -161,6 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
+        if self.config.deterministic:
+            return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
         fb = ForwardBatch.init_new(batch, self, future_token_ids)
@@ -168,8 +185,31 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn)
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
 
+    def _forward_token_by_token(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
+        """Batch-invariant mode: every token of every sequence in a forward of its own (one row, its
+        context exactly its position + 1), so each matmul and attention reduction has the same shape
+        whatever the batch, the chunking, the prefix cache or overlap: a token's logits are a
+        function of its sequence alone. Costs one forward per token."""
+        input_ids = _input_ids(batch, self.device, future_token_ids)
+        wanted = set(batch.logits_rows)
+        logits: dict[int, torch.Tensor] = {}
+        row = 0
+        for table, ctx, q in zip(batch.block_tables, batch.ctx_lens, batch.q_lens):
+            for j in range(q):
+                positions, meta = build_attention_metadata([table], [ctx - q + j + 1], [1], self.block_size,
+                                                           self.device, self.model_config.sliding_window)
+                meta.use_paged_kernel = self.use_paged_kernel
+                hidden = self.model(input_ids[row: row + 1], positions, self.kv_caches, meta)
+                if row in wanted:
+                    logits[row] = self.model.compute_logits(hidden)
+                row += 1
+        return torch.cat([logits[r] for r in batch.logits_rows]) if batch.logits_rows else \
+            torch.empty(0, self.model_config.vocab_size, device=self.device)
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
+        if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
+            return _sample_rows(logits, sampling, self.model_config.vocab_size, self.device)
         return sample(logits, sampling.to_device(self.model_config.vocab_size, self.device))
 
     @torch.inference_mode()

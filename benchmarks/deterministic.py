@@ -1,0 +1,63 @@
+"""The throughput cost of the batch-invariant mode: the same RL-shaped workload with
+``deterministic=False`` and ``True`` in one run (tokens/s, and whether the outputs differ).
+Writes JSON to ``--out-dir``.
+
+    python benchmarks/deterministic.py --model smollm2 --prompts 16 --n 2 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from rollout import RolloutEngine, SamplingParams  # noqa: E402
+from rollout.tools.bench_throughput import build_model  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    args = ap.parse_args(argv)
+    path = build_model(args.model, args.workdir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (int(k),), generator=g).tolist()
+               for k in torch.randint(16, 48, (args.prompts,), generator=g)]
+    sp = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=-1,
+                        seed=5, ignore_eos=True)
+    res = {"model": args.model, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,
+           "max_new_tokens": args.max_new_tokens, "prompt_tokens": sum(map(len, prompts))}
+    outs = {}
+    for det in (False, True):
+        with RolloutEngine(path, dtype=args.dtype, kv_cache_tokens=8192, deterministic=det) as e:
+            e.generate(input_ids=prompts[:2], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
+            t0 = time.perf_counter()
+            outs[det] = e.generate(input_ids=prompts, sampling_params=sp)
+            wall = time.perf_counter() - t0
+        tokens = sum(len(o.output_token_ids) for o in outs[det])
+        res["deterministic" if det else "default"] = {"wall_s": wall, "tokens_per_s": tokens / wall}
+        print(("deterministic" if det else "default"), json.dumps(res["deterministic" if det else "default"]),
+              flush=True)
+    res["throughput_fraction"] = res["deterministic"]["tokens_per_s"] / res["default"]["tokens_per_s"]
+    res["same_tokens"] = [o.output_token_ids for o in outs[False]] == [o.output_token_ids for o in outs[True]]
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"deterministic_{args.model}_{args.dtype}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
