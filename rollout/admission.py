@@ -14,6 +14,7 @@ import itertools
 import operator
 import time
 import uuid
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -142,6 +143,36 @@ class Admission:
             reqs.append(req)
         return reqs
 
+    def make_score_requests(self, prompt_ids, output_ids, sampling_params, return_sampling_mask: bool,
+                            top_logprobs_num: int, rid) -> list[Request]:
+        """Replayed scoring: score given output tokens after given prompts under ``sampling_params``,
+        as generation would have (a prefill-only request over prompt + outputs)."""
+        prompts = self.prompt_ids(None, prompt_ids)
+        outputs = self.prompt_ids(None, output_ids) if output_ids and not isinstance(output_ids[0], int) \
+            else [list(output_ids or [])]
+        if len(outputs) != len(prompts):
+            raise ValueError(f"got {len(outputs)} output_ids lists for {len(prompts)} prompts")
+        if any(not o for o in outputs):
+            raise ValueError("every output_ids list needs at least one token to score")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = [SamplingParams.from_dict(p) if isinstance(p, dict) else p for p in params]
+        if any(p.n != 1 for p in params if isinstance(p, SamplingParams)):
+            raise ValueError("scoring takes one output per prompt: n must be 1")
+        full = [p + o for p, o in zip(prompts, outputs)]
+        scoring = [replace(p, max_new_tokens=0, min_new_tokens=0) if isinstance(p, SamplingParams) else p
+                   for p in params]
+        reqs = self.make_requests(None, full, scoring, True, top_logprobs_num, 0, rid,
+                                  return_sampling_mask=return_sampling_mask)
+        for req, prompt, sp in zip(reqs, prompts, params):
+            req.score_from = len(prompt)
+            req.score_params = sp.resolved(self.defaults).for_vocab(self.vocab_size, self.eos_ids)
+            req.logprob_start_len = len(prompt)
+            req.next_input_logprob_pos = len(prompt) - 1
+            req.input_logprobs, req.input_top_logprobs = [], []
+        return reqs
+
     def _check_step_form(self, req: Request, i: int) -> None:
         """Build this request's sampling row exactly as a step will (on the CPU): what cannot be
         turned into the step's tensors, or turns into non-finite values, fails here."""
@@ -156,6 +187,8 @@ class Admission:
                 raise ValueError(f"prompt {i}: SamplingParams.{name[:-1]} is not finite in float32")
 
     def to_output(self, req: Request, seq: Sequence, current_version: str) -> RolloutOutput:
+        if req.score_from is not None:
+            return self._score_output(req, seq, current_version)
         text = seq.text
         if text is None and self.detokenize is not None:
             text = self.detokenize(seq.output_ids, req.params.skip_special_tokens)
@@ -176,6 +209,19 @@ class Admission:
             time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,
             latency_s=end - req.arrival_time,
         )
+
+    def _score_output(self, req: Request, seq: Sequence, current_version: str) -> RolloutOutput:
+        outputs = req.prompt_ids[req.score_from:]
+        text = self.detokenize(outputs, req.score_params.skip_special_tokens) if self.detokenize else None
+        return RolloutOutput(
+            rid=req.rid, prompt_index=req.prompt_index, sample_index=0, prompt_token_ids=req.prompt_ids[:req.score_from],
+            output_token_ids=list(outputs), output_logprobs=list(req.input_logprobs), text=text,
+            output_top_logprobs=list(req.input_top_logprobs), finish_reason=seq.finish_reason,
+            logprob_mode=self.config.logprob_mode, weight_version=current_version,
+            output_weight_versions=[current_version] * len(outputs), num_cached_tokens=seq.num_cached_tokens,
+            output_token_sampling_mask=list(req.score_masks),
+            output_token_sampling_logprobs=list(req.score_sampling_logprobs),
+            latency_s=(req.finish_time or time.perf_counter()) - req.arrival_time)
 
     def outputs(self, reqs: list[Request], current_version: str) -> list[RolloutOutput]:
         """Every sample of every request, prompt-major; a failed request raises its error."""

@@ -18,6 +18,26 @@ from rollout.random import uniforms
 
 
 @dataclass
+class ScoredPosition:
+    """The sampler's view of one scored output token (replayed scoring): the state a sequence had
+    when it sampled there. ``SamplingInputs.from_seqs`` reads it as it reads a ``Sequence``."""
+
+    params: object  # SamplingParams
+    token_ids: list[int]  # the history: prompt + outputs before this token
+    num_prompt_tokens: int
+    req: object  # top_logprobs_num, return_sampling_mask
+    seed: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
 class SamplingInputs:
     temperatures: list[float]
     uniforms: list[float]
@@ -148,6 +168,7 @@ class ModelWorkerBatch:
     input_logprob_targets: list[int] = field(default_factory=list)  # the prompt token each scores
     input_logprob_temps: list[float] = field(default_factory=list)
     input_top_logprobs_num: int = 0
+    input_logprob_sampling: Optional[SamplingInputs] = None  # replayed scoring: one processed row per scored token
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the forward
     weight_version: str = "default"
     has_placeholders: bool = False  # input ids < 0 are -(row + 1) of the previous batch's samples
@@ -166,6 +187,8 @@ class GenerationBatchResult:
     input_logprobs: Optional[torch.Tensor] = None  # [N_in]
     input_top_ids: Optional[torch.Tensor] = None
     input_top_logprobs: Optional[torch.Tensor] = None
+    input_sampling_masks: Optional[list] = None  # replayed scoring: per mask row of input_logprob_sampling
+    input_sampling_logprobs: Optional[torch.Tensor] = None
     sampling_masks: Optional[list] = None  # per row of SamplingInputs.mask_rows: sorted kept ids, None past the cap
     sampling_logprobs: Optional[torch.Tensor] = None  # [S] logprob renormalised over the kept set
     delay_sample_func: Optional[Callable[[SamplingInputs], GenerationBatchResult]] = None

@@ -183,6 +183,20 @@ class RolloutEngine:
             raise
         return self._admission.outputs(reqs, self.scheduler.weight_version)
 
+    def score(self, input_ids, output_ids, sampling_params: Union[SamplingParams, dict, list, None] = None,
+              return_sampling_mask: bool = True, top_logprobs_num: int = 0,
+              rid: Union[str, list[str], None] = None) -> list[RolloutOutput]:
+        """Replayed scoring: for each prompt, the given ``output_ids`` scored under ``sampling_params``
+        exactly as generation would have reported them — processed logprobs (``output_logprobs``), the
+        sampling masks and renormalised logprobs — without sampling (one prefill over prompt + outputs).
+        For re-scoring a rollout after the fact, or checking an engine against a trainer."""
+        if self._ext is not None:
+            raise ValueError("score() is not available under external launch")
+        self._check_ready()
+        reqs = self._admission.make_score_requests(input_ids, output_ids, sampling_params, return_sampling_mask,
+                                                   top_logprobs_num, rid)
+        return self._run_requests(reqs)
+
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
                              stream: bool = False, return_sampling_mask: Optional[bool] = None):

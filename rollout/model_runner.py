@@ -21,7 +21,15 @@ from rollout.config import EngineConfig
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.linear import LOADER_HOOKS
 from rollout.layers.rotary import RotaryEmbedding
-from rollout.layers.sampler import SampleOutput, sample
+from rollout.layers.sampler import (
+    SampleOutput,
+    apply_logit_processors,
+    drawn_logprob,
+    processed_logits,
+    sample,
+    sampling_masks,
+    token_logprob,
+)
 from rollout.loader import LoadReport, apply_load, plan_load, weight_name_map
 from rollout.models import ModelConfig, build_model
 from rollout.safetensors_io import iter_safetensors
@@ -211,6 +219,34 @@ class ModelRunner:
         if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
             return _sample_rows(logits, sampling, self.model_config.vocab_size, self.device)
         return sample(logits, sampling.to_device(self.model_config.vocab_size, self.device))
+
+    @torch.inference_mode()
+    def score_processed(self, logits: torch.Tensor, batch: ModelWorkerBatch):
+        """Replayed scoring: each given token's logprob as generation would have reported it (the
+        processed distribution; raw for greedy rows or in raw mode), its logprob renormalised over
+        the kept set, and the kept sets -> (reported [N], top ids, top lps, sampling lps [N], masks)."""
+        idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
+        targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
+        rows = logits.index_select(0, idx)
+        info = batch.input_logprob_sampling.to_device(self.model_config.vocab_size, self.device)
+        x = apply_logit_processors(rows, info)
+        dist = processed_logits(rows, info, x)
+        greedy = info.temperatures <= 0
+        raw_lp = token_logprob(rows, targets)  # the formulas ``sample`` reports with, for equal bits
+        processed_lp = drawn_logprob(dist, targets)
+        picked = raw_lp if self.config.logprob_mode == "raw" else torch.where(greedy, raw_lp, processed_lp)
+        argmax = x.argmax(dim=-1)
+        sampling_lp = torch.where(greedy, torch.where(targets == argmax, 0.0, float("-inf")), processed_lp)
+        masks = None
+        if info.mask_rows is not None:
+            masks, _ = sampling_masks(x, dist, argmax, sampling_lp, info)
+        top_ids = top_lp = None
+        if batch.input_top_logprobs_num > 0:
+            table = torch.log_softmax(rows, dim=-1)
+            if self.config.logprob_mode != "raw":
+                table = torch.where(greedy.unsqueeze(1), table, torch.log_softmax(dist, dim=-1))
+            top_lp, top_ids = table.topk(min(batch.input_top_logprobs_num, table.shape[-1]), dim=-1)
+        return picked, top_ids, top_lp, sampling_lp, masks
 
     @torch.inference_mode()
     def compute_input_logprobs(self, logits: torch.Tensor, batch: ModelWorkerBatch):

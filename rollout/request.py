@@ -79,6 +79,12 @@ class Request:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.return_sampling_mask = return_sampling_mask
+        # Replayed scoring: prompt_ids[score_from:] are given output tokens, scored under
+        # ``score_params`` as generation would have (processed logprobs, masks); None otherwise.
+        self.score_from: Optional[int] = None
+        self.score_params: Optional[SamplingParams] = None
+        self.score_masks: list[list[int]] = []
+        self.score_sampling_logprobs: list[float] = []
         # Prompt logprobs cover positions >= logprob_start_len (-1: none). The logprob of token p
         # comes from the logits at position p - 1.
         wants_input = return_logprob and 0 <= logprob_start_len < len(prompt_ids)

@@ -20,12 +20,14 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
 from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
 from rollout.request import Request, SeqStatus, Sequence
+from rollout.sampling_params import SamplingParams
 from rollout.tp_worker import BaseTpWorker
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,13 @@ class SchedulerStats:
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
     num_sample_steps: int = 0
+
+
+_NO_MASK = SimpleNamespace(top_logprobs_num=0, return_sampling_mask=False)
+
+
+def _neutral(temperature: float) -> SamplingParams:
+    return SamplingParams(temperature=temperature).resolved({})
 
 
 @dataclass
@@ -285,6 +294,7 @@ class Scheduler:
         tables, ctx_lens, q_lens, logits_rows, sample_idx = [], [], [], [], []
         samplers: list[Sequence] = []
         in_idx, in_targets, in_temps, in_owners = [], [], [], []
+        in_scored: list[Optional[ScoredPosition]] = []  # replayed scoring: the sampler's view of each row
         copies: list[tuple[int, int]] = []
         in_top = 0
         has_placeholders = False
@@ -316,6 +326,8 @@ class Scheduler:
                     in_targets.append(seq.token_ids[p + 1])
                     in_temps.append(temp)
                     in_owners.append(req)
+                    in_scored.append(None if req.score_from is None else ScoredPosition(
+                        req.score_params, seq.token_ids[: p + 1], req.score_from, req))
                 req.next_input_logprob_pos = max(req.next_input_logprob_pos, last)
                 in_top = max(in_top, req.top_logprobs_num)
             seq.num_computed_tokens = end
@@ -334,10 +346,19 @@ class Scheduler:
             logits_rows=logits_rows, sample_logits_idx=sample_idx,
             sampling=None if self.config.enable_overlap or not samplers else self._sampling_inputs(samplers),
             input_logprob_idx=in_idx, input_logprob_targets=in_targets, input_logprob_temps=in_temps,
+            input_logprob_sampling=self._scoring_inputs(in_scored, in_temps, in_owners),
             input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
             has_placeholders=has_placeholders,
         )
         return ScheduledBatch(batch, scheduled, samplers, in_owners)
+
+    def _scoring_inputs(self, scored: list, temps: list[float], owners: list[Request]) -> Optional[SamplingInputs]:
+        """Processed rows for a batch that scores given output tokens; plain prompt-logprob rows of
+        the same batch get a neutral row (their temperature only), which computes what they always did."""
+        if not any(s is not None for s in scored):
+            return None
+        rows = [s if s is not None else ScoredPosition(_neutral(t), [], 0, _NO_MASK) for s, t in zip(scored, temps)]
+        return SamplingInputs.from_seqs(rows, self.eos_ids, False, self.config.max_sampling_mask_size)
 
     def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Make prompt blocks completed by this step matchable by later requests."""
@@ -410,10 +431,7 @@ class Scheduler:
                 seq.output_versions.append(batch.weight_version)
                 if masks is not None and i in masks:
                     if masks[i][0] is None:  # the kept set is larger than the cap: this request fails alone
-                        self._fail_request(seq.req, ValueError(
-                            f"a sampling mask of this request would hold more than max_sampling_mask_size="
-                            f"{self.config.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, min_p, "
-                            f"allowed_token_ids) or raise the engine's max_sampling_mask_size"))
+                        self._fail_request(seq.req, self._mask_too_large())
                         continue
                     seq.output_sampling_masks.append(masks[i][0])
                     seq.output_sampling_logprobs.append(masks[i][1])
@@ -441,11 +459,28 @@ class Scheduler:
         lps = result.sampling_logprobs.tolist()
         return {row: (mask, lps[row]) for row, mask in zip(rows, result.sampling_masks)}
 
+    def _mask_too_large(self) -> ValueError:
+        return ValueError(f"a sampling mask of this request would hold more than max_sampling_mask_size="
+                          f"{self.config.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, min_p, "
+                          f"allowed_token_ids) or raise the engine's max_sampling_mask_size")
+
     def _fail_request(self, req: Request, error: BaseException) -> None:
         req.error = error
         self.abort(req.rid)
 
     def _record_input_logprobs(self, batch: ScheduledBatch, result: GenerationBatchResult) -> None:
+        if result.input_sampling_logprobs is not None:  # replayed scoring
+            lps = result.input_sampling_logprobs.tolist()
+            masks = iter(result.input_sampling_masks or [])
+            for i, req in enumerate(batch.input_owners):
+                if req.score_from is None:
+                    continue
+                req.score_sampling_logprobs.append(lps[i])
+                if req.return_sampling_mask:
+                    mask = next(masks)
+                    if mask is None and req.error is None:
+                        self._fail_request(req, self._mask_too_large())
+                    req.score_masks.append(mask)
         values = result.input_logprobs.tolist()
         top_ids = result.input_top_ids.tolist() if result.input_top_ids is not None else None
         top_lps = result.input_top_logprobs.tolist() if result.input_top_logprobs is not None else None

@@ -87,7 +87,10 @@ class TpModelWorker(BaseTpWorker):
         logits = runner.forward(batch, self._future_token_ids)
         runner.copy_blocks(batch.block_copies)
         result = GenerationBatchResult()
-        if batch.input_logprob_idx:
+        if batch.input_logprob_sampling is not None:  # replayed scoring in this batch
+            (result.input_logprobs, result.input_top_ids, result.input_top_logprobs, result.input_sampling_logprobs,
+             result.input_sampling_masks) = runner.score_processed(logits, batch)
+        elif batch.input_logprob_idx:
             result.input_logprobs, result.input_top_ids, result.input_top_logprobs = \
                 runner.compute_input_logprobs(logits, batch)
         result.forward_time_s = time.perf_counter() - t0

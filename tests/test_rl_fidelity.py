@@ -86,3 +86,47 @@ def test_overlap_and_tp2_give_the_same_masks(model, engine):
             got = e.generate(input_ids=PROMPTS, sampling_params=TRUNCATED, return_sampling_mask=True)
         assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref], kw
         assert [o.output_token_sampling_mask for o in got] == [o.output_token_sampling_mask for o in ref], kw
+
+
+@pytest.mark.parametrize("sp", [TRUNCATED, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
+                                SamplingParams(max_new_tokens=6, temperature=1.3, min_new_tokens=3, seed=2,
+                                               logit_bias={7: 2.0}, frequency_penalty=0.5, presence_penalty=0.3)],
+                         ids=["truncated", "greedy", "penalties"])
+def test_replayed_scoring_returns_what_generation_reported(engine, model, sp):
+    """Default mode: within 1e-5 (one prefill over the rollout vs. the decode steps that produced it
+    reduce in another order); batch-invariant mode: bitwise."""
+    for e, tol in ((engine, 1e-5), (None, 0.0)):
+        if e is None:
+            e = RolloutEngine(model, dtype="float32", kv_cache_tokens=2048, deterministic=True)
+        try:
+            _check_scoring(e, sp, tol)
+        finally:
+            if e is not engine:
+                e.shutdown()
+
+
+def _check_scoring(engine, sp, tol):
+    gen = engine.generate(input_ids=PROMPTS, sampling_params=sp, return_sampling_mask=True, top_logprobs_num=2)
+    scored = engine.score([o.prompt_token_ids for o in gen], [o.output_token_ids for o in gen],
+                          sampling_params=SamplingParams(**{**vars(sp), "n": 1}), top_logprobs_num=2)
+    assert len(scored) == len(gen)
+    for g, s in zip(gen, scored):
+        assert s.prompt_token_ids == g.prompt_token_ids and s.output_token_ids == g.output_token_ids
+        if tol == 0:
+            assert s.output_logprobs == g.output_logprobs
+            assert s.output_token_sampling_logprobs == g.output_token_sampling_logprobs
+        assert s.output_logprobs == pytest.approx(g.output_logprobs, abs=tol)
+        assert s.output_token_sampling_logprobs == pytest.approx(g.output_token_sampling_logprobs, abs=tol)
+        assert s.output_token_sampling_mask == g.output_token_sampling_mask
+        assert [[t for t, _ in top] for top in s.output_top_logprobs] == \
+            [[t for t, _ in top] for top in g.output_top_logprobs]
+
+
+def test_scoring_tokens_generation_would_not_have_drawn(engine):
+    out = engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(max_new_tokens=3, temperature=0,
+                                                                                 ignore_eos=True))[0]
+    other = [(t + 1) % 300 for t in out.output_token_ids]
+    s = engine.score([PROMPTS[0]], [other], SamplingParams(temperature=0.8, top_k=1))[0]
+    assert all(lp == float("-inf") for lp in s.output_token_sampling_logprobs)  # outside the top-1 set
+    with pytest.raises(ValueError, match="n must be 1"):
+        engine.score([PROMPTS[0]], [other], SamplingParams(n=2))

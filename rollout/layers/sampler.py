@@ -60,7 +60,7 @@ class SampleOutput:
     sampling_logprobs: Optional[torch.Tensor] = None  # [S] renormalised over the kept set (greedy: 0)
 
 
-def _sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: torch.Tensor,
+def sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: torch.Tensor,
                     processed_lp: torch.Tensor, info: SamplingBatchInfo) -> tuple[list, torch.Tensor]:
     """Kept-token sets of the mask rows (one host sync) and every row's renormalised logprob."""
     rows = info.mask_rows
@@ -139,7 +139,7 @@ def _mask_min_p(x: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(probs < threshold, float("-inf"))
 
 
-def _processed_logits(logits: torch.Tensor, info: SamplingBatchInfo, x: torch.Tensor) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, info: SamplingBatchInfo, x: torch.Tensor) -> torch.Tensor:
     """Temperature then top-k / top-p / min-p masks on ``x`` (logits after processors)."""
     if not info.all_temp_one:
         t = torch.where(info.temperatures > 0, info.temperatures, 1.0)
@@ -155,10 +155,23 @@ def _processed_logits(logits: torch.Tensor, info: SamplingBatchInfo, x: torch.Te
 
 def processed_logprobs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Log-probabilities of the distribution sampled from (rows with temperature > 0)."""
-    return torch.log_softmax(_processed_logits(logits, info, apply_logit_processors(logits, info)), dim=-1)
+    return torch.log_softmax(processed_logits(logits, info, apply_logit_processors(logits, info)), dim=-1)
 
 
-def _token_logprob(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _exp_cumsum(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row max, cumulative sum of exp(dist - row max)): the one pass both the draw and its logprob use."""
+    row_max = dist.max(dim=-1, keepdim=True).values
+    return row_max, (dist - row_max).exp_().cumsum_(dim=-1)
+
+
+def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(dist)[ids], computed exactly as ``sample`` computes a drawn token's logprob (so a
+    replayed score equals the reported one bit for bit)."""
+    row_max, cdf = _exp_cumsum(dist)
+    return (dist.gather(1, ids.unsqueeze(1)) - row_max - cdf[:, -1:].log()).squeeze(1)
+
+
+def token_logprob(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax(x)[ids] without materialising the full log-softmax."""
     return x.gather(1, ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
 
@@ -168,13 +181,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     x = apply_logit_processors(logits, info)
     if info.all_greedy:
         token_ids = x.argmax(dim=-1)
-        logprobs = _token_logprob(logits, token_ids)
+        logprobs = token_logprob(logits, token_ids)
         dist = None
     else:
-        dist = _processed_logits(logits, info, x)
+        dist = processed_logits(logits, info, x)
         # Inverse-CDF draw and the drawn token's logprob from one exp/cumsum pass, no sort.
-        row_max = dist.max(dim=-1, keepdim=True).values
-        cdf = (dist - row_max).exp_().cumsum_(dim=-1)
+        row_max, cdf = _exp_cumsum(dist)
         total = cdf[:, -1:]
         drawn = torch.searchsorted(cdf, info.uniforms.unsqueeze(1) * total, right=True)
         token_ids = drawn.squeeze(1).clamp_(max=logits.shape[-1] - 1)
@@ -182,12 +194,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         if info.has_greedy:
             greedy = info.temperatures <= 0
             token_ids = torch.where(greedy, x.argmax(dim=-1), token_ids)
-            logprobs = torch.where(greedy, _token_logprob(logits, token_ids), logprobs)
+            logprobs = torch.where(greedy, token_logprob(logits, token_ids), logprobs)
     masks = sampling_lp = None
     if info.mask_rows is not None:
-        masks, sampling_lp = _sampling_masks(x, dist, token_ids, logprobs, info)
+        masks, sampling_lp = sampling_masks(x, dist, token_ids, logprobs, info)
     if info.raw_logprobs:
-        logprobs = _token_logprob(logits, token_ids)
+        logprobs = token_logprob(logits, token_ids)
     out = SampleOutput(token_ids=token_ids, logprobs=logprobs, masks=masks, sampling_logprobs=sampling_lp)
     if info.top_logprobs_num > 0:
         # The same distribution each row's logprob comes from.
