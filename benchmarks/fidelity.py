@@ -1,8 +1,8 @@
-"""The throughput cost of the batch-invariant mode: the same RL-shaped workload with
-``deterministic=False`` and ``True`` in one run (tokens/s, and whether the outputs differ).
-Writes JSON to ``--out-dir``.
+"""The throughput cost of RL-fidelity features, each against the default in one run: sampling
+masks (top-k 50, top-p 0.9 sampling with and without ``return_sampling_mask``) and the
+batch-invariant mode (``deterministic=True``). Writes JSON to ``--out-dir``.
 
-    python benchmarks/deterministic.py --model smollm2 --prompts 16 --n 2 --max-new-tokens 32
+    python benchmarks/fidelity.py --model smollm2 --prompts 16 --n 2 --max-new-tokens 32
 """
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ def main(argv=None) -> dict:
                         seed=5, ignore_eos=True)
     res = {"model": args.model, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,
            "max_new_tokens": args.max_new_tokens, "prompt_tokens": sum(map(len, prompts))}
+    truncated = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.9, top_k=50,
+                               seed=5, ignore_eos=True)
+    with RolloutEngine(path, dtype=args.dtype, kv_cache_tokens=8192) as e:
+        e.generate(input_ids=prompts[:2], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
+        for masks in (False, True, False, True):  # interleaved: drift hits both alike
+            t0 = time.perf_counter()
+            got = e.generate(input_ids=prompts, sampling_params=truncated, return_sampling_mask=masks)
+            wall = time.perf_counter() - t0
+            name = "masks_on" if masks else "masks_off"
+            tps = sum(len(o.output_token_ids) for o in got) / wall
+            res[name] = max(res.get(name, 0.0), tps)
+        res["masks_mean_size"] = sum(len(m) for o in got for m in o.output_token_sampling_mask) / max(
+            1, sum(len(o.output_token_sampling_mask) for o in got))
+    res["masks_throughput_fraction"] = res["masks_on"] / res["masks_off"]
+    print("masks:", res["masks_off"], res["masks_on"], res["masks_mean_size"], flush=True)
     outs = {}
     for det in (False, True):
         with RolloutEngine(path, dtype=args.dtype, kv_cache_tokens=8192, deterministic=det) as e:
@@ -53,7 +68,7 @@ def main(argv=None) -> dict:
     res["throughput_fraction"] = res["deterministic"]["tokens_per_s"] / res["default"]["tokens_per_s"]
     res["same_tokens"] = [o.output_token_ids for o in outs[False]] == [o.output_token_ids for o in outs[True]]
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f"deterministic_{args.model}_{args.dtype}.json"), "w") as f:
+    with open(os.path.join(args.out_dir, f"fidelity_{args.model}_{args.dtype}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     return res
