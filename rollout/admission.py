@@ -154,6 +154,9 @@ class Admission:
             raise ValueError(f"got {len(outputs)} output_ids lists for {len(prompts)} prompts")
         if any(not o for o in outputs):
             raise ValueError("every output_ids list needs at least one token to score")
+        empty = next((i for i, p in enumerate(prompts) if not p), None)
+        if empty is not None:
+            raise ValueError(f"prompt {empty} is empty: a scored token needs the context before it")
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)

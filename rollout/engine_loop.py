@@ -52,7 +52,7 @@ class _Call:
 
 @dataclass
 class _Stop:
-    pass
+    """Abort what runs, run what waits, end the thread."""
 
 
 class EngineLoop:

@@ -125,7 +125,7 @@ class CommitTransaction:
 
 @dataclass(frozen=True)
 class AbortTransaction:
-    pass
+    """Drop what the open transaction staged."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class ReadWeight:
 
 @dataclass(frozen=True)
 class WeightsChecksum:
-    pass
+    """sha256 over every weight in Hugging Face form (``weight_sync.checksum_named_tensors``)."""
 
 
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,

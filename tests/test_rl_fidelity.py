@@ -130,3 +130,5 @@ def test_scoring_tokens_generation_would_not_have_drawn(engine):
     assert all(lp == float("-inf") for lp in s.output_token_sampling_logprobs)  # outside the top-1 set
     with pytest.raises(ValueError, match="n must be 1"):
         engine.score([PROMPTS[0]], [other], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="empty"):
+        engine.score([[]], [other])
