@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 from trainer_bridge.ds_setup import ds_config, setup_deepspeed_env  # noqa: E402
 
@@ -72,8 +73,8 @@ def model_path(name: str, seed: int) -> str:
     return path
 
 
-def main(argv=None) -> list:
-    args = parse(argv)
+def build_trainer(args):
+    """DeepSpeed over the launcher's ranks: (ds_engine, model folder, tied embeddings, rank, world)."""
     setup_deepspeed_env()
     import deepspeed
     import torch
@@ -91,36 +92,32 @@ def main(argv=None) -> list:
 
     from transformers import AutoModelForCausalLM
 
-    from rollout import RolloutEngine
-    from trainer_bridge.grpo import GRPOConfig, run_grpo, write_logs
-
     dtype = getattr(torch, args.dtype)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tied = bool(policy.config.tie_word_embeddings)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     ds_engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                          config=ds_config(args.zero_stage, args.lr, dtype == torch.bfloat16, world))
-    from rollout.models import ModelConfig
+    return ds_engine, path, tied, rank, world
 
-    # default: the largest TP size that divides the world and splits the model (TP=1: one engine per rank)
-    tp = args.tp_size or max(t for t in ModelConfig.from_pretrained(path).valid_tp_sizes(world) if world % t == 0)
-    engine = RolloutEngine(path, dtype=args.dtype, tp_size=tp, launch="external" if tp > 1 else "spawn",
-                           kv_cache_tokens=4096, seed=args.seed, use_generation_config=False)
-    vocab = engine.model_config.vocab_size
-    markers = (vocab - 2, vocab - 1)  # two marker tokens select the parity the reward asks for
-    g = torch.Generator().manual_seed(1234)
-    prompts = [[markers[i % 2]] + torch.randint(3, vocab - 2, (5,), generator=g).tolist() for i in range(64)]
 
-    def reward(prompt: list[int], completion: list[int]) -> float:
-        want = 0 if prompt[0] == markers[0] else 1
-        return sum(1 for t in completion if t % 2 == want) / max(len(completion), 1)
+def grpo_config(args, release_memory: bool = True):
+    from trainer_bridge.grpo import GRPOConfig
 
-    cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
-                     kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
-                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                     release_memory=not args.no_release and not args.no_push, seed=args.seed, out_dir=args.out_dir,
-                     push_per_parameter=args.push_per_parameter, bucket_bytes=args.bucket_mb << 20)
+    return GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
+                      kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
+                      top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty,
+                      release_memory=release_memory and not args.no_release and not args.no_push, seed=args.seed,
+                      out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
+                      bucket_bytes=args.bucket_mb << 20)
+
+
+def step_logger(args, rank: int):
+    """(log one step, finish the run): a table on stdout, wandb (offline without a key), the curve."""
+    from trainer_bridge.grpo import write_logs
+
     run = None
     if rank == 0 and not args.no_wandb:
         import wandb
@@ -138,12 +135,34 @@ def main(argv=None) -> list:
         if run is not None:
             run.log({k: v for k, v in vars(x).items() if isinstance(v, (int, float))}, step=x.step)
 
-    logs = run_grpo(cfg, ds_engine, engine, prompts, reward, tie_word_embeddings=tied, log_fn=log)
-    if rank == 0:
-        png = write_logs(logs, args.out_dir)
-        print(f"reward curve: {png}")
-        if run is not None:
-            run.finish()
+    def finish(logs) -> None:
+        if rank == 0:
+            png = write_logs(logs, args.out_dir)
+            print(f"reward curve: {png}")
+            if run is not None:
+                run.finish()
+
+    return log, finish
+
+
+def main(argv=None) -> list:
+    args = parse(argv)
+    ds_engine, path, tied, rank, world = build_trainer(args)
+    import torch.distributed as dist
+    from parity_task import parity_task
+
+    from rollout import RolloutEngine
+    from rollout.models import ModelConfig
+    from trainer_bridge.grpo import run_grpo
+
+    # default: the largest TP size that divides the world and splits the model (TP=1: one engine per rank)
+    tp = args.tp_size or max(t for t in ModelConfig.from_pretrained(path).valid_tp_sizes(world) if world % t == 0)
+    engine = RolloutEngine(path, dtype=args.dtype, tp_size=tp, launch="external" if tp > 1 else "spawn",
+                           kv_cache_tokens=4096, seed=args.seed, use_generation_config=False)
+    prompts, reward = parity_task(engine.model_config.vocab_size)
+    log, finish = step_logger(args, rank)
+    logs = run_grpo(grpo_config(args), ds_engine, engine, prompts, reward, tie_word_embeddings=tied, log_fn=log)
+    finish(logs)
     engine.shutdown()
     dist.barrier()
     return logs

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from trainer_bridge.push import push_weights
 from trainer_bridge.replay import replay_logprobs
-from trainer_bridge.targets import ColocatedTarget
+from trainer_bridge.targets import ColocatedTarget, WeightTarget
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class StepLog:
 def _rollout(engine, prompts, sp, rank: int, world: int, masks: bool = False):
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
     engine of its own, so each generates its share of the prompts and the outputs are gathered."""
-    if engine.config.tp_size > 1 or world == 1:
+    if engine.tp_size > 1 or world == 1:
         return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks)
     mine = engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
     parts = [None] * world
@@ -133,12 +133,15 @@ def rss_mb() -> float:
 
 def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]],
              reward_fn: Callable[[list[int], list[int]], float], ref_model=None,
-             tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None) -> list[StepLog]:
+             tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None,
+             target: Optional[WeightTarget] = None) -> list[StepLog]:
+    """``rollout_engine``: an in-process engine (colocated; the default target pushes into it) or a
+    ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``ServerTarget``)."""
     from rollout import SamplingParams
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    target = ColocatedTarget(rollout_engine)
+    target = target or ColocatedTarget(rollout_engine)
     logs: list[StepLog] = []
     g = torch.Generator().manual_seed(cfg.seed)
     for step in range(cfg.steps):

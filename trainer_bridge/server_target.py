@@ -1,5 +1,6 @@
-"""``ServerTarget``: push a trainer's weights into a rollout server reached by URL, over the
-server's distributed route (a weight-update group the trainer's rank 0 hosts). Three lines::
+"""``ServerTarget``: push a trainer's weights into rollout servers reached by URL (one or several
+replicas), over their distributed route (one weight-update group the trainer's rank 0 hosts and
+every replica's ranks join). Three lines::
 
     client = RolloutClient("http://127.0.0.1:30000", admin_api_key=key)
     target = ServerTarget(client)                       # rendezvous: the server's ranks join our group
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from rollout.messages import WeightResult
-from rollout.server.client import RolloutClient
 from trainer_bridge.targets import WeightTarget
 from weight_sync.distributed import WeightUpdateSender
 from weight_sync.layout import dtype_from_name
@@ -53,47 +53,66 @@ class _Call(threading.Thread):
 
 
 class ServerTarget(WeightTarget):
-    def __init__(self, client: RolloutClient, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
+    """One weight-update group hosted by this process (rank 0) and joined by every rank of every
+    server given (replica i's TP rank r is rank ``1 + sum(tp of replicas before i) + r``): each bucket
+    is broadcast once to all replicas. Each replica commits all-or-nothing; ``commit`` returns the
+    first failure, or the first replica's result."""
+
+    def __init__(self, clients, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
                  group_name: str = "trainer-push", backend: str = "gloo", timeout_s: float = 60.0):
-        self.client, self.group_name, self.timeout_s = client, group_name, timeout_s
-        info = client.get_server_info()
-        self.dtype = dtype_from_name(info["dtype"])
+        self.clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
+        self.client = self.clients[0]
+        self.group_name, self.timeout_s = group_name, timeout_s
+        infos = [c.get_server_info() for c in self.clients]
+        self.dtype = dtype_from_name(infos[0]["dtype"])
         self.device = torch.device("cpu" if backend == "gloo" else "cuda")
         self.is_sender = not (dist.is_initialized() and dist.get_rank() != 0)
         self.sender: Optional[WeightUpdateSender] = None
         if self.is_sender:
             port = master_port or free_port(master_address)
-            world = 1 + int(info["tp_size"])
-            join = _Call(client.init_weights_update_group, master_address, port, 1, world, group_name, backend,
-                         timeout_s)
+            sizes = [int(info["tp_size"]) for info in infos]
+            world = 1 + sum(sizes)
+            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+            joins = [_Call(c.init_weights_update_group, master_address, port, off, world, group_name, backend,
+                           timeout_s) for c, off in zip(self.clients, offsets)]
             self.sender = WeightUpdateSender(master_address, port, world, group_name, backend, timeout_s)
-            result = join.get(timeout_s + 10)
-            if not result.success:
-                raise RuntimeError(f"the server could not join weight group {group_name!r}: {result.message}")
+            for i, join in enumerate(joins):
+                result = join.get(timeout_s + 10)
+                if not result.success:
+                    raise RuntimeError(f"replica {i} ({self.clients[i].base_url}) could not join weight group "
+                                       f"{group_name!r}: {result.message}")
+
+    def _each(self, fn_name: str, *args, **kwargs) -> list[WeightResult]:
+        calls = [_Call(getattr(c, fn_name), *args, **kwargs) for c in self.clients]
+        return [call.get(self.timeout_s + 10) for call in calls]
 
     def begin(self, version: str) -> None:
         if self.is_sender:
-            result = self.client.begin_weight_update(version)
-            if not result.success:
-                raise RuntimeError(result.message)
+            for i, result in enumerate(self._each("begin_weight_update", version)):
+                if not result.success:
+                    raise RuntimeError(f"replica {i}: {result.message}")
 
     def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if not self.is_sender:
             return
         names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) + (64 << 10)
-        staged = _Call(self.client.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
-                       bucket_bytes=nbytes, transaction=True)
-        self.sender.send(named_tensors, bucket_bytes=nbytes)
-        result = staged.get(self.timeout_s + 10)
-        if not result.success:
-            raise RuntimeError(f"the server rejected a bucket: {result.message}")
+        staged = [_Call(c.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
+                        bucket_bytes=nbytes, transaction=True) for c in self.clients]
+        self.sender.send(named_tensors, bucket_bytes=nbytes)  # one broadcast reaches every replica
+        for i, call in enumerate(staged):
+            result = call.get(self.timeout_s + 10)
+            if not result.success:
+                raise RuntimeError(f"replica {i} rejected a bucket: {result.message}")
 
     def commit(self) -> Optional[WeightResult]:
-        return self.client.commit_weight_update() if self.is_sender else None
+        if not self.is_sender:
+            return None
+        results = self._each("commit_weight_update")
+        return next((r for r in results if not r.success), results[0])
 
     def close(self) -> None:
         if self.sender is not None:
-            self.client.destroy_weights_update_group(self.group_name)
+            self._each("destroy_weights_update_group", self.group_name)
             self.sender.close()
             self.sender = None

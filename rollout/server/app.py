@@ -75,6 +75,9 @@ def sglang_item(o: RolloutOutput, return_logprob: bool) -> dict:
         start = len(o.prompt_token_ids) - len(o.input_logprobs)
         meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.input_logprobs, o.prompt_token_ids[start:])]
         meta["input_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in o.input_top_logprobs]
+    if o.output_token_sampling_mask:  # SGLang's names
+        meta["output_token_sampling_mask"] = o.output_token_sampling_mask
+        meta["output_token_sampling_logprobs"] = o.output_token_sampling_logprobs
     return {"text": o.text, "output_ids": o.output_token_ids, "meta_info": meta}
 
 
@@ -214,7 +217,8 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
             raise HTTPException(400, "pass exactly one of text or input_ids")
         kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
                       return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                      logprob_start_len=body.logprob_start_len, rid=body.rid)
+                      logprob_start_len=body.logprob_start_len, rid=body.rid,
+                      return_sampling_mask=body.return_sampling_mask)
         if body.stream:
             return await stream_generate(request, kwargs, lambda o: [sglang_item(o, body.return_logprob)])
         outs = await run_generate(request, kwargs)

@@ -44,6 +44,8 @@ def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None) -> Roll
         finish_reason=finish.get("type"), matched_stop=finish.get("matched"),
         logprob_mode=meta.get("logprob_mode", "processed"), weight_version=meta.get("weight_version", "default"),
         output_weight_versions=list(meta.get("output_weight_versions") or []),
+        output_token_sampling_mask=list(meta.get("output_token_sampling_mask") or []),
+        output_token_sampling_logprobs=list(meta.get("output_token_sampling_logprobs") or []),
         num_cached_tokens=meta.get("cached_tokens", 0), latency_s=meta.get("e2e_latency"))
 
 
@@ -85,7 +87,8 @@ class RolloutClient:
 
     def generate(self, prompts: Union[str, list[str], None] = None, input_ids=None,
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None) -> list[RolloutOutput]:
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
+                 return_sampling_mask: Optional[bool] = None) -> list[RolloutOutput]:
         """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``."""
         if input_ids is not None and input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
@@ -93,7 +96,7 @@ class RolloutClient:
             prompts = [prompts]
         body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                "logprob_start_len": logprob_start_len, "rid": rid}
+                "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask}
         items = self._json(self._post("/generate", {k: v for k, v in body.items() if v is not None}))
         items = items if isinstance(items, list) else [items]
         return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None)

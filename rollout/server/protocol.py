@@ -27,6 +27,7 @@ class GenerateRequest(Strict):
     logprob_start_len: int = Field(-1, ge=-1)
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    return_sampling_mask: Optional[bool] = None
 
 
 class Lenient(BaseModel):

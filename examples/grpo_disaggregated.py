@@ -1,0 +1,94 @@
+"""GRPO with disaggregated rollout: DeepSpeed trains in this job while rollout servers (engine
+replicas in their own processes — on GPUs, their own devices or hosts) generate. One trainer feeds
+every replica: prompts are routed by load (all samples of a prompt on one replica), and each step's
+weights are broadcast once over one weight-update group every replica joins, then committed.
+
+CPU, the embedded tiny model, two local replicas started by this script:
+    python -m torch.distributed.run --nproc_per_node 1 examples/grpo_disaggregated.py --replicas 2
+Against servers already running (``rollout serve --model-path ... --port ...``):
+    python -m torch.distributed.run --nproc_per_node 1 examples/grpo_disaggregated.py \\
+        --engine-url http://host1:30000 --engine-url http://host2:30000 --master-address <this host>
+Synchronous (staleness 0): every rollout uses the weights of the step before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+
+from grpo_colocated import build_trainer, grpo_config, step_logger  # noqa: E402
+from grpo_colocated import parse as parse_colocated  # noqa: E402
+
+
+def parse(argv=None):
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--replicas", type=int, default=2, help="local rollout servers to start (without --engine-url)")
+    own.add_argument("--engine-url", action="append", default=None, help="a running rollout server (repeatable)")
+    own.add_argument("--server-tp-size", type=int, default=1, help="TP size of each local server")
+    own.add_argument("--master-address", default="127.0.0.1", help="this trainer's address, as the servers reach it")
+    args, rest = own.parse_known_args(argv)
+    return args, parse_colocated(rest)
+
+
+def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> tuple[list, list[str]]:
+    """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU."""
+    from weight_sync.process_group import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs, urls = [], []
+    for _ in range(n):
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve",
+                                       "--model-path", path, "--port", str(port), "--dtype", dtype, "--tp-size",
+                                       str(tp), "--kv-cache-tokens", "4096", "--seed", str(seed),
+                                       "--no-use-generation-config"], env=env))
+        urls.append(f"http://127.0.0.1:{port}")
+    return procs, urls
+
+
+def main(argv=None) -> list:
+    own, args = parse(argv)
+    ds_engine, path, tied, rank, world = build_trainer(args)
+    import torch.distributed as dist
+    from parity_task import parity_task
+
+    from rollout.models import ModelConfig
+    from rollout.server import RolloutClient
+    from trainer_bridge.grpo import run_grpo
+    from trainer_bridge.router import ReplicaRouter
+    from trainer_bridge.server_target import ServerTarget
+
+    if world != 1:
+        raise SystemExit("this example drives the replicas from one trainer process: --nproc_per_node 1")
+    procs, urls = ([], own.engine_url) if own.engine_url else \
+        start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
+    clients = [RolloutClient(u) for u in urls]
+    try:
+        for c in clients:
+            c.wait_ready(300)
+        router = ReplicaRouter(clients)
+        target = ServerTarget(clients, master_address=own.master_address, group_name="grpo")
+        prompts, reward = parity_task(ModelConfig.from_pretrained(path).vocab_size)
+        log, finish = step_logger(args, rank)
+        logs = run_grpo(grpo_config(args, release_memory=False), ds_engine, router, prompts, reward,
+                        tie_word_embeddings=tied, log_fn=log, target=target)
+        finish(logs)
+        print("replica versions:", router.get_weight_versions(), flush=True)
+        target.close()
+    finally:
+        for c in clients:
+            c.close()
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+    dist.barrier()
+    return logs
+
+
+if __name__ == "__main__":
+    main()
