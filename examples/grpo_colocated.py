@@ -42,6 +42,10 @@ def parse(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="disaggregated only: generate up to this many steps ahead with older weights (0: sync)")
+    ap.add_argument("--stale-policy", default="keep", choices=["drop", "keep", "tis"],
+                    help="tokens older than --max-staleness: drop them from the loss, keep them, or weight them")
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--tis-cap", type=float, default=None)
     ap.add_argument("--no-push", action="store_true", help="control run: never push weights to the engine")
@@ -111,7 +115,8 @@ def grpo_config(args, release_memory: bool = True):
                       repetition_penalty=args.repetition_penalty,
                       release_memory=release_memory and not args.no_release and not args.no_push, seed=args.seed,
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
-                      bucket_bytes=args.bucket_mb << 20)
+                      bucket_bytes=args.bucket_mb << 20, max_staleness=args.max_staleness,
+                      stale_policy=args.stale_policy)
 
 
 def step_logger(args, rank: int):

@@ -38,3 +38,13 @@ def test_disaggregated_control_without_pushes_stays_flat(tmp_path):
     logs, _ = run_example(tmp_path, "--no-push", steps=12)
     rewards = [x["reward"] for x in logs]
     assert max(rewards) - min(rewards) < 0.2, rewards
+
+
+def test_asynchronous_rollouts_with_staleness_one_still_learn(tmp_path):
+    """The rollout of step k+1 runs while step k trains: every token is exactly one version behind the
+    trainer (never more), and the run still learns."""
+    logs, stdout = run_example(tmp_path, "--max-staleness", "1", steps=20)
+    assert [x["max_sample_staleness"] for x in logs] == [0] + [1] * 19
+    rewards = [x["reward"] for x in logs]
+    assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
+    assert all(x["push_verified"] for x in logs)

@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -53,6 +55,10 @@ class GRPOConfig:
     seed: int = 0
     out_dir: str = "rl_runs/demo"
     verify_push: bool = True  # after each push, read a few weights back from the engine and compare
+    # Asynchronous (disaggregated only): the rollout for step k+1 runs while step k trains, with the
+    # weights served then; a sample is at most max_staleness versions behind the trainer (0: synchronous).
+    max_staleness: int = 0
+    stale_policy: str = "keep"  # tokens older than the bound: "drop" (masked out), "keep", "tis" (weighted)
 
 
 @dataclass
@@ -75,6 +81,8 @@ class StepLog:
     rss_peak_mb: float = 0.0
     sync_phases: dict = field(default_factory=dict)
     push_verified: Optional[bool] = None
+    max_sample_staleness: int = 0  # trainer version - the oldest token version in this step's samples
+    trainer_wait_s: float = 0.0  # the trainer waiting for rollouts (the long tail idles it)
 
 
 def _rollout(engine, prompts, sp, rank: int, world: int, masks: bool = False):
@@ -144,18 +152,38 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
     target = target or ColocatedTarget(rollout_engine)
     logs: list[StepLog] = []
     g = torch.Generator().manual_seed(cfg.seed)
-    for step in range(cfg.steps):
-        # ---- rollout (every rank calls generate with the same arguments: SPMD)
+    masked = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0 or cfg.repetition_penalty != 1.0
+    if cfg.max_staleness and (cfg.release_memory or isinstance(target, ColocatedTarget)):
+        raise ValueError("asynchronous rollouts need their own devices: use a disaggregated target, no release")
+    if cfg.stale_policy not in ("drop", "keep", "tis"):
+        raise ValueError(f"stale_policy={cfg.stale_policy!r}: use drop, keep or tis")
+
+    def rollout(step: int):
+        """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
         pick = torch.randperm(len(prompts), generator=g)[: cfg.prompts_per_step].tolist()
         batch_prompts = [prompts[i] for i in pick]
         sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
                             top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
-        masked = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0 or cfg.repetition_penalty != 1.0
         t0 = time.perf_counter()
         outs = _rollout(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
-        rollout_s = time.perf_counter() - t0
+        return batch_prompts, sp, outs, time.perf_counter() - t0
+
+    # asynchronous: up to max_staleness batches are generated ahead, each with the weights served when it starts
+    ahead = ThreadPoolExecutor(1) if cfg.max_staleness else None
+    queued = deque(ahead.submit(rollout, k) for k in range(min(cfg.max_staleness, cfg.steps))) if ahead else deque()
+    for step in range(cfg.steps):
+        t_wait = time.perf_counter()
+        if ahead is not None:
+            if step + cfg.max_staleness < cfg.steps:
+                queued.append(ahead.submit(rollout, step + cfg.max_staleness))
+            batch_prompts, sp, outs, rollout_s = queued.popleft().result()
+        else:
+            batch_prompts, sp, outs, rollout_s = rollout(step)
+        trainer_wait = time.perf_counter() - t_wait
         n_tok = sum(len(o.output_token_ids) for o in outs)
+        # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
+        ages = [[step - _version_step(v) for v in o.output_weight_versions] for o in outs]
         rewards = torch.tensor([reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
         grouped = rewards.view(len(batch_prompts), cfg.n)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
@@ -188,6 +216,11 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
             pg = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
             if cfg.tis_cap is not None:
                 pg = pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap)
+            stale = torch.tensor([age > cfg.max_staleness for age in ages[i]])
+            if stale.any() and cfg.stale_policy == "drop":
+                pg = pg.masked_fill(stale, 0.0)
+            elif stale.any() and cfg.stale_policy == "tis":
+                pg = torch.where(stale, pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap or 2.0), pg)
             losses.append(pg.mean())
         loss = torch.stack(losses).mean()
         if cfg.kl_coef and ref_model is not None:
@@ -228,11 +261,20 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
                       mismatch_unmasked_mean=float(stats[2]) / count, mismatch_unmasked_max=float(stats[7]),
                       ratio_mean=float(stats[3]) / count, ratio_unmasked_mean=float(stats[4]) / count,
                       ratio_unmasked_out_of_band=float(stats[5]) / count,
-                      engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified)
+                      engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
+                      max_sample_staleness=max((a for row in ages for a in row), default=0),
+                      trainer_wait_s=trainer_wait)
         logs.append(log)
         if log_fn is not None and rank == 0:
             log_fn(log)
+    if ahead is not None:
+        ahead.shutdown(wait=True)
     return logs
+
+
+def _version_step(version: str) -> int:
+    """The step of a weight version this loop published ("step-k"; the initial weights are step 0)."""
+    return int(version.rsplit("-", 1)[1]) if version.startswith("step-") else 0
 
 
 def write_logs(logs: list[StepLog], out_dir: str) -> str:
