@@ -31,6 +31,8 @@ def parse(argv=None):
     own.add_argument("--engine-url", action="append", default=None, help="a running rollout server (repeatable)")
     own.add_argument("--server-tp-size", type=int, default=1, help="TP size of each local server")
     own.add_argument("--master-address", default="127.0.0.1", help="this trainer's address, as the servers reach it")
+    own.add_argument("--partial-rollouts", action="store_true",
+                     help="land each push in the middle of running rollouts (pause in place) instead of after them")
     args, rest = own.parse_known_args(argv)
     return args, parse_colocated(rest)
 
@@ -72,7 +74,8 @@ def main(argv=None) -> list:
         for c in clients:
             c.wait_ready(300)
         router = ReplicaRouter(clients)
-        target = ServerTarget(clients, master_address=own.master_address, group_name="grpo")
+        target = ServerTarget(clients, master_address=own.master_address, group_name="grpo",
+                              partial_rollouts=own.partial_rollouts)
         prompts, reward = parity_task(ModelConfig.from_pretrained(path).vocab_size)
         log, finish = step_logger(args, rank)
         logs = run_grpo(grpo_config(args, release_memory=False), ds_engine, router, prompts, reward,

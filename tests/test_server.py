@@ -424,3 +424,36 @@ def test_requests_behind_a_pause_are_aborted_at_their_timeout(models):
         client.close()
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_partial_rollout_push_lands_mid_request(server, models):
+    """ServerTarget(partial_rollouts=True) pauses in place, commits and continues: a request that was
+    running keeps going and its later tokens carry the new version."""
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge import push_weights
+    from trainer_bridge.server_target import ServerTarget
+
+    url, client = server
+    box = {}
+    long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
+    started = client.get_server_info()["stats"]["num_decode_tokens"]
+    t = threading.Thread(target=lambda: box.setdefault("out", client.generate(input_ids=PROMPTS[0],
+                                                                              sampling_params=long)))
+    t.start()
+    while client.get_server_info()["stats"]["num_decode_tokens"] < started + 20:
+        time.sleep(0.02)
+    target = ServerTarget(client, partial_rollouts=True, timeout_s=60)
+    model = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
+    result = push_weights(model, target, version="mid").result
+    target.close()
+    t.join(120)
+    assert result.success, result.message
+    versions = box["out"][0].output_weight_versions
+    assert versions[0] == "default" and versions[-1] == "mid" and len(versions) == 600
+    switch = versions.index("mid")
+    assert set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"mid"}
+    assert client.update_weights_from_disk(_a_copy(models), weight_version="default").success

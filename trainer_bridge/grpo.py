@@ -82,6 +82,7 @@ class StepLog:
     sync_phases: dict = field(default_factory=dict)
     push_verified: Optional[bool] = None
     max_sample_staleness: int = 0  # trainer version - the oldest token version in this step's samples
+    num_mixed_version_samples: int = 0  # samples whose tokens span an update (partial rollouts)
     trainer_wait_s: float = 0.0  # the trainer waiting for rollouts (the long tail idles it)
 
 
@@ -263,6 +264,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
                       ratio_unmasked_out_of_band=float(stats[5]) / count,
                       engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
                       max_sample_staleness=max((a for row in ages for a in row), default=0),
+                      num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
                       trainer_wait_s=trainer_wait)
         logs.append(log)
         if log_fn is not None and rank == 0:

@@ -59,7 +59,12 @@ class ServerTarget(WeightTarget):
     first failure, or the first replica's result."""
 
     def __init__(self, clients, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
-                 group_name: str = "trainer-push", backend: str = "gloo", timeout_s: float = 60.0):
+                 group_name: str = "trainer-push", backend: str = "gloo", timeout_s: float = 60.0,
+                 partial_rollouts: bool = False):
+        """``partial_rollouts``: commit in the middle of running requests (pause ``in_place`` →
+        commit → continue) instead of waiting for them to finish; their later tokens carry the new
+        version (``output_weight_versions``)."""
+        self.partial_rollouts = partial_rollouts
         self.clients = list(clients) if isinstance(clients, (list, tuple)) else [clients]
         self.client = self.clients[0]
         self.group_name, self.timeout_s = group_name, timeout_s
@@ -108,7 +113,13 @@ class ServerTarget(WeightTarget):
     def commit(self) -> Optional[WeightResult]:
         if not self.is_sender:
             return None
-        results = self._each("commit_weight_update")
+        if self.partial_rollouts:
+            self._each("pause_generation", "in_place")
+        try:
+            results = self._each("commit_weight_update")
+        finally:
+            if self.partial_rollouts:
+                self._each("continue_generation")
         return next((r for r in results if not r.success), results[0])
 
     def close(self) -> None:
