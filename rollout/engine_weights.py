@@ -50,40 +50,39 @@ class EngineWeights:
 
     # ------------------------------------------------------------------ running messages
 
-    def update(self, msg, weight_version: Optional[str] = None, flush_cache: bool = True,
-               abort_all_requests: bool = False) -> WeightResult:
-        """Run an update on every rank at a quiet point; publish it if every rank committed."""
+    def run(self, msg, quiet: bool = False, publish: Optional[tuple[Optional[str], bool]] = None,
+            before=None) -> WeightResult:
+        """Run ``msg`` on every rank on the loop — at the next step boundary, or at a quiet point
+        (``quiet``) — after ``before()`` if given; with ``publish=(version, flush_cache)`` a success is
+        published to the scheduler. The result carries the version published then and the wall time."""
         t0 = time.perf_counter()
-        if abort_all_requests:
-            self.loop.abort(None)
 
-        def run() -> WeightResult:
+        def on_loop() -> WeightResult:
+            if before is not None:
+                before()
             result = self.worker.run_weight_op(msg)
-            if result.success:
-                self.scheduler.publish_weights(weight_version, flush_cache)
+            if publish is not None and result.success:
+                self.scheduler.publish_weights(*publish)
             return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
 
-        return self.loop.call(run, quiet=True)
+        return self.loop.call(on_loop, quiet=quiet)
 
-    def run(self, msg, quiet: bool = False) -> WeightResult:
-        """Run a message that changes no live weight (staging, groups, reads) at the next step boundary."""
-        t0 = time.perf_counter()
-        return self.loop.call(lambda: self.worker.run_weight_op(msg).published(
-            self.scheduler.weight_version, time.perf_counter() - t0), quiet=quiet)
+    def update(self, msg, weight_version: Optional[str] = None, flush_cache: bool = True,
+               abort_all_requests: bool = False) -> WeightResult:
+        """An update: at a quiet point, published only if every rank committed."""
+        if abort_all_requests:
+            self.loop.abort(None)
+        return self.run(msg, quiet=True, publish=(weight_version, flush_cache))
 
     def release(self, tags: tuple[str, ...], backup_weights: bool) -> WeightResult:
         """Free memory at a quiet point; released KV takes the prefix cache with it. Requests paused
         in place would lose the KV they hold: they are retracted first (recomputed on continue)."""
-        t0 = time.perf_counter()
+        def drop_kv_users() -> None:
+            self.scheduler.retract_all()
+            self.scheduler.flush_cache()
 
-        def run() -> WeightResult:
-            if "kv_cache" in tags:
-                self.scheduler.retract_all()
-                self.scheduler.flush_cache()
-            result = self.worker.run_weight_op(ReleaseMemory(tags, backup_weights))
-            return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
-
-        return self.loop.call(run, quiet=True)
+        return self.run(ReleaseMemory(tags, backup_weights), quiet=True,
+                        before=drop_kv_users if "kv_cache" in tags else None)
 
     # ------------------------------------------------------------------ tensors -> a message
 
