@@ -3,12 +3,18 @@ replicas in their own processes — on GPUs, their own devices or hosts) generat
 every replica: prompts are routed by load (all samples of a prompt on one replica), and each step's
 weights are broadcast once over one weight-update group every replica joins, then committed.
 
-CPU, the embedded tiny model, two local replicas started by this script:
+CPU, the embedded tiny model, two local replicas started by this script, one or two trainer ranks
+(ZeRO-3 gathers on every trainer rank; rank 0 broadcasts to the replicas; each rank routes its share
+of the prompts):
     python -m torch.distributed.run --nproc_per_node 1 examples/grpo_disaggregated.py --replicas 2
+    python -m torch.distributed.run --nproc_per_node 2 examples/grpo_disaggregated.py --replicas 2
 Against servers already running (``rollout serve --model-path ... --port ...``):
     python -m torch.distributed.run --nproc_per_node 1 examples/grpo_disaggregated.py \\
         --engine-url http://host1:30000 --engine-url http://host2:30000 --master-address <this host>
-Synchronous (staleness 0): every rollout uses the weights of the step before it.
+Synchronous (staleness 0): every rollout uses the weights of the step before it; ``--max-staleness 1``
+generates the next step's rollouts while this one trains. A replica that dies is named in the step
+log and dropped; the others carry on, and once it answers again (restarted at its URL) it rejoins
+with a fresh weight group and the current weights.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ def parse(argv=None):
     own.add_argument("--engine-url", action="append", default=None, help="a running rollout server (repeatable)")
     own.add_argument("--server-tp-size", type=int, default=1, help="TP size of each local server")
     own.add_argument("--master-address", default="127.0.0.1", help="this trainer's address, as the servers reach it")
+    own.add_argument("--group-timeout", type=float, default=60.0,
+                     help="seconds before a weight group gives up on a replica that stopped answering")
     own.add_argument("--partial-rollouts", action="store_true",
                      help="land each push in the middle of running rollouts (pause in place) instead of after them")
     args, rest = own.parse_known_args(argv)
@@ -61,27 +69,31 @@ def main(argv=None) -> list:
 
     from rollout.models import ModelConfig
     from rollout.server import RolloutClient
+    from trainer_bridge import DistributedTarget, ReplicaRouter, ReplicaSet
     from trainer_bridge.grpo import run_grpo
-    from trainer_bridge.router import ReplicaRouter
-    from trainer_bridge.server_target import ServerTarget
 
-    if world != 1:
-        raise SystemExit("this example drives the replicas from one trainer process: --nproc_per_node 1")
-    procs, urls = ([], own.engine_url) if own.engine_url else \
-        start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
+    procs, urls = [], own.engine_url
+    if not urls:  # rank 0 starts the local replicas; every trainer rank reaches them by URL
+        if rank == 0:
+            procs, urls = start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
+        box = [urls]
+        dist.broadcast_object_list(box)
+        urls = box[0]
     clients = [RolloutClient(u) for u in urls]
     try:
         for c in clients:
             c.wait_ready(300)
-        router = ReplicaRouter(clients)
-        target = ServerTarget(clients, master_address=own.master_address, group_name="grpo",
-                              partial_rollouts=own.partial_rollouts)
+        replicas = ReplicaSet(clients)  # which replicas serve the current weights, shared by router and target
+        router = ReplicaRouter(replicas)  # each trainer rank routes its share of the prompts
+        target = DistributedTarget(replicas, master_address=own.master_address, group_name="grpo",
+                                   partial_rollouts=own.partial_rollouts, timeout_s=own.group_timeout)
         prompts, reward = parity_task(ModelConfig.from_pretrained(path).vocab_size)
         log, finish = step_logger(args, rank)
         logs = run_grpo(grpo_config(args, release_memory=False), ds_engine, router, prompts, reward,
                         tie_word_embeddings=tied, log_fn=log, target=target)
         finish(logs)
-        print("replica versions:", router.get_weight_versions(), flush=True)
+        if rank == 0:
+            print("replica versions:", router.get_weight_versions(), flush=True)
         target.close()
     finally:
         for c in clients:

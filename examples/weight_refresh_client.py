@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     from rollout.server import RolloutClient
     from trainer_bridge import push_weights
-    from trainer_bridge.server_target import ServerTarget
+    from trainer_bridge.distributed_target import DistributedTarget
 
     client = RolloutClient(args.url, api_key=args.api_key, admin_api_key=args.admin_api_key)
     client.wait_ready(60)
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.weights, dtype=torch.float32)
-        target = ServerTarget(client)  # the server's ranks join our weight-update group
+        target = DistributedTarget(client)  # the server's ranks join our weight-update group
         result = push_weights(model, target, version=args.version).result  # buckets -> one transaction
         target.close()
     print(f"refresh via {args.via}: success={result.success} {result.message!r} in {result.seconds:.3f}s")

@@ -67,6 +67,7 @@ class Transaction:
 
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     error: Optional[str] = None
+    buffers_used: int = 0  # staging buffers handed out (``RankWeights.stage_buffer``)
 
 
 class RankWeights:
@@ -76,6 +77,7 @@ class RankWeights:
         self.device = device
         self.update_groups: dict[str, WeightGroup] = {}
         self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
+        self.stage_pool: list[torch.Tensor] = []  # a transaction's received buckets (CPU: kept for the next one)
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
 
@@ -117,6 +119,7 @@ class RankWeights:
             case ReleaseMemory():
                 if "weights" in msg.tags:
                     self.receive_pool = []  # the distributed path's receive buffers go with the weights
+                    self.stage_pool = []
                 freed = self.runner.release_memory(msg.tags, msg.backup_weights)
                 return WeightResult.ok(f"released {', '.join(msg.tags)}", freed_bytes=freed)
             case ResumeMemory():
@@ -251,6 +254,20 @@ class RankWeights:
         self.update_groups.pop(group_name, None)  # tear down only this group; re-initialising it works
         return f"{exc}; the group was torn down, re-initialise it"
 
+    def stage_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer for the open transaction's next received bucket. On CPU, buffer k is kept from one
+        transaction to the next: a fresh allocation of a bucket costs about 3x its copy in page faults
+        (256 MiB: 0.12 s against 0.04 s). On GPU the caching allocator reuses memory already."""
+        txn = self.transaction
+        if self.device.type != "cpu" or txn is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        k, txn.buffers_used = txn.buffers_used, txn.buffers_used + 1
+        if k == len(self.stage_pool):
+            self.stage_pool.append(torch.empty(0, dtype=torch.uint8))
+        if self.stage_pool[k].numel() < nbytes:
+            self.stage_pool[k] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.stage_pool[k][:nbytes]
+
     def _stage_distributed(self, msg: StageDistributed) -> WeightResult:
         """A bucket call of a multi-call transaction: receive every bucket and stage it."""
         error, specs = self._specs(msg)
@@ -259,7 +276,7 @@ class RankWeights:
         if error is None:
             try:
                 staged = receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device,
-                                         msg.group_name)
+                                         msg.group_name, alloc=self.stage_buffer)
             except WeightGroupError as exc:
                 error = self._group_failed(msg.group_name, exc)
         if error is not None:
@@ -351,8 +368,9 @@ class RankWeights:
 
     # ------------------------------------------------------------------ reading weights back
 
-    def full_weight(self, name: str) -> torch.Tensor:
-        """The full Hugging Face tensor ``name`` (collective over the TP group)."""
+    def full_weight(self, name: str, clone: bool = True) -> torch.Tensor:
+        """The full Hugging Face tensor ``name`` (collective over the TP group); ``clone=False`` may
+        return a view of the live parameter (for a read that copies only what it keeps)."""
         target = self.runner.name_map[name]
         param = target.param
         local = param.local_part(param, target.shard_id) if hasattr(param, "local_part") else param.data
@@ -361,7 +379,7 @@ class RankWeights:
         else:
             parts = self.tp_state.comm.all_gather(local.contiguous(), self.tp_state.tp_size)
         full = param.full_from_parts(parts, target.shard_id) if hasattr(param, "full_from_parts") else parts[0]
-        return full.detach().clone()
+        return full.detach().clone() if clone else full.detach()
 
     def _read(self, msg: ReadWeight) -> WeightResult:
         # every rank sees the same name and state, so every rank refuses alike (no collective runs)
@@ -370,7 +388,7 @@ class RankWeights:
             error = f"unknown weight name {msg.name!r}"
         if error is not None:
             return WeightResult.fail(error)
-        values = self.full_weight(msg.name).flatten()[: msg.truncate_size].float().cpu().tolist()
+        values = self.full_weight(msg.name, clone=False).flatten()[: msg.truncate_size].float().cpu().tolist()
         return WeightResult.ok(f"read {msg.name}", value=values)
 
     def _checksum(self) -> WeightResult:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,3 +50,176 @@ def test_asynchronous_rollouts_with_staleness_one_still_learn(tmp_path):
     rewards = [x["reward"] for x in logs]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
     assert all(x["push_verified"] for x in logs)
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+def _serve(path: str, port: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path",
+                             path, "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "2048",
+                             "--no-use-generation-config"], env=env)
+
+
+@pytest.fixture()
+def two_replicas(llama_path):
+    from weight_sync.process_group import free_port
+
+    ports = [free_port(), free_port()]
+    procs = [_serve(llama_path, p) for p in ports]
+    yield llama_path, ports, procs
+    for p in procs:
+        p.kill()
+        p.wait(30)
+
+
+class _KillOnBucket:
+    """A target that kills a replica's process after handing over ``after`` buckets (mid-push)."""
+
+    def __init__(self, target, proc, after: int):
+        self.target, self.proc, self.after, self.seen = target, proc, after, 0
+        self.dtype, self.device = target.dtype, target.device
+
+    def begin(self, version):
+        self.target.begin(version)
+
+    def add(self, bucket):
+        self.target.add(bucket)
+        self.seen += 1
+        if self.seen == self.after:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def commit(self):
+        return self.target.commit()
+
+
+def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two_replicas):
+    """Replica 1 dies in the middle of a push: the push fails within the group's timeout with an error
+    naming it; replica 0 keeps its weights and serves; the next push reaches replica 0 alone; once
+    replica 1 is back at its URL, ``heal`` takes it into a fresh group and a push brings it the current
+    weights, after which both serve them."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.server import RolloutClient
+    from trainer_bridge import DistributedTarget, ReplicaError, ReplicaRouter, ReplicaSet, push_weights
+
+    path, ports, procs = two_replicas
+    clients = [RolloutClient(f"http://127.0.0.1:{p}", timeout_s=60) for p in ports]
+    for c in clients:
+        c.wait_ready(120)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    replicas = ReplicaSet(clients)
+    router = ReplicaRouter(replicas)
+    target = DistributedTarget(replicas, timeout_s=8)
+    timeout = 8
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaError) as err:
+        push_weights(model, _KillOnBucket(target, procs[1], after=2), version="v1", bucket_bytes=16 << 10)
+    assert time.monotonic() - t0 < 3 * timeout + 20
+    assert err.value.replicas == [1] and f"127.0.0.1:{ports[1]}" in str(err.value)
+    assert replicas.serving() == [0]
+    assert clients[0].get_weight_version() == "default"  # nothing half-applied on the survivor
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert len(router.generate([[1, 2, 3]] * 3, sp)) == 3  # the rest keep serving
+
+    assert target.heal() is True  # the failed push must be redone, in a group without replica 1
+    assert target.members == [0]
+    result = push_weights(model, target, version="v1", bucket_bytes=16 << 10).result
+    assert result.success, result.message
+    assert router.get_weight_versions() == ["v1", None]
+
+    procs[1] = _serve(path, ports[1])  # restarted at its URL, with the weights it was launched with
+    clients[1].wait_ready(120)
+    assert target.heal() is True and sorted(target.members) == [0, 1]
+    assert replicas.serving() == [0]  # it serves only once it holds the current weights
+    result = push_weights(model, target, version="v1", bucket_bytes=16 << 10).result
+    assert result.success, result.message
+    assert replicas.serving() == [0, 1] and router.get_weight_versions() == ["v1", "v1"]
+    want = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].flatten()[:16].tolist()
+    assert router.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", 16) == pytest.approx(want)
+    assert target.heal() is False  # nothing changed: no push needed
+    target.close()
+    for c in clients:
+        c.close()
+
+
+def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, two_replicas):
+    """The whole loop against two running servers: replica 1 is killed after step 2 and restarted at
+    once (it takes a while to come up); every step still trains on a full batch, the loss of replica 1
+    is named in the step log, it rejoins when it answers again, and the run ends with both replicas
+    serving the last step's weights."""
+    path, ports, procs = two_replicas
+    from weight_sync.process_group import free_port
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
+    urls = [a for p in ports for a in ("--engine-url", f"http://127.0.0.1:{p}")]
+    steps = 40
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                            str(free_port()), os.path.join(ROOT, "examples", "grpo_disaggregated.py"), *urls,
+                            "--model", path, "--steps", str(steps), "--max-new-tokens", "24", "--out-dir", str(out),
+                            "--no-wandb", "--group-timeout", "8"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.split()[:1] == ["2"] and procs[1].poll() is None:
+            procs[1].kill()
+            procs[1].wait(30)
+            procs[1] = _serve(path, ports[1])
+    assert run.wait(300) == 0, "".join(lines)[-4000:]
+    logs = json.load(open(out / "steps.json"))
+    events = [e for x in logs for e in x["replica_events"]]
+    assert any(f"replica 1 (http://127.0.0.1:{ports[1]})" in e for e in events), events
+    assert any("rejoined" in e for e in events), events
+    assert min(x["num_serving_replicas"] for x in logs) == 1 and logs[-1]["num_serving_replicas"] == 2
+    assert all(x["push_verified"] for x in logs) and all(x["mismatch_max"] < 1e-4 for x in logs)
+    assert f"replica versions: ['step-{steps}', 'step-{steps}']" in "".join(lines)
+
+
+def test_the_process_group_target_reaches_engine_ranks_in_other_processes(llama_path):
+    """``DistributedTarget`` over an in-process engine whose TP rank 1 is a spawned process: both ranks
+    join the trainer's group, each bucket is one broadcast from a flat buffer, the update lands on
+    both ranks as one version, and ``verify_pushed`` reads it back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout import RolloutEngine
+    from trainer_bridge import DistributedTarget, push_weights
+    from trainer_bridge.grpo import verify_pushed
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    engine = RolloutEngine(llama_path, dtype="float32", tp_size=2, kv_cache_tokens=1024, use_generation_config=False)
+    try:
+        assert len(engine.worker_pids()) == 1 and engine.worker_pids()[0] != os.getpid()  # rank 1: its own process
+        target = DistributedTarget(engine, timeout_s=30)
+        assert target.members == [0]
+        for version in ("v1", "v2"):  # the second push reuses the buffers of the first
+            stats = push_weights(model, target, version=version, bucket_bytes=16 << 10)
+            assert stats.result.success, stats.result.message
+            assert stats.num_buckets > 2 and engine.get_weight_version() == version
+            assert verify_pushed(stats, engine)
+        assert engine.get_weights_checksum() == _checksum(model, engine.dtype)
+        target.close()
+    finally:
+        engine.shutdown()
+
+
+def _checksum(model, dtype) -> str:
+    from weight_sync.checksum import checksum_named_tensors
+
+    tied = model.config.tie_word_embeddings
+    return checksum_named_tensors([(n, t) for n, t in model.state_dict().items()
+                                   if not (tied and n == "lm_head.weight")], dtype=dtype)

@@ -233,12 +233,12 @@ def _push_from_trainer(url: str, path: str, version: str, q) -> None:
 
     from rollout.server import RolloutClient
     from trainer_bridge import push_weights
-    from trainer_bridge.server_target import ServerTarget
+    from trainer_bridge.distributed_target import DistributedTarget
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     client = RolloutClient(url, api_key=GEN_KEY, admin_api_key=ADMIN_KEY)
-    target = ServerTarget(client, timeout_s=60)
+    target = DistributedTarget(client, timeout_s=60)
     stats = push_weights(model, target, version=version, bucket_bytes=64 << 10)
     target.close()
     q.put((stats.result.success, stats.result.message, stats.num_buckets))
@@ -427,7 +427,7 @@ def test_requests_behind_a_pause_are_aborted_at_their_timeout(models):
 
 
 def test_a_partial_rollout_push_lands_mid_request(server, models):
-    """ServerTarget(partial_rollouts=True) pauses in place, commits and continues: a request that was
+    """DistributedTarget(partial_rollouts=True) pauses in place, commits and continues: a request that was
     running keeps going and its later tokens carry the new version."""
     import threading
 
@@ -435,7 +435,7 @@ def test_a_partial_rollout_push_lands_mid_request(server, models):
     from transformers import AutoModelForCausalLM
 
     from trainer_bridge import push_weights
-    from trainer_bridge.server_target import ServerTarget
+    from trainer_bridge.distributed_target import DistributedTarget
 
     url, client = server
     box = {}
@@ -446,7 +446,7 @@ def test_a_partial_rollout_push_lands_mid_request(server, models):
     t.start()
     while client.get_server_info()["stats"]["num_decode_tokens"] < started + 20:
         time.sleep(0.02)
-    target = ServerTarget(client, partial_rollouts=True, timeout_s=60)
+    target = DistributedTarget(client, partial_rollouts=True, timeout_s=60)
     model = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
     result = push_weights(model, target, version="mid").result
     target.close()

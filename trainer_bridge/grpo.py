@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from trainer_bridge.push import push_weights
 from trainer_bridge.replay import replay_logprobs
+from trainer_bridge.replicas import ReplicaError
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
 
 logger = logging.getLogger(__name__)
@@ -84,18 +85,26 @@ class StepLog:
     max_sample_staleness: int = 0  # trainer version - the oldest token version in this step's samples
     num_mixed_version_samples: int = 0  # samples whose tokens span an update (partial rollouts)
     trainer_wait_s: float = 0.0  # the trainer waiting for rollouts (the long tail idles it)
+    step_s: float = 0.0  # wall time of the whole step (the trainer's view)
+    replica_events: list = field(default_factory=list)  # replica failures / rejoins during the step (named)
+    num_serving_replicas: int = 1  # replicas holding the step's weights at its end
 
 
-def _rollout(engine, prompts, sp, rank: int, world: int, masks: bool = False):
+def _generate_share(engine, prompts, sp, rank: int, world: int, masks: bool = False):
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
-    engine of its own, so each generates its share of the prompts and the outputs are gathered."""
+    engine (or a router) of its own and generates its share of the prompts."""
     if engine.tp_size > 1 or world == 1:
         return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks)
-    mine = engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
+    return engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
+
+
+def _gather_shares(engine, mine, num_prompts: int, n: int, world: int):
+    """Every rank's share back into one prompt-major list (a collective: main thread only)."""
+    if engine.tp_size > 1 or world == 1:
+        return mine
     parts = [None] * world
     dist.all_gather_object(parts, mine)
-    n = sp.n
-    return [o for i in range(len(prompts)) for o in parts[i % world][(i // world) * n: (i // world + 1) * n]]
+    return [o for i in range(num_prompts) for o in parts[i % world][(i // world) * n: (i // world + 1) * n]]
 
 
 def completion_logits(model, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
@@ -120,19 +129,14 @@ def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temp
             for lg, s, p in zip(completion_logits(model, seqs, prompt_lens), seqs, prompt_lens)]
 
 
-def verify_pushed(ds_engine, rollout_engine, truncate: int = 64) -> bool:
-    """The engine's copy of a few weights equals the trainer's (gathered) parameters, exactly in
-    the engine's dtype. Collective on every trainer rank (ZeRO-3 gathers the picked ones)."""
-    from trainer_bridge.names import to_hf_name
-    from trainer_bridge.push import PushStats, gather_bucket
-
-    module = getattr(ds_engine, "module", ds_engine)
-    named = [(to_hf_name(n), p) for n, p in module.named_parameters()]
-    picks = [named[0], named[len(named) // 2], named[-1]]
-    ok = True
-    for name, full in gather_bucket(picks, rollout_engine.dtype, PushStats()):
-        got = torch.tensor(rollout_engine.get_weights_by_name(name, truncate))
-        ok &= bool(torch.equal(got, full.flatten()[:truncate].float()))
+def verify_pushed(stats, rollout_engine) -> bool:
+    """The engine now holds what was pushed: the first values of the first, middle and last
+    parameters (recorded by ``push_weights`` while they were gathered, in the engine's dtype)
+    read back from the engine (every serving replica, through a router) are exactly equal."""
+    ok = bool(stats.samples)
+    for name, want in stats.samples.items():
+        got = torch.tensor(rollout_engine.get_weights_by_name(name, want.numel()))
+        ok &= bool(torch.equal(got, want))
     return ok
 
 
@@ -145,7 +149,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
              tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None,
              target: Optional[WeightTarget] = None) -> list[StepLog]:
     """``rollout_engine``: an in-process engine (colocated; the default target pushes into it) or a
-    ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``ServerTarget``)."""
+    ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``DistributedTarget``)."""
     from rollout import SamplingParams
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -167,21 +171,46 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
                             seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
                             top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
         t0 = time.perf_counter()
-        outs = _rollout(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
-        return batch_prompts, sp, outs, time.perf_counter() - t0
+        mine = _generate_share(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
+        return batch_prompts, sp, mine, time.perf_counter() - t0
+
+    heal = getattr(target, "heal", None)  # a target over replicas in other processes: membership can change
+    events: list[str] = []  # replica failures and rejoins of the current step
+
+    def push(version: str):
+        """One push; a replica failing mid-push is dropped (named), the group rebuilt, the push redone."""
+        for attempt in range(8):
+            try:
+                return push_weights(ds_engine, target, version=version, bucket_bytes=cfg.bucket_bytes,
+                                    per_parameter=cfg.push_per_parameter, tie_word_embeddings=tie_word_embeddings)
+            except ReplicaError as err:
+                events.append(f"push {version}: {err}")
+                logger.warning("weight push %s failed: %s; the rest carry on", version, err)
+                if heal is None or attempt == 7:
+                    raise
+                heal()
+        raise AssertionError("unreachable")
 
     # asynchronous: up to max_staleness batches are generated ahead, each with the weights served when it starts
     ahead = ThreadPoolExecutor(1) if cfg.max_staleness else None
     queued = deque(ahead.submit(rollout, k) for k in range(min(cfg.max_staleness, cfg.steps))) if ahead else deque()
+    seen_failures = 0
     for step in range(cfg.steps):
+        t_step = time.perf_counter()
+        if heal is not None and cfg.push_weights and heal():  # a replica came back: it gets the current weights
+            events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
+            push(f"step-{step}")
         t_wait = time.perf_counter()
         if ahead is not None:
             if step + cfg.max_staleness < cfg.steps:
                 queued.append(ahead.submit(rollout, step + cfg.max_staleness))
-            batch_prompts, sp, outs, rollout_s = queued.popleft().result()
+            batch_prompts, sp, mine_outs, rollout_s = queued.popleft().result()
         else:
-            batch_prompts, sp, outs, rollout_s = rollout(step)
+            batch_prompts, sp, mine_outs, rollout_s = rollout(step)
+        outs = _gather_shares(rollout_engine, mine_outs, len(batch_prompts), sp.n, world)
         trainer_wait = time.perf_counter() - t_wait
+        events.extend(str(e) for e in getattr(rollout_engine, "failures", [])[seen_failures:])
+        seen_failures = len(getattr(rollout_engine, "failures", []))
         n_tok = sum(len(o.output_token_ids) for o in outs)
         # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
         ages = [[step - _version_step(v) for v in o.output_weight_versions] for o in outs]
@@ -239,13 +268,12 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
             rollout_engine.resume_memory_occupation(["weights"])
         phases, verified = {}, None
         if cfg.push_weights:
-            push = push_weights(ds_engine, target, version=f"step-{step + 1}", bucket_bytes=cfg.bucket_bytes,
-                                per_parameter=cfg.push_per_parameter, tie_word_embeddings=tie_word_embeddings)
-            if not push.result.success:
-                raise RuntimeError(f"weight push failed at step {step + 1}: {push.result.message}")
-            phases = push.phases
+            pushed = push(f"step-{step + 1}")
+            if not pushed.result.success:
+                raise RuntimeError(f"weight push failed at step {step + 1}: {pushed.result.message}")
+            phases = pushed.phases
             if cfg.verify_push:
-                verified = verify_pushed(ds_engine, rollout_engine)
+                verified = verify_pushed(pushed, rollout_engine)
         elif cfg.release_memory:
             raise ValueError("release_memory without push_weights would leave the engine without weights")
         if cfg.release_memory:
@@ -255,6 +283,8 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         if dist.is_initialized():
             dist.all_reduce(stats[:6])
             dist.all_reduce(stats[6:], op=dist.ReduceOp.MAX)
+        events.extend(getattr(target, "events", []))
+        getattr(target, "events", []).clear()
         count = float(stats[1])
         log = StepLog(step=step + 1, reward=float(rewards.mean()), rollout_tok_s=n_tok / rollout_s,
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
@@ -265,7 +295,10 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
                       engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
                       max_sample_staleness=max((a for row in ages for a in row), default=0),
                       num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
-                      trainer_wait_s=trainer_wait)
+                      trainer_wait_s=trainer_wait, replica_events=list(events), step_s=time.perf_counter() - t_step,
+                      num_serving_replicas=len(rollout_engine.replicas.serving()) if hasattr(
+                          rollout_engine, "replicas") else 1)
+        events.clear()
         logs.append(log)
         if log_fn is not None and rank == 0:
             log_fn(log)

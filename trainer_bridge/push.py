@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from trainer_bridge.names import to_hf_name
 from trainer_bridge.targets import WeightTarget
-from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.bucket import BucketPool, FlattenedTensorBucket
+from weight_sync.layout import layout
+
+SAMPLE_VALUES = 64
 
 
 @dataclass
@@ -28,6 +32,9 @@ class PushStats:
     num_bytes: int = 0
     result: object = None
     phases: dict = field(default_factory=dict)
+    # the first values of a few parameters (first, middle, last) as pushed, taken while they were
+    # gathered anyway: ``verify_pushed`` reads them back from the engine without gathering again
+    samples: dict = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -43,25 +50,28 @@ def _full_numel(param) -> int:
 
 
 def gathered_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, stats: PushStats,
-                     tied: set[str] = frozenset()):
+                     tied: set[str] = frozenset(), pool: Optional[BucketPool] = None):
     """Yield buckets of (hf_name, full tensor in ``dtype``); every trainer rank must iterate."""
     params = [(to_hf_name(n), p) for n, p in module.named_parameters()]
     params = [(n, p) for n, p in params if n not in tied]
+    stats.samples = {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}
     item = torch.empty((), dtype=dtype).element_size()
     bucket, size = [], 0
     for entry in params:
         n = _full_numel(entry[1]) * item
         if bucket and size + n > bucket_bytes:
-            yield gather_bucket(bucket, dtype, stats)
+            yield gather_bucket(bucket, dtype, stats, pool)
             bucket, size = [], 0
         bucket.append(entry)
         size += n
     if bucket:
-        yield gather_bucket(bucket, dtype, stats)
+        yield gather_bucket(bucket, dtype, stats, pool)
 
 
-def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats) -> list[tuple[str, torch.Tensor]]:
-    """Full copies (in ``dtype``) of a bucket of (hf_name, parameter); collective under ZeRO-3."""
+def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats,
+                  pool: Optional[BucketPool] = None) -> list[tuple[str, torch.Tensor]]:
+    """Full copies (in ``dtype``) of a bucket of (hf_name, parameter), packed into one flat buffer
+    (``pool``'s buffer for this bucket when given); collective under ZeRO-3."""
     t0 = time.perf_counter()
     zero3 = [p for _, p in bucket if _is_zero3(p)]
     if zero3:
@@ -78,7 +88,14 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats) -> list[tu
         # Copy out while gathered (the gathered storage is freed on exit), cast to the engine's
         # dtype and packed in one pass: the bucket is one flat buffer, which a process-group
         # sender broadcasts as it is and an in-process target reads as views.
-        out = FlattenedTensorBucket([(name, p.detach()) for name, p in bucket], dtype=dtype).named_tensors()
+        named = [(name, p.detach()) for name, p in bucket]
+        buf = None
+        if pool is not None:
+            buf = pool.get(stats.num_buckets, layout((n, dtype, tuple(t.shape)) for n, t in named)[1], named[0][1].device)
+        out = FlattenedTensorBucket(named, dtype=dtype, out=buf).named_tensors()
+        for name, t in out:
+            if name in stats.samples:
+                stats.samples[name] = t.flatten()[:SAMPLE_VALUES].float().clone()
         stats.pack_s += time.perf_counter() - t1
     stats.num_buckets += 1
     stats.num_bytes += sum(t.numel() * t.element_size() for _, t in out)
@@ -92,7 +109,8 @@ def push_weights(model: torch.nn.Module, target: WeightTarget, version: str, buc
     target.begin(version)
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     tied = {"lm_head.weight"} if tie_word_embeddings else set()
-    for bucket in gathered_buckets(module, target.dtype, 1 if per_parameter else bucket_bytes, stats, tied):
+    pool = getattr(target, "buffers", None)
+    for bucket in gathered_buckets(module, target.dtype, 1 if per_parameter else bucket_bytes, stats, tied, pool):
         t0 = time.perf_counter()
         target.add(bucket)
         stats.transfer_s += time.perf_counter() - t0

@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from weight_sync.bucket import BucketPool
+
 
 class WeightTarget(ABC):
     """One transaction per push: ``begin(version)`` -> ``add(bucket)``* -> ``commit()``."""
@@ -35,6 +37,7 @@ class ColocatedTarget(WeightTarget):
         self.device = engine.device
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._version = None
+        self.buffers = BucketPool()  # push_weights packs into these, reused from push to push
 
     def begin(self, version: str) -> None:
         self._pending, self._version = [], version

@@ -19,11 +19,15 @@ class FlattenedTensorBucket:
 
     def __init__(self, named_tensors: Optional[list[tuple[str, torch.Tensor]]] = None, *,
                  buffer: Optional[torch.Tensor] = None, metadata: Optional[list[TensorMeta]] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                 out: Optional[torch.Tensor] = None):
+        """``out``: a uint8 buffer of at least the packed size to pack into (reused memory)."""
         if named_tensors is not None:
             metas, total = layout((n, dtype or t.dtype, tuple(t.shape)) for n, t in named_tensors)
             device = device or (named_tensors[0][1].device if named_tensors else torch.device("cpu"))
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            if out is not None and (out.numel() < total or out.dtype != torch.uint8 or out.device != device):
+                raise ValueError(f"out: need a uint8 buffer of {total} bytes on {device}")
+            buffer = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
             pack(buffer, metas, named_tensors)
             metadata = metas
         if buffer is None or metadata is None:
@@ -36,3 +40,25 @@ class FlattenedTensorBucket:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+
+class BucketPool:
+    """Flat bucket buffers kept from one push to the next (bucket k packs into buffer k). On CPU a
+    fresh allocation of a bucket costs about 3x its copy in page faults (256 MiB: 0.12 s against
+    0.04 s); on GPU the caching allocator reuses memory already, so nothing is kept there. Holds one
+    copy of the model in the engine's dtype; ``clear()`` frees it."""
+
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, k: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+        if device.type != "cpu":
+            return None
+        while len(self.buffers) <= k:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self.buffers[k].numel() < nbytes:
+            self.buffers[k] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffers[k]
+
+    def clear(self) -> None:
+        self.buffers = []

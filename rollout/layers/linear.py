@@ -38,6 +38,11 @@ class LoadSlice(NamedTuple):
         copy_slices([(full, self)])
 
 
+def cat_parts(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` of TP parts; one part (TP=1) is returned as it is, a view of the parameter."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def copy_slices(pairs, where=None) -> None:
     """Copy each full tensor's part into its slice's destination — ``where(dst)`` when given (e.g.
     the same region of a shadow buffer) — in one batched call; zero any padding rows."""
@@ -113,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         return param.data.narrow(0, dst_off, n)
 
     def full_from_parts(self, parts: list[torch.Tensor], shard_id=None) -> torch.Tensor:
-        return torch.cat(parts, dim=0)
+        return cat_parts(parts, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -148,8 +153,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def full_from_parts(self, parts, shard_id=None):
         if shard_id == "q":
-            return torch.cat(parts, dim=0)
-        return torch.cat(parts[:: self.kv_replicas], dim=0)  # replicated KV heads: one copy each
+            return cat_parts(parts, 0)
+        return cat_parts(parts[:: self.kv_replicas], 0)  # replicated KV heads: one copy each
 
     def load_slice(self, param, shard_id=None) -> LoadSlice:
         if shard_id == "q":
@@ -189,7 +194,7 @@ class RowParallelLinear(nn.Module):
         return param.data
 
     def full_from_parts(self, parts, shard_id=None):
-        return torch.cat(parts, dim=1) if parts[0].dim() == 2 else parts[0]
+        return cat_parts(parts, 1) if parts[0].dim() == 2 else parts[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(F.linear(x, self.weight), self.tp)

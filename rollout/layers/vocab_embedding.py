@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers.linear import LoadSlice, attach_loader_hooks
+from rollout.layers.linear import LoadSlice, attach_loader_hooks, cat_parts
 from rollout.layers.parallel_state import get_tp_state, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         return param.data
 
     def full_from_parts(self, parts, shard_id=None) -> torch.Tensor:
-        return torch.cat(parts, dim=0)[: self.vocab_size]
+        return cat_parts(parts, 0)[: self.vocab_size]
 
     def load_slice(self, param: nn.Parameter, shard_id=None) -> LoadSlice:
         n = max(0, min(self.num_local, self.vocab_size - self.vocab_start))
