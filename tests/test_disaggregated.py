@@ -129,6 +129,11 @@ def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two
     assert clients[0].get_weight_version() == "default"  # nothing half-applied on the survivor
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     assert len(router.generate([[1, 2, 3]] * 3, sp)) == 3  # the rest keep serving
+    fresh = ReplicaRouter(ReplicaSet(clients))  # one that still believes replica 1 is up: mid-rollout failure
+    outs = fresh.generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], {**sp, "n": 2})
+    assert [o.prompt_index for o in outs] == [0, 0, 1, 1, 2, 2]  # rerouted, merged in order
+    assert fresh.failures[0].replica == 1 and f"127.0.0.1:{ports[1]}" in str(fresh.failures[0])
+    assert fresh.replicas.serving() == [0]
 
     assert target.heal() is True  # the failed push must be redone, in a group without replica 1
     assert target.members == [0]

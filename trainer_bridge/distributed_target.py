@@ -165,9 +165,11 @@ class DistributedTarget(WeightTarget):
         return payload
 
     def _error(self) -> ReplicaError:
-        first = min(self._failed)
-        why = "; ".join(f"replica {i} ({self.replicas.url(i)}): {msg}" for i, msg in sorted(self._failed.items()))
-        return ReplicaError(first, self.replicas.url(first), why, replicas=sorted(self._failed))
+        first, *others = sorted(self._failed)
+        why = "; ".join([self._failed[first]] + [f"also replica {i} ({self.replicas.url(i)}): {self._failed[i]}"
+                                                 for i in others])
+        return ReplicaError(first, self.replicas.url(first), f"{why} (weight group {self.group!r})",
+                            replicas=[first, *others])
 
     def _find_dead(self) -> None:
         """After a group failure: which members are gone (they fail their health check)?"""
