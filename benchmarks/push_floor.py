@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
             pass
 
     results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-                     "config": {**vars(args), "world_size": world, "num_params": sum(
+                     "config": {**vars(args), "out": os.path.relpath(args.out, ROOT), "world_size": world, "num_params": sum(
                          getattr(p, "ds_numel", p.numel()) for p in params)},
                      "bare": {"bucketed": [], "all_at_once": []}, "push": {}}
     modes = args.modes.split(",")
