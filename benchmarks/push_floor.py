@@ -59,35 +59,22 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     from trainer_bridge.grpo import verify_pushed
-    from trainer_bridge.push import push_weights
+    from trainer_bridge.push import gathered, param_buckets, push_weights
 
     bucket_bytes = args.bucket_mb << 20
     module = ds_engine.module
     dtype = getattr(torch, args.dtype)
     params = list(module.parameters())
 
-    def bare_bucketed():  # the same buckets the push gathers, nothing done with them
-        import deepspeed
+    buckets = [[p for _, p in bucket] for bucket in param_buckets(module, dtype, bucket_bytes)]
 
-        from trainer_bridge.push import _is_zero3
-
-        groups, size, cur = [], 0, []
-        for p in params:
-            n = p.ds_numel * dtype.itemsize if _is_zero3(p) else p.numel() * dtype.itemsize
-            if cur and size + n > bucket_bytes:
-                groups.append(cur)
-                cur, size = [], 0
-            cur.append(p)
-            size += n
-        groups.append(cur)
-        for g in groups:
-            with deepspeed.zero.GatheredParameters(g, modifier_rank=None):
+    def bare_bucketed():  # the push's own buckets gathered (and freed), nothing else done
+        for bucket in buckets:
+            with gathered(bucket):
                 pass
 
-    def bare_all():
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    def bare_all():  # every parameter gathered at once (and freed)
+        with gathered(params):
             pass
 
     results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},

@@ -86,7 +86,6 @@ class DistributedTarget(WeightTarget):
         self._failed: dict[int, str] = {}  # replica -> why, in this push
         self._rejected: Optional[str] = None  # a replica refused a bucket (bad input, not a failure)
         self._broken = False  # the group must be rebuilt before the next push
-        self._version: Optional[str] = None
         self.events: list[str] = []  # membership changes, for the trainer's step log (rank 0)
         self.buffers = BucketPool()  # push_weights packs into these, reused from push to push
         if self.is_sender:
@@ -99,11 +98,11 @@ class DistributedTarget(WeightTarget):
 
     def _connect(self, members: list[int]) -> None:
         """Build a fresh group with ``members`` (rank 0). Replicas that fail to join land in ``_failed``."""
-        self._failed = {}
         if self.sender is not None:  # the old group: closed here, destroyed on the replicas still answering
             self.sender.close()
             self.sender = None
             self._each("destroy_weights_update_group", self.group, among=[m for m in self.members if m in members])
+        self._failed = {}  # from here on: who could not join the new group
         self.members = []
         if not members:
             return
@@ -180,7 +179,7 @@ class DistributedTarget(WeightTarget):
     # ------------------------------------------------------------------ one push
 
     def begin(self, version: str) -> None:
-        self._version, self._failed, self._rejected, self._pending = version, {}, None, None
+        self._failed, self._rejected, self._pending = {}, None, None
         if not self.is_sender:
             return
         if self._broken or not self.members:  # refused at commit, naming who is missing
@@ -305,6 +304,10 @@ class DistributedTarget(WeightTarget):
                                     "it serves once it holds the current weights")
                         self.replicas.mark(i, False)
         return bool(self._share(repush))
+
+    def take_events(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
 
     def _event(self, text: str) -> None:
         logger.warning("%s", text)

@@ -174,7 +174,6 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         mine = _generate_share(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
         return batch_prompts, sp, mine, time.perf_counter() - t0
 
-    heal = getattr(target, "heal", None)  # a target over replicas in other processes: membership can change
     events: list[str] = []  # replica failures and rejoins of the current step
 
     def push(version: str):
@@ -186,9 +185,8 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
             except ReplicaError as err:
                 events.append(f"push {version}: {err}")
                 logger.warning("weight push %s failed: %s; the rest carry on", version, err)
-                if heal is None or attempt == 7:
+                if attempt == 7 or not target.heal():  # nothing left to rebuild: give up
                     raise
-                heal()
         raise AssertionError("unreachable")
 
     # asynchronous: up to max_staleness batches are generated ahead, each with the weights served when it starts
@@ -197,7 +195,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
     seen_failures = 0
     for step in range(cfg.steps):
         t_step = time.perf_counter()
-        if heal is not None and cfg.push_weights and heal():  # a replica came back: it gets the current weights
+        if cfg.push_weights and target.heal():  # e.g. a replica came back: it gets the current weights
             events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
             push(f"step-{step}")
         t_wait = time.perf_counter()
@@ -283,8 +281,7 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]
         if dist.is_initialized():
             dist.all_reduce(stats[:6])
             dist.all_reduce(stats[6:], op=dist.ReduceOp.MAX)
-        events.extend(getattr(target, "events", []))
-        getattr(target, "events", []).clear()
+        events.extend(target.take_events())
         count = float(stats[1])
         log = StepLog(step=step + 1, reward=float(rewards.mean()), rollout_tok_s=n_tok / rollout_s,
                       rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,

@@ -8,6 +8,7 @@ hand-off per parameter, what most integrations do) is kept as the baseline to me
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,7 +18,6 @@ import torch
 from trainer_bridge.names import to_hf_name
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool, FlattenedTensorBucket
-from weight_sync.layout import layout
 
 SAMPLE_VALUES = 64
 
@@ -49,22 +49,43 @@ def _full_numel(param) -> int:
     return param.ds_numel if _is_zero3(param) else param.numel()
 
 
+def param_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int,
+                  tied: set[str] = frozenset()) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The push's buckets: (hf_name, parameter) in model order, cut at ``bucket_bytes`` of full
+    tensors in ``dtype`` (a parameter larger than that is a bucket of its own)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    buckets, bucket, size = [], [], 0
+    for name, p in module.named_parameters():
+        name = to_hf_name(name)
+        if name in tied:
+            continue
+        n = _full_numel(p) * item
+        if bucket and size + n > bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += n
+    return buckets + [bucket] if bucket else buckets
+
+
+def gathered(params: list):
+    """A context in which ``params`` are whole: ZeRO-3 partitions gathered (a collective on every
+    trainer rank; freed on exit), anything else as it is."""
+    zero3 = [p for p in params if _is_zero3(p)]
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(zero3, modifier_rank=None)
+
+
 def gathered_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, stats: PushStats,
                      tied: set[str] = frozenset(), pool: Optional[BucketPool] = None):
     """Yield buckets of (hf_name, full tensor in ``dtype``); every trainer rank must iterate."""
-    params = [(to_hf_name(n), p) for n, p in module.named_parameters()]
-    params = [(n, p) for n, p in params if n not in tied]
+    buckets = param_buckets(module, dtype, bucket_bytes, tied)
+    params = [entry for bucket in buckets for entry in bucket]
     stats.samples = {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}
-    item = torch.empty((), dtype=dtype).element_size()
-    bucket, size = [], 0
-    for entry in params:
-        n = _full_numel(entry[1]) * item
-        if bucket and size + n > bucket_bytes:
-            yield gather_bucket(bucket, dtype, stats, pool)
-            bucket, size = [], 0
-        bucket.append(entry)
-        size += n
-    if bucket:
+    for bucket in buckets:
         yield gather_bucket(bucket, dtype, stats, pool)
 
 
@@ -73,26 +94,16 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats,
     """Full copies (in ``dtype``) of a bucket of (hf_name, parameter), packed into one flat buffer
     (``pool``'s buffer for this bucket when given); collective under ZeRO-3."""
     t0 = time.perf_counter()
-    zero3 = [p for _, p in bucket if _is_zero3(p)]
-    if zero3:
-        import deepspeed
-
-        ctx = deepspeed.zero.GatheredParameters(zero3, modifier_rank=None)
-    else:
-        import contextlib
-
-        ctx = contextlib.nullcontext()
-    with ctx:
+    with gathered([p for _, p in bucket]):
         t1 = time.perf_counter()
         stats.gather_s += t1 - t0
         # Copy out while gathered (the gathered storage is freed on exit), cast to the engine's
         # dtype and packed in one pass: the bucket is one flat buffer, which a process-group
         # sender broadcasts as it is and an in-process target reads as views.
-        named = [(name, p.detach()) for name, p in bucket]
-        buf = None
-        if pool is not None:
-            buf = pool.get(stats.num_buckets, layout((n, dtype, tuple(t.shape)) for n, t in named)[1], named[0][1].device)
-        out = FlattenedTensorBucket(named, dtype=dtype, out=buf).named_tensors()
+        k = stats.num_buckets
+        alloc = (lambda nbytes, device: pool.get(k, nbytes, device)) if pool is not None else None
+        out = FlattenedTensorBucket([(name, p.detach()) for name, p in bucket], dtype=dtype,
+                                    alloc=alloc).named_tensors()
         for name, t in out:
             if name in stats.samples:
                 stats.samples[name] = t.flatten()[:SAMPLE_VALUES].float().clone()

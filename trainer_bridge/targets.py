@@ -24,6 +24,15 @@ class WeightTarget(ABC):
     def commit(self):
         """Apply everything added, all-or-nothing; returns the engine's ``WeightResult``."""
 
+    def heal(self) -> bool:
+        """Collective on every trainer rank: bring the target's membership up to date; True when the
+        current weights must be pushed again. A target whose engines cannot come and go: False."""
+        return False
+
+    def take_events(self) -> list[str]:
+        """Membership changes since the last call, for the trainer's step log."""
+        return []
+
 
 class ColocatedTarget(WeightTarget):
     """The engine shares this process (external launch: every trainer rank hosts one engine TP

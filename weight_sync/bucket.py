@@ -6,6 +6,7 @@ plain data (name, dtype, shape, byte offset): it travels as JSON, never as a pic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -20,14 +21,12 @@ class FlattenedTensorBucket:
     def __init__(self, named_tensors: Optional[list[tuple[str, torch.Tensor]]] = None, *,
                  buffer: Optional[torch.Tensor] = None, metadata: Optional[list[TensorMeta]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-                 out: Optional[torch.Tensor] = None):
-        """``out``: a uint8 buffer of at least the packed size to pack into (reused memory)."""
+                 alloc: Optional[Callable[[int, torch.device], torch.Tensor]] = None):
+        """``alloc(nbytes, device)``: the uint8 buffer to pack into (e.g. a ``BucketPool``'s); fresh by default."""
         if named_tensors is not None:
             metas, total = layout((n, dtype or t.dtype, tuple(t.shape)) for n, t in named_tensors)
             device = device or (named_tensors[0][1].device if named_tensors else torch.device("cpu"))
-            if out is not None and (out.numel() < total or out.dtype != torch.uint8 or out.device != device):
-                raise ValueError(f"out: need a uint8 buffer of {total} bytes on {device}")
-            buffer = out[:total] if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
+            buffer = alloc(total, device) if alloc else torch.empty(total, dtype=torch.uint8, device=device)
             pack(buffer, metas, named_tensors)
             metadata = metas
         if buffer is None or metadata is None:
@@ -43,22 +42,23 @@ class FlattenedTensorBucket:
 
 
 class BucketPool:
-    """Flat bucket buffers kept from one push to the next (bucket k packs into buffer k). On CPU a
-    fresh allocation of a bucket costs about 3x its copy in page faults (256 MiB: 0.12 s against
-    0.04 s); on GPU the caching allocator reuses memory already, so nothing is kept there. Holds one
-    copy of the model in the engine's dtype; ``clear()`` frees it."""
+    """Flat byte buffers kept from one transfer to the next: the k-th bucket of every transfer lands
+    in buffer k. On CPU a fresh allocation of a bucket costs about 3x its copy in page faults
+    (256 MiB: 0.12 s against 0.04 s); on GPU the caching allocator reuses memory already, so nothing
+    is kept there. Holds one copy of what it carries; ``clear()`` frees it."""
 
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
 
-    def get(self, k: int, nbytes: int, device: torch.device) -> Optional[torch.Tensor]:
+    def get(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Buffer k, at least ``nbytes`` (grown when needed), as a uint8 view of exactly ``nbytes``."""
         if device.type != "cpu":
-            return None
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
         while len(self.buffers) <= k:
             self.buffers.append(torch.empty(0, dtype=torch.uint8))
         if self.buffers[k].numel() < nbytes:
             self.buffers[k] = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffers[k]
+        return self.buffers[k][:nbytes]
 
     def clear(self) -> None:
         self.buffers = []
