@@ -32,10 +32,13 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--zero-stage", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--modes", default="colocated,disaggregated")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "push_floor_smollm2.json"))
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/push_floor_<model>_<bucket-mb>mb.json")
+    args = ap.parse_args(argv)
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                        f"push_floor_{os.path.basename(args.model)}_{args.bucket_mb}mb.json")
+    return args
 
 
 def timed(fn) -> tuple[float, object]:

@@ -52,7 +52,7 @@ def parse(argv=None):
     ap.add_argument("--no-release", action="store_true", help="keep the engine's memory while training")
     ap.add_argument("--push-per-parameter", action="store_true",
                     help="gather and push one parameter at a time (the slow baseline) instead of buckets")
-    ap.add_argument("--bucket-mb", type=int, default=256, help="push bucket size")
+    ap.add_argument("--bucket-mb", type=int, default=64, help="push bucket size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")

@@ -69,6 +69,7 @@ class Transaction:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     error: Optional[str] = None
     buffers_used: int = 0  # staging buffers handed out (``RankWeights.stage_buffer``)
+    unchecked: bool = False  # something was staged without its finiteness checked (then commit checks all)
 
 
 class RankWeights:
@@ -199,19 +200,26 @@ class RankWeights:
 
     # ------------------------------------------------------------------ multi-call transactions
 
-    def _stage(self, named_tensors, copy: bool) -> WeightResult:
+    def _stage(self, named_tensors, copy: bool, check_finite: bool = False) -> WeightResult:
+        """Stage tensors in the open transaction. Names, shapes and dtypes fail here; coverage at
+        commit; finiteness here with ``check_finite`` (a received bucket, checked while the sender
+        gathers the next one), else at commit."""
         txn = self.transaction
         if txn is None:
             return WeightResult.fail("no open transaction: call begin_weight_update first")
         named = list(named_tensors)
-        try:  # names, shapes and dtypes fail early; finiteness and coverage are checked at commit
+        try:
             plan_load(self.runner.name_map, named, strict_dtype=True, require_complete=False)
             dup = sorted(set(n for n, _ in named) & set(txn.staged))
             if dup:
                 raise WeightLoadError(f"weights given twice in one transaction: {', '.join(dup[:8])}")
+            bad = nonfinite_names(named) if check_finite else []
+            if bad:
+                raise WeightLoadError(rejection_message([f"{n}: contains NaN or Inf values" for n in bad]))
         except (WeightLoadError, ValueError) as exc:
             txn.error = txn.error or str(exc)
             return WeightResult.fail(str(exc))
+        txn.unchecked |= not check_finite
         for name, t in named:
             txn.staged[name] = t.to(self.device, copy=True) if copy else t
         return WeightResult.ok(f"staged {len(named)} tensors ({len(txn.staged)} in the transaction)")
@@ -222,7 +230,7 @@ class RankWeights:
             self._vote(False)
             why = "no open transaction: call begin_weight_update first" if txn is None else txn.error
             return WeightResult.fail(f"transaction discarded: {why}")
-        return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite,
+        return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite and txn.unchecked,
                            partial=msg.partial)
 
     # ------------------------------------------------------------------ weight-update groups
@@ -279,7 +287,7 @@ class RankWeights:
             if self.transaction is not None:
                 self.transaction.error = self.transaction.error or error
             return WeightResult.fail(error)
-        return self._stage(staged, copy=False)
+        return self._stage(staged, copy=False, check_finite=True)
 
     def _receive(self, msg: ReceiveDistributed) -> WeightResult:
         """Receive the sender's buckets (a sender can die midway, so nothing live is touched until

@@ -337,7 +337,7 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
     part = [(n, t) for n, t in tensors_a if n.startswith("model.layers.0.")]
     wrong_dtype = [(n, t.to(torch.float64)) for n, t in tensors_b]
     half = len(tensors_a) // 2
-    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b, tensors_a[:half], tensors_a[half:]]
+    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b, tensors_a[:half], tensors_a[half:], nan]
     ctx = mp.get_context("spawn")
     port = free_port()
     proc = ctx.Process(target=_rounds_sender, args=(port, 3, rounds, 32 << 10))
@@ -374,6 +374,12 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
         assert update(tensors_a[half:], transaction=True)["success"]
         result = engine.commit_weight_update()
         assert result.success and result.weight_version == "ta" and engine.get_weights_checksum() == checksum_a
+        # a bucket with a NaN is refused as it arrives (checked while the sender gathers the next);
+        # the transaction cannot commit
+        assert engine.begin_weight_update(weight_version="bad")["success"]
+        out = update(nan, transaction=True)
+        assert not out.success and "NaN" in out.message
+        assert not engine.commit_weight_update().success and engine.get_weights_checksum() == checksum_a
     proc.join(30)
     assert proc.exitcode == 0
 

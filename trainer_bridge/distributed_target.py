@@ -24,6 +24,7 @@ replica serves (``ReplicaSet.up``) only once it holds them.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from typing import Optional
 
@@ -82,7 +83,8 @@ class DistributedTarget(WeightTarget):
         self.members: list[int] = []  # replicas in the current group (rank 0's view)
         self.group = ""  # the current group's name
         self._generation = 0
-        self._pending: Optional[_Call] = None  # the bucket on the wire
+        self._wire: Optional[_Call] = None  # sends the queued buckets, in order, one at a time
+        self._queue: queue.Queue = queue.Queue()
         self._failed: dict[int, str] = {}  # replica -> why, in this push
         self._rejected: Optional[str] = None  # a replica refused a bucket (bad input, not a failure)
         self._broken = False  # the group must be rebuilt before the next push
@@ -179,7 +181,7 @@ class DistributedTarget(WeightTarget):
     # ------------------------------------------------------------------ one push
 
     def begin(self, version: str) -> None:
-        self._failed, self._rejected, self._pending = {}, None, None
+        self._failed, self._rejected = {}, None
         if not self.is_sender:
             return
         if self._broken or not self.members:  # refused at commit, naming who is missing
@@ -191,13 +193,20 @@ class DistributedTarget(WeightTarget):
                 self._rejected = f"replica {i}: {result.message}"
 
     def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Start broadcasting this bucket and return: the trainer gathers the next one meanwhile. Never
-        raises (every trainer rank must keep gathering); ``commit`` reports what went wrong."""
+        """Queue this bucket for the wire and return: the trainer gathers the next ones while the
+        queued ones go out in order (each bucket has its own buffer). Never raises (every trainer
+        rank must keep gathering); ``commit`` reports what went wrong."""
         if not self.is_sender or self._failed or self._rejected or self._broken:
             return
-        self._wait_pending()  # bucket k-1 is through before bucket k goes out
-        if not (self._failed or self._rejected):
-            self._pending = _Call(self._send, named_tensors)
+        if self._wire is None:
+            self._wire = _Call(self._drain)
+        self._queue.put(named_tensors)
+
+    def _drain(self) -> None:
+        """The wire thread: send queued buckets until the end mark; after a failure, drop the rest."""
+        while (bucket := self._queue.get()) is not None:
+            if not (self._failed or self._rejected or self._broken):
+                self._send(bucket)
 
     def _send(self, named_tensors) -> None:
         names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
@@ -223,14 +232,18 @@ class DistributedTarget(WeightTarget):
             self._find_dead()
 
     def _wait_pending(self) -> None:
-        if self._pending is not None:
-            try:
-                self._pending.get(2 * self.timeout_s + 20)
-            except Exception as exc:  # noqa: BLE001 - a hung send: the group is unusable
-                self._broken = True
-                self._find_dead()
-                logger.warning("weight group %r: %s", self.group, exc)
-            self._pending = None
+        """Every queued bucket is through (or dropped after a failure)."""
+        if self._wire is None:
+            return
+        self._queue.put(None)
+        try:
+            self._wire.get(2 * self.timeout_s + 20)
+        except Exception as exc:  # noqa: BLE001 - a hung send: the group is unusable
+            self._broken = True
+            self._find_dead()
+            logger.warning("weight group %r: %s", self.group, exc)
+            self._queue = queue.Queue()  # a hung thread keeps the old one
+        self._wire = None
 
     def commit(self) -> WeightResult:
         """Apply on every replica or none. Returns the first refusal (or the first replica's result);

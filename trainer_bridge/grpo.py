@@ -26,7 +26,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from trainer_bridge.push import push_weights
+from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, push_weights
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
@@ -51,7 +51,7 @@ class GRPOConfig:
     repetition_penalty: float = 1.0
     push_weights: bool = True  # False: the engine keeps the initial weights (a control run)
     release_memory: bool = True  # colocated: free the engine's KV and weights while training
-    bucket_bytes: int = 256 << 20
+    bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES
     push_per_parameter: bool = False  # the baseline most integrations use: one gather + hand-off per parameter
     seed: int = 0
     out_dir: str = "rl_runs/demo"
