@@ -50,7 +50,6 @@ from rollout.messages import (
 )
 from rollout.model_runner import ModelRunner
 from rollout.safetensors_io import iter_safetensors
-from weight_sync.bucket import BucketPool
 from weight_sync.checksum import checksum_named_tensors
 from weight_sync.distributed import WeightGroup, WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
 from weight_sync.layout import contiguous_run, dtype_from_name
@@ -64,12 +63,13 @@ INPUT_ERRORS = (WeightLoadError, ValueError, KeyError, TypeError, OSError)
 
 @dataclass
 class Transaction:
-    """A multi-call update being staged: (name, tensor) pairs, and the first error seen."""
+    """A multi-call update being staged: (name, tensor) pairs given in process, names received into
+    the shadow weights, and the first error seen."""
 
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    # received over a weight-update group straight into the shadow weights: name -> (dtype, shape)
+    in_shadow: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
     error: Optional[str] = None
-    buffers_used: int = 0  # staging buffers handed out (``RankWeights.stage_buffer``)
-    unchecked: bool = False  # something was staged without its finiteness checked (then commit checks all)
 
 
 class RankWeights:
@@ -79,7 +79,6 @@ class RankWeights:
         self.device = device
         self.update_groups: dict[str, WeightGroup] = {}
         self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
-        self.stage_pool = BucketPool()  # a transaction's received buckets (CPU: kept for the next one)
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
 
@@ -121,7 +120,7 @@ class RankWeights:
             case ReleaseMemory():
                 if "weights" in msg.tags:
                     self.receive_pool = []  # the distributed path's receive buffers go with the weights
-                    self.stage_pool.clear()
+                    self._shadow_taken("releasing the weights")  # the shadow goes with them
                 freed = self.runner.release_memory(msg.tags, msg.backup_weights)
                 return WeightResult.ok(f"released {', '.join(msg.tags)}", freed_bytes=freed)
             case ResumeMemory():
@@ -200,29 +199,32 @@ class RankWeights:
 
     # ------------------------------------------------------------------ multi-call transactions
 
-    def _stage(self, named_tensors, copy: bool, check_finite: bool = False) -> WeightResult:
-        """Stage tensors in the open transaction. Names, shapes and dtypes fail here; coverage at
-        commit; finiteness here with ``check_finite`` (a received bucket, checked while the sender
-        gathers the next one), else at commit."""
+    def _stage(self, named_tensors, copy: bool) -> WeightResult:
         txn = self.transaction
         if txn is None:
             return WeightResult.fail("no open transaction: call begin_weight_update first")
         named = list(named_tensors)
-        try:
-            plan_load(self.runner.name_map, named, strict_dtype=True, require_complete=False)
-            dup = sorted(set(n for n, _ in named) & set(txn.staged))
-            if dup:
-                raise WeightLoadError(f"weights given twice in one transaction: {', '.join(dup[:8])}")
-            bad = nonfinite_names(named) if check_finite else []
-            if bad:
-                raise WeightLoadError(rejection_message([f"{n}: contains NaN or Inf values" for n in bad]))
+        try:  # names, shapes and dtypes fail early; finiteness and coverage are checked at commit
+            self._check_new(txn, named)
         except (WeightLoadError, ValueError) as exc:
             txn.error = txn.error or str(exc)
             return WeightResult.fail(str(exc))
-        txn.unchecked |= not check_finite
         for name, t in named:
             txn.staged[name] = t.to(self.device, copy=True) if copy else t
-        return WeightResult.ok(f"staged {len(named)} tensors ({len(txn.staged)} in the transaction)")
+        return WeightResult.ok(f"staged {len(named)} tensors ({len(txn.staged) + len(txn.in_shadow)} in the transaction)")
+
+    def _check_new(self, txn: Transaction, named: list) -> None:
+        """Names, shapes and dtypes of tensors joining ``txn``, none of them given before."""
+        plan_load(self.runner.name_map, named, strict_dtype=True, require_complete=False)
+        dup = sorted(set(n for n, _ in named) & (set(txn.staged) | set(txn.in_shadow)))
+        if dup:
+            raise WeightLoadError(f"weights given twice in one transaction: {', '.join(dup[:8])}")
+
+    def _shadow_taken(self, by: str) -> None:
+        """Something else writes or frees the shadow: an open transaction that received into it is void."""
+        txn = self.transaction
+        if txn is not None and txn.in_shadow and txn.error is None:
+            txn.error = f"{by} during the open transaction replaced what it had received; begin it again"
 
     def _commit_transaction(self, msg: CommitTransaction) -> WeightResult:
         txn, self.transaction = self.transaction, None
@@ -230,8 +232,41 @@ class RankWeights:
             self._vote(False)
             why = "no open transaction: call begin_weight_update first" if txn is None else txn.error
             return WeightResult.fail(f"transaction discarded: {why}")
-        return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite and txn.unchecked,
-                           partial=msg.partial)
+        if not txn.in_shadow:
+            return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite,
+                               partial=msg.partial)
+        return self._commit_shadow_transaction(txn, msg)
+
+    def _commit_shadow_transaction(self, txn: Transaction, msg: CommitTransaction) -> WeightResult:
+        """Buckets received into the shadow (checked for NaN/Inf as they arrived) plus anything staged
+        in process: a complete update makes the shadow live (on CPU the buffers trade memory: no
+        copy); a partial one copies just its tensors out of the shadow."""
+        runner, name_map = self.runner, self.runner.name_map
+        error = self._released_error()
+        if error is None:
+            try:
+                received = [(n, torch.empty(shape, dtype=d, device="meta")) for n, (d, shape) in txn.in_shadow.items()]
+                plan_load(name_map, received + list(txn.staged.items()), strict_dtype=True,
+                          require_complete=not msg.partial)
+                bad = nonfinite_names(txn.staged.items()) if msg.check_finite else []
+                if bad:
+                    raise WeightLoadError(rejection_message([f"{n}: contains NaN or Inf values" for n in bad]))
+            except (WeightLoadError, ValueError) as exc:
+                error = str(exc)
+        if not self._vote(error is None):
+            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+        where = None if msg.partial else runner.shadow_view
+        copy_slices([(t, name_map[n].slice) for n, t in txn.staged.items()], where=where)
+        if msg.partial:
+            for name in txn.in_shadow:
+                dst = name_map[name].slice.dst
+                dst.copy_(runner.shadow_view(dst))
+        else:
+            runner.commit_shadow()
+        runner.after_weights_changed(complete=not msg.partial)
+        nbytes = sum(d.itemsize * math.prod(shape) for d, shape in txn.in_shadow.values()) + sum(
+            t.numel() * t.element_size() for t in txn.staged.values())
+        return WeightResult.ok(f"loaded {len(txn.in_shadow) + len(txn.staged)} tensors", num_bytes=nbytes)
 
     # ------------------------------------------------------------------ weight-update groups
 
@@ -263,31 +298,32 @@ class RankWeights:
         self.update_groups.pop(group_name, None)  # tear down only this group; re-initialising it works
         return f"{exc}; the group was torn down, re-initialise it"
 
-    def stage_buffer(self, nbytes: int) -> torch.Tensor:
-        """A buffer for the open transaction's next received bucket, reused from one transaction to
-        the next (``BucketPool``)."""
-        txn = self.transaction
-        if txn is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        txn.buffers_used += 1
-        return self.stage_pool.get(txn.buffers_used - 1, nbytes, self.device)
-
     def _stage_distributed(self, msg: StageDistributed) -> WeightResult:
-        """A bucket call of a multi-call transaction: receive every bucket and stage it."""
+        """A bucket call of a multi-call transaction: receive its buckets straight into the shadow
+        weights (checked for NaN/Inf while the sender gathers the next); a refused call still
+        drains what the sender broadcasts, so the group keeps working."""
         error, specs = self._specs(msg)
-        bucket_bytes = 1 if msg.load_format == "direct" else msg.bucket_bytes
-        staged = []
-        if error is None:
-            try:
-                staged = receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device,
-                                         msg.group_name, alloc=self.stage_buffer)
-            except WeightGroupError as exc:
-                error = self._group_failed(msg.group_name, exc)
-        if error is not None:
-            if self.transaction is not None:
-                self.transaction.error = self.transaction.error or error
+        txn = self.transaction
+        if error is not None:  # nothing can be received without the group and specs
+            if txn is not None:
+                txn.error = txn.error or error
             return WeightResult.fail(error)
-        return self._stage(staged, copy=False, check_finite=True)
+        rejected = self._released_error()
+        if txn is None:
+            rejected = "no open transaction: call begin_weight_update first"
+        elif rejected is None:
+            try:
+                self._check_new(txn, [(n, torch.empty(shape, dtype=d, device="meta")) for n, d, shape in specs])
+            except (WeightLoadError, ValueError) as exc:
+                rejected = str(exc)
+        rejected, _ = self._receive_into_shadow(msg, specs, rejected, check_finite=True)
+        if rejected is not None:
+            if txn is not None:
+                txn.error = txn.error or rejected
+            return WeightResult.fail(rejected)
+        txn.in_shadow.update((n, (d, tuple(shape))) for n, d, shape in specs)
+        return WeightResult.ok(f"received {len(specs)} tensors ({len(txn.staged) + len(txn.in_shadow)} in the "
+                               "transaction)")
 
     def _receive(self, msg: ReceiveDistributed) -> WeightResult:
         """Receive the sender's buckets (a sender can die midway, so nothing live is touched until
@@ -298,7 +334,18 @@ class RankWeights:
         error, specs = self._specs(msg)
         placed_bytes = 0
         if error is None:
-            error, placed_bytes = self._receive_into_shadow(msg, specs)
+            rejected = self._released_error()
+            if rejected is None:
+                try:
+                    plan_load(self.runner.name_map, [(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs],
+                              strict_dtype=True, require_complete=not msg.partial)
+                except WeightLoadError as exc:
+                    rejected = str(exc)
+            if rejected is None:
+                self._shadow_taken("an update outside it")
+                if msg.partial:
+                    self.runner.prepare_shadow()
+            error, placed_bytes = self._receive_into_shadow(msg, specs, rejected, msg.check_finite)
         t_received = time.perf_counter()
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
@@ -308,20 +355,12 @@ class RankWeights:
         return WeightResult.ok(f"loaded {len(specs)} tensors", num_bytes=nbytes, receive_s=t_received - t_start,
                                commit_s=time.perf_counter() - t_received, received_in_place_bytes=placed_bytes)
 
-    def _receive_into_shadow(self, msg: ReceiveDistributed, specs: list) -> tuple[Optional[str], int]:
+    def _receive_into_shadow(self, msg, specs: list, rejected: Optional[str],
+                             check_finite: bool) -> tuple[Optional[str], int]:
         """Receive every bucket; write it into the shadow weights unless the update is already
-        rejected (then it is only drained, so the sender still completes).
+        ``rejected`` (then it is only drained, so the sender still completes).
         Returns (error, bytes received in place)."""
         runner = self.runner
-        rejected = self._released_error()
-        if rejected is None:
-            try:
-                plan_load(runner.name_map, [(n, torch.empty(s, dtype=d, device="meta")) for n, d, s in specs],
-                          strict_dtype=True, require_complete=not msg.partial)
-            except WeightLoadError as exc:
-                rejected = str(exc)
-        if rejected is None and msg.partial:
-            runner.prepare_shadow()
         name_map = runner.name_map
         nonfinite: list[str] = []
         placed_bytes = 0
@@ -342,7 +381,7 @@ class RankWeights:
             nonlocal placed_bytes
             if rejected is not None:
                 return
-            if msg.check_finite:
+            if check_finite:
                 nonfinite.extend(nonfinite_names(named))
             if placed:
                 placed_bytes += sum(v.numel() * v.element_size() for _, v in named)

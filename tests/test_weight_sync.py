@@ -337,7 +337,9 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
     part = [(n, t) for n, t in tensors_a if n.startswith("model.layers.0.")]
     wrong_dtype = [(n, t.to(torch.float64)) for n, t in tensors_b]
     half = len(tensors_a) // 2
-    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b, tensors_a[:half], tensors_a[half:], nan]
+    part_b = [(n, t) for n, t in tensors_b if n.startswith("model.layers.0.")]
+    rounds = [nan, wrong_dtype, tensors_b, part, tensors_a, tensors_b, tensors_a[:half], tensors_a[half:], nan,
+              part_b, tensors_b[:half], tensors_a]
     ctx = mp.get_context("spawn")
     port = free_port()
     proc = ctx.Process(target=_rounds_sender, args=(port, 3, rounds, 32 << 10))
@@ -380,6 +382,19 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
         out = update(nan, transaction=True)
         assert not out.success and "NaN" in out.message
         assert not engine.commit_weight_update().success and engine.get_weights_checksum() == checksum_a
+        # a partial transaction received into the shadow: only its tensors change
+        assert engine.begin_weight_update(weight_version="tp")["success"]
+        assert update(part_b, transaction=True)["success"]
+        assert engine.commit_weight_update(partial=True).success
+        for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_b),
+                          ("model.layers.1.mlp.down_proj.weight", tensors_a)):
+            assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
+        # an update outside an open transaction takes the shadow: what the transaction received is void
+        assert engine.begin_weight_update(weight_version="void")["success"]
+        assert update(tensors_b[:half], transaction=True)["success"]
+        assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
+        out = engine.commit_weight_update()
+        assert not out.success and "begin it again" in out.message and engine.get_weights_checksum() == checksum_a
     proc.join(30)
     assert proc.exitcode == 0
 

@@ -67,7 +67,7 @@ class _Call(threading.Thread):
 
 class DistributedTarget(WeightTarget):
     def __init__(self, replicas, master_address: str = "127.0.0.1", master_port: Optional[int] = None,
-                 group_name: str = "trainer-push", backend: str = "gloo", timeout_s: float = 60.0,
+                 group_name: str = "trainer-push", backend: Optional[str] = None, timeout_s: float = 60.0,
                  partial_rollouts: bool = False):
         """``replicas``: one replica, a list, or the ``ReplicaSet`` the router uses.
         ``partial_rollouts``: commit in the middle of running requests (pause ``in_place`` → commit →
@@ -75,6 +75,7 @@ class DistributedTarget(WeightTarget):
         self.replicas = replicas if isinstance(replicas, ReplicaSet) else ReplicaSet(replicas)
         self.partial_rollouts = partial_rollouts
         self.master_address, self.master_port = master_address, master_port
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")  # NCCL on GPU, gloo on CPU
         self.group_name, self.backend, self.timeout_s = group_name, backend, timeout_s
         self.dtype = describe(self.replicas.replicas[0])[0]
         self.device = torch.device("cpu" if backend == "gloo" else "cuda")

@@ -73,22 +73,20 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
 
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
-                    on_bucket=None, pool: list | None = None, place=None, alloc=None):
+                    on_bucket=None, pool: list | None = None, place=None):
     """Receive every bucket the sender broadcasts for ``specs``.
 
     With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
     needed), or where ``place(metas, total)`` says (a byte view, or None for the pool), and
     ``on_bucket(named, placed)`` gets its (name, view) pairs while the next bucket is already on
     the wire; pool views are only valid during the call. Returns None.
-    Without: every bucket is kept, each in a buffer of its own (``alloc(nbytes)``, or a fresh one)
-    with every receive posted up front, and the (name, view) pairs are returned (a multi-call
-    transaction stages them).
+    Without: every bucket is kept, each in a fresh buffer of its own with every receive posted
+    up front, and the (name, view) pairs are returned.
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
     buckets = bucket_layouts(specs, bucket_bytes)
     placed = [None] * len(buckets)
     if on_bucket is None:  # every bucket kept: its own buffer, all posted at once
-        alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, device=device))
-        slots, window = [alloc(total) for _, total in buckets], len(buckets)
+        slots, window = [torch.empty(total, dtype=torch.uint8, device=device) for _, total in buckets], len(buckets)
     else:
         need = max((total for _, total in buckets), default=0)
         if pool is None:
