@@ -27,6 +27,12 @@ test: install
 	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts examples
 	$(PYTHON) -m pytest -q --durations=25 tests
 
+# The benchmark suite on both models (long: see benchmarks/README.md for each command alone).
 bench: install
-	$(PYTHON) benchmarks/throughput.py --model smollm2
-	$(PYTHON) benchmarks/throughput.py --model qwen2-0.5b-random
+	for m in smollm2 qwen2-0.5b-random; do \
+		$(PYTHON) -m rollout.cli bench limits --model $$m --profile && \
+		$(PYTHON) -m rollout.cli bench throughput --model $$m --workload grpo-short && \
+		$(PYTHON) -m rollout.cli bench throughput --model $$m --workload score || exit 1; \
+	done
+	$(PYTHON) -m rollout.cli bench rl-step --model smollm2
+	$(PYTHON) -m rollout.cli bench weight-sync

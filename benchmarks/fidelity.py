@@ -18,7 +18,7 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from rollout import RolloutEngine, SamplingParams  # noqa: E402
-from rollout.tools.bench_throughput import build_model  # noqa: E402
+from rollout.bench.common import build_model  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -21,8 +21,8 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from rollout import RolloutEngine  # noqa: E402
+from rollout.bench.common import build_model  # noqa: E402
 from rollout.server import RolloutClient  # noqa: E402
-from rollout.tools.bench_throughput import build_model  # noqa: E402
 from rollout.tools.server_load import run_in_process_load, run_server_load  # noqa: E402
 from weight_sync.process_group import free_port  # noqa: E402
 

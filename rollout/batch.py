@@ -177,6 +177,12 @@ class ModelWorkerBatch:
     def is_prefill_only(self) -> bool:
         return not self.sample_logits_idx
 
+    @property
+    def is_decode_only(self) -> bool:
+        """One new token per sequence, each sampled, nothing scored: a plain decode step."""
+        return (len(self.input_ids) == len(self.q_lens) == len(self.sample_logits_idx)
+                and not self.input_logprob_idx)
+
 
 @dataclass
 class GenerationBatchResult:

@@ -122,13 +122,22 @@ def _cmd_demo(args) -> int:
     return demo_main(args.rest)
 
 
-def _cmd_bench(args) -> int:
-    if args.which == "throughput":
-        from rollout.tools.bench_throughput import main as bench_main
+BENCHMARKS = {"throughput": "rollout.bench.throughput", "weight-sync": "rollout.bench.sync",
+              "rl-step": "rollout.bench.rl_step", "limits": "rollout.bench.limits"}
 
-        bench_main(args.rest)
+
+def _cmd_bench(args) -> int:
+    import importlib
+
+    if args.compare:
+        from rollout.bench.common import print_compare
+
+        print_compare(*args.compare)
         return 0
-    raise SystemExit(f"unknown benchmark {args.which!r}")
+    if args.which is None:
+        raise SystemExit(f"rollout bench: name a benchmark ({', '.join(BENCHMARKS)}) or --compare A.json B.json")
+    importlib.import_module(BENCHMARKS[args.which]).main(args.rest)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=float, default=32.0, help="larger request bodies are refused (413)")
     _engine_option_flags(serve)
     serve.set_defaults(func=_cmd_serve)
-    bench = sub.add_parser("bench", help="benchmarks (`rollout bench throughput --help`)")
-    bench.add_argument("which", choices=["throughput"])
+    bench = sub.add_parser("bench", help="the benchmark suite (`rollout bench limits --help`; benchmarks/README.md)",
+                           description="The benchmark suite: each writes JSON and a PNG (see benchmarks/README.md).")
+    bench.add_argument("which", nargs="?", choices=list(BENCHMARKS), help="the benchmark; its flags follow it")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                       help="print every number of two results side by side, with B/A")
     bench.set_defaults(func=_cmd_bench)
     return ap
 

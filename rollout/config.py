@@ -33,6 +33,17 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
     launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
+    # CPU bf16: linear layers read oneDNN-packed copies of their weights (rebuilt lazily after every
+    # update): a bf16 one (bitwise F.linear's results, faster at small batches; +1x the weight bytes)
+    # and, for forwards of at least cpu_fp32_gemm_rows tokens, an fp32 one (fp32 GEMMs are ~1.6x
+    # faster than bf16 on CPUs without AMX; +2x the weight bytes, built at the first such forward;
+    # 0 = never)
+    cpu_packed_weights: bool = True
+    cpu_fp32_gemm_rows: int = 32
+    # CPU bf16: decode attention reads KV blocks in place (C++ built on first use with the machine's
+    # compiler, then cached) instead of gathering them for SDPA; fp32 and machines without a
+    # compiler keep the gather path
+    cpu_paged_attention: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request
@@ -48,6 +59,8 @@ class EngineConfig:
             bad("dtype", f"must be one of auto, {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+        if not isinstance(self.cpu_fp32_gemm_rows, int) or self.cpu_fp32_gemm_rows < 0:
+            bad("cpu_fp32_gemm_rows", "must be an integer >= 0 (0: never)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")

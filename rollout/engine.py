@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
@@ -57,6 +59,31 @@ __all__ = ["RolloutEngine", "EngineDeadError"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def run_on_own_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread that ends when it returns (its exception re-raised here).
+
+    On CPU every thread that runs parallel torch ops owns an OpenMP thread team, and while a
+    process holds more OpenMP threads than CPUs, libgomp stops spinning between parallel regions:
+    each region then waits for a futex wake-up (measured here: a SmolLM2 decode step 30 -> 50 ms at
+    batch 1, 165 -> 260 ms at batch 64). The engine computes on its loop thread; building its
+    weights on a thread that ends (its team goes with it) keeps the caller's thread from holding a
+    second team — as long as the caller itself runs no parallel torch work (see benchmarks/NOTES.md)."""
+    out: dict[str, Any] = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=target, name="rollout-engine-build")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, **kwargs: Any):
@@ -66,13 +93,13 @@ class RolloutEngine:
         self._ext: Optional[ExternalTp] = None
         self._loop: Optional[EngineLoop] = None
         self._weights: Optional[EngineWeights] = None
-        if self.config.tp_size == 1:
-            self.worker = TpModelWorker(self.config)
-        elif self._use_external_launch():
-            self._ext = ExternalTp(self.config)
+        if self._use_external_launch() and self.config.tp_size > 1:
+            self._ext = ExternalTp(self.config)  # SPMD: this rank computes on its caller's thread
             self.worker = ExternalLeaderWorker(self._ext) if self._ext.is_leader else self._ext.worker
         else:
-            self.worker = TpWorkerGroup(self.config)
+            build = TpModelWorker if self.config.tp_size == 1 else TpWorkerGroup
+            on_cpu = self.config.resolve_device().type == "cpu"
+            self.worker = run_on_own_thread(lambda: build(self.config)) if on_cpu else build(self.config)
         self.model_config = self.worker.model_config
         self.tokenizer = load_tokenizer(self.config.tokenizer_path or model_path)
         self._detokenize = make_detokenizer(self.tokenizer)

@@ -18,8 +18,9 @@ from torch import nn
 
 from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
+from rollout.layers import paged_decode_cpu
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
-from rollout.layers.linear import LOADER_HOOKS
+from rollout.layers.linear import LOADER_HOOKS, PackedWeight, RowParallelLinear
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
@@ -89,6 +90,11 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _packing_supported(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    return (config.cpu_packed_weights and device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
     """Replace every (meta) parameter by a view into one flat buffer per dtype.
 
@@ -147,7 +153,18 @@ class ModelRunner:
         self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks + 1, self.block_size,
                                      attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
-        self.use_paged_kernel = device.type == "cuda" and _has_triton()
+        # CPU: the in-place kernel for reduced-precision caches; fp32 (the dtype of reference runs, pinned
+        # token for token to transformers by the test suite) keeps gather + SDPA
+        self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (
+            device.type == "cpu" and dtype != torch.float32 and config.cpu_paged_attention
+            and paged_decode_cpu.load() is not None)
+        # oneDNN-packed weights (CPU bf16): rebuilt lazily, at the first forward after the weights changed
+        self.weights_generation = 0  # bumped whenever the live weights change
+        self._packed_generation: Optional[int] = None
+        self._wide_generation: Optional[int] = None
+        self._packed_modules = [m for m in self.model.modules() if hasattr(m, "packed_weight")] \
+            if _packing_supported(config, device, dtype) else []
+        self.refresh_packed_weights()
         self.kv_released = self.weights_released = False
         self.weights_valid = True  # False after a release without backup, until a full update commits
         self.weights_backup: Optional[dict] = None
@@ -158,6 +175,38 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
             self.graph_runner.capture()
+
+    def refresh_packed_weights(self, rows: int = 0) -> None:
+        """Pack every linear weight for oneDNN if the weights changed since the last packing, and
+        the fp32 copies too when a forward of ``rows`` tokens will read them (the packed copies
+        are read instead of the weights: they must never be stale)."""
+        if not self._packed_modules:
+            return
+        if self._packed_generation != self.weights_generation:
+            for m in self._packed_modules:
+                m.packed_weight = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None))
+            self._packed_generation, self._wide_generation = self.weights_generation, None
+        wide_rows = self.config.cpu_fp32_gemm_rows
+        if wide_rows and rows >= wide_rows and self._wide_generation != self.weights_generation:
+            for m in self._packed_modules:
+                p = m.packed_weight
+                p.wide = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().float(), None)
+                bias = getattr(m, "bias", None)
+                # a row-parallel bias is added after the reduction, outside the GEMM
+                p.wide_bias = bias.detach().float() if bias is not None and not isinstance(m, RowParallelLinear) \
+                    else None
+                p.wide_rows = wide_rows
+            self._wide_generation = self.weights_generation
+
+    def _drop_packed_weights(self) -> None:
+        for m in self._packed_modules:
+            m.packed_weight = None
+        self._packed_generation = self._wide_generation = None
+
+    def _weights_changed(self) -> None:
+        """Every change of the live weights ends here: packed copies are dropped (rebuilt lazily)."""
+        self.weights_generation += 1
+        self._drop_packed_weights()
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -184,6 +233,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
+        self.refresh_packed_weights(len(batch.input_ids))
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -327,6 +377,7 @@ class ModelRunner:
             self._shadow = None
             for buf in self.param_buffers.values():
                 buf.untyped_storage().resize_(0)
+            self._weights_changed()
             self.weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -345,6 +396,7 @@ class ModelRunner:
                     buf.zero_()
             self.weights_valid = self.weights_backup is not None
             self.weights_backup = None
+            self._weights_changed()
             self.weights_released = False
         if "kv_cache" in tags and self.kv_released:
             self.kv_buffer.untyped_storage().resize_(self.kv_buffer.numel() * self.kv_buffer.element_size())
@@ -365,6 +417,7 @@ class ModelRunner:
         (or when asked). Returns whether graphs were recaptured."""
         if complete:
             self.weights_valid = True
+        self._weights_changed()
         if self.graph_runner is not None and (force_recapture or self.graph_runner.needs_recapture()):
             self.graph_runner.recapture()
             return True

@@ -45,6 +45,14 @@ class SchedulerStats:
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
     num_sample_steps: int = 0
+    # Steps whose batch was decode only (one new token per sequence), and their wall time: the whole
+    # step, scheduling, input preparation, forward, sampling and folding results back (under overlap,
+    # the time between step starts). ``decode_step_batch`` sums their batch sizes.
+    num_decode_steps: int = 0
+    decode_step_time_s: float = 0.0
+    decode_step_batch: int = 0
+    decode_forward_time_s: float = 0.0
+    decode_sample_time_s: float = 0.0
 
 
 _NO_MASK = SimpleNamespace(top_logprobs_num=0, return_sampling_mask=False)
@@ -164,18 +172,29 @@ class Scheduler:
         return bool(self.waiting or self.running or self._inflight is not None)
 
     def step(self) -> bool:
+        t0 = time.perf_counter()
         if self.config.enable_overlap:
-            return self._step_overlap()
+            sb, ran = self._step_overlap()
+        else:
+            sb = self._step()
+            ran = sb is not None
+        if sb is not None and sb.batch.is_decode_only:
+            self.stats.num_decode_steps += 1
+            self.stats.decode_step_time_s += time.perf_counter() - t0
+            self.stats.decode_step_batch += len(sb.batch.q_lens)
+        return ran
+
+    def _step(self) -> Optional[ScheduledBatch]:
         sb = self.schedule()
         if sb is None:
-            return False
+            return None
         result = self.worker.forward_batch_generation(sb.batch)
         if result.delay_sample_func is not None:
             result = result.delay_sample_func(sb.batch.sampling or self._sampling_inputs(sb.samplers))
         self.process_batch_result(sb, result)
-        return True
+        return sb
 
-    def _step_overlap(self) -> bool:
+    def _step_overlap(self) -> tuple[Optional[ScheduledBatch], bool]:
         """Launch forward N+1, process result N on the CPU, then queue N+1's delayed sampling
         (which thus sees N's tokens: penalties, min-new-tokens, stop and abort state). Forward N+1
         reads N's sampled ids from the worker's future map, so no host sync sits between steps."""
@@ -194,7 +213,7 @@ class Scheduler:
                     return result.delay_sample_func(sampling) if result.delay_sample_func is not None else result
 
                 self._inflight = (sb, self._executor.submit(sample))
-        return sb is not None or inflight is not None
+        return sb, sb is not None or inflight is not None
 
     def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
         """Built from sequence state when sampling happens (late, under overlap)."""
@@ -406,6 +425,9 @@ class Scheduler:
         batch, scheduled, samplers = sb.batch, sb.scheduled, sb.samplers
         self.stats.num_steps += 1
         self.stats.forward_time_s += result.forward_time_s
+        if batch.is_decode_only:
+            self.stats.decode_forward_time_s += result.forward_time_s
+            self.stats.decode_sample_time_s += result.sample_time_s
         touched: dict[str, list[Sequence]] = {}
         if result.input_logprobs is not None:
             self._record_input_logprobs(sb, result)

@@ -42,17 +42,46 @@ def test_cli_rejects_bad_value(llama_path):
 
 
 def test_throughput_benchmark_writes_json_and_png(tmp_path):
-    from rollout.tools.bench_throughput import main
+    from rollout.bench.throughput import main
 
-    res = main(["--model", "tiny", "--num-prompts", "3", "--n", "2", "--max-new-tokens", "8", "--dtype", "float32",
-                "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "models")])
-    for variant in ("eos", "ignore_eos"):
-        v = res["variants"][variant]
-        assert v["engine"]["tokens_per_s"] > 0 and v["hf_generate"]["tokens_per_s"] > 0
-        assert v["ratio"] > 0 and v["engine"]["sampler_ms_per_step"] >= 0
-    assert v["engine"]["tokens"] == v["hf_generate"]["tokens"] == 3 * 2 * 8  # ignore_eos: every token counts
+    common = ["--model", "tiny", "--num-prompts", "3", "--n", "2", "--max-new-tokens", "8", "--dtype", "float32",
+              "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "models")]
+    res = main(common + ["--ignore-eos"])
+    assert res["engine"]["tokens"] == res["hf"]["tokens"] == 3 * 2 * 8  # ignore_eos: every token counts
+    assert res["ratio"] > 0 and res["engine"]["decode_step_ms"] > 0 and res["config"]["features"]["prefix"]
+    assert "torch" in res["machine"]["versions"] and res["machine"]["cpu_count"] >= 1
+    score = main(common + ["--workload", "score", "--prefix", "off"])
+    assert score["engine"]["tokens"] == score["hf"]["tokens"] == 3 * 2 * 8
     files = sorted(os.listdir(tmp_path))
-    assert any(f.endswith(".json") for f in files) and any(f.endswith(".png") for f in files)
+    assert sum(f.endswith(".json") for f in files) == 2 and sum(f.endswith(".png") for f in files) == 2
+
+
+def test_limits_and_rl_step_benchmarks_and_compare(tmp_path):
+    """``rollout bench limits`` and ``rl-step`` through the command line, then ``--compare``."""
+    common = ["--model", "tiny", "--dtype", "float32", "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]
+    out = run_cli("bench", "limits", *common, "--batches", "1,4", "--steps", "3", "--repeats", "1", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.load(open(tmp_path / "limits_tiny_float32_tp1.json"))
+    for b in ("1", "4"):
+        e = res["engine"][b]
+        assert e["num_steps"] >= 2 and e["mean_batch"] == int(b) and e["step_s"] >= e["forward_s"] > 0
+        assert res["gemm"][b]["gemm_step_s"] > 0 and res["ratios"][b]["step_over_gemm_step"] > 0
+    assert res["memory"]["read_gb_s"] > 0 and res["weight_read_s"] > 0
+    out = run_cli("bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
+                  "--max-new-tokens", "4", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rl = json.load(open(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.json"))
+    assert len(rl["steps"]) == 2 and all(s["samples"] == 4 and s["sync_s"] > 0 for s in rl["steps"])
+    assert os.path.isfile(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.png")
+    a = tmp_path / "limits_tiny_float32_tp1.json"
+    b = tmp_path / "b.json"
+    changed = json.load(open(a))
+    changed["gemm"]["1"]["gemm_step_s"] *= 2
+    json.dump(changed, open(b, "w"))
+    out = run_cli("bench", "--compare", str(a), str(b))
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("gemm.1.gemm_step_s"))
+    assert line.split()[-1] == "2.000"
 
 
 def test_async_generate_streams(llama_path):

@@ -36,7 +36,7 @@ class AttentionMetadata:
     decode_blocks: Optional[torch.Tensor] = None  # [Bd, max_blocks] block tables, padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool
     decode_ctx_lens: Optional[torch.Tensor] = None  # [Bd] context lengths (the paged CUDA kernel's input)
-    use_paged_kernel: bool = False  # CUDA: read paged KV directly (Triton) instead of gather + SDPA
+    use_paged_kernel: bool = False  # read paged KV in place (CUDA: Triton; CPU: C++) instead of gather + SDPA
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
 
@@ -110,6 +110,13 @@ class PagedAttention(nn.Module):
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)
             bd = qd.shape[0]
+            if meta.use_paged_kernel and not qd.is_cuda:
+                from rollout.layers.paged_decode_cpu import paged_decode_attention
+
+                od = paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
+                                            meta.sliding_window)
+                out.index_copy_(0, meta.decode_rows, od)
+                return self._prefill(q, k, v, k_flat, v_flat, meta, out)
             if meta.use_paged_kernel and meta.sliding_window is None:
                 from rollout.layers.paged_decode_triton import paged_decode_attention
 

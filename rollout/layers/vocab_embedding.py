@@ -7,11 +7,13 @@ sampled.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers.linear import LoadSlice, attach_loader_hooks, cat_parts
+from rollout.layers.linear import LoadSlice, PackedWeight, attach_loader_hooks, cat_parts, packed_linear
 from rollout.layers.parallel_state import get_tp_state, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -64,7 +66,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, params_dtype)
         if tied_to is not None:
             self.weight = tied_to.weight  # same Parameter: one storage, loaded once
+        self.packed_weight: Optional[PackedWeight] = None  # set and cleared by the ModelRunner
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, vocab_size]
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
+        logits = tp_all_gather_last_dim(packed_linear(hidden, self.weight, None, self.packed_weight), self.tp)
         return logits[..., : self.vocab_size]

@@ -1,4 +1,4 @@
-"""Weight-sync benchmark: every update path against its raw transport, in the same run.
+"""``rollout bench weight-sync``: every update path against its raw transport, in the same run.
 
 - tensor (in-process): ``update_weights_from_tensor`` vs a bare ``copy_`` of the same bytes into
   a destination of the same dtype; also the fixed overhead of an update (a one-tensor update);
@@ -18,22 +18,18 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 
-# The repository root replaces this folder on sys.path: this file's name would shadow the package.
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from rollout import RolloutEngine  # noqa: E402
-from rollout.tools.bench_throughput import build_model  # noqa: E402
-from rollout.tools.hf import hf_parameter_order  # noqa: E402
-from weight_sync import FlattenedTensorBucket, SharedMemoryBucket  # noqa: E402
-from weight_sync.distributed import WeightUpdateSender  # noqa: E402
-from weight_sync.layout import layout  # noqa: E402
-from weight_sync.process_group import free_port  # noqa: E402
+from rollout import RolloutEngine
+from rollout.bench.common import DEFAULT_WORKDIR, build_model, machine, write_result
+from rollout.tools.hf import hf_parameter_order
+from weight_sync import FlattenedTensorBucket, SharedMemoryBucket
+from weight_sync.distributed import WeightUpdateSender
+from weight_sync.layout import layout
+from weight_sync.process_group import free_port
 
 
 def best(fn, repeats: int) -> float:
@@ -174,32 +170,31 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="rollout bench weight-sync", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,qwen2-0.5b-random")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mib", default="32,128,512")
     ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     buckets = [int(b) << 20 for b in args.bucket_mib.split(",")]
-    results = {"threads": torch.get_num_threads(), "models": []}
-    for name in args.models.split(","):
+    from tqdm import tqdm
+
+    results = {"benchmark": "weight-sync", "machine": machine(),
+               "config": {"models": args.models, "dtype": args.dtype, "repeats": args.repeats,
+                          "bucket_mib": args.bucket_mib}, "models": []}
+    for name in tqdm(args.models.split(","), desc="weight-sync"):
         res = bench_model(name, build_model(name, args.workdir), dtype, args.repeats, buckets)
         print(json.dumps(res, indent=1), flush=True)
         results["models"].append(res)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "weight_sync.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    _plot(results, os.path.join(args.out_dir, "weight_sync.png"))
+    write_result(results, args.out_dir, "weight_sync", plot)
     return results
 
 
-def _plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results["models"]), figsize=(5 * len(results["models"]), 3.5), squeeze=False)

@@ -1,0 +1,298 @@
+"""``rollout bench throughput``: RL-shaped rollout throughput, our engine against Hugging Face
+``transformers`` on the same model, dtype, prompts and sampling, in one run.
+
+Workloads (fixed and named, so results can be cited; ``--num-prompts`` etc. override them):
+
+- ``grpo-short``: 64 chat prompts x n=8 samples, up to 256 new tokens, temperature 1, top-k and
+  top-p off, EOS allowed;
+- ``grpo-long``: 16 chat prompts x n=8, up to 1024 new tokens, otherwise the same;
+- ``score``: prefill-only logprobs of given sequences (64 prompts x 8 completions of 256 tokens,
+  the scoring pass of an RL step): the engine's ``score`` against a ``transformers`` forward +
+  log-softmax in micro-batches of ``--hf-batch`` sequences.
+
+Generation on the ``transformers`` side is one ``generate`` call over all prompts (``n`` as
+``num_return_sequences``; left padding), so padding and finished rows it keeps computing are
+counted as they cost. Useful tokens are the tokens up to and including EOS on both sides.
+
+Engine feature switches, each recorded in the result: ``--overlap``, ``--prefix`` (off: no prefix
+cache and every sample submitted as its own prompt, no shared prefill), ``--tp-size``, ``--graphs``
+(CUDA graphs; CPU runs eager either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from rollout.bench.common import (
+    DEFAULT_WORKDIR,
+    add_model_flags,
+    build_model,
+    machine,
+    model_label,
+    save_figure,
+    write_result,
+)
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "List three prime numbers.", "What is 17 times 3?", "Name a color of the rainbow.",
+    "Give me a synonym for happy.", "Why is the sky blue?", "Translate 'good morning' to Spanish.",
+    "What do bees make?", "Describe a cat in one sentence.", "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.", "How many legs does a spider have?", "What is 2 + 2?",
+    "Suggest a name for a pet robot.",
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    n: int
+    max_new_tokens: int
+    ignore_eos: bool = False
+    score: bool = False  # prefill-only logprobs of prompt + max_new_tokens given tokens
+
+
+WORKLOADS = {
+    "grpo-short": Workload("grpo-short", 64, 8, 256),
+    "grpo-long": Workload("grpo-long", 16, 8, 1024),
+    "score": Workload("score", 64, 8, 256, score=True),
+}
+
+
+@dataclass(frozen=True)
+class Features:
+    overlap: bool = False
+    prefix: bool = True
+    tp_size: int = 1
+    graphs: bool = True
+
+
+def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    prompts = []
+    for i in range(num_prompts):
+        q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (variant {i // len(QUESTIONS)})")
+        msgs = [{"role": "user", "content": q}]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(q)["input_ids"]
+        prompts.append(list(ids))
+    return prompts
+
+
+def completions(prompts: list[list[int]], n: int, length: int, vocab: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) pairs to score: ``n`` random completions of ``length`` tokens per prompt."""
+    gen = torch.Generator().manual_seed(0)
+    return [(p, torch.randint(10, vocab, (length,), generator=gen).tolist()) for p in prompts for _ in range(n)]
+
+
+def useful_lengths(seqs: torch.Tensor, eos_ids: set[int], ignore_eos: bool) -> list[int]:
+    out = []
+    for row in seqs.tolist():
+        n = len(row)
+        if not ignore_eos:
+            n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), n)
+        out.append(n)
+    return out
+
+
+def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else next(iter(eos_ids))
+    torch.manual_seed(0)
+    total, steps, t0 = 0, 0, time.perf_counter()
+    for i in range(0, len(prompts), hf_batch):
+        chunk = prompts[i: i + hf_batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        kwargs = dict(max_new_tokens=w.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                      num_return_sequences=w.n, pad_token_id=pad)
+        if w.ignore_eos:
+            kwargs["min_new_tokens"] = w.max_new_tokens
+        else:
+            kwargs["eos_token_id"] = sorted(eos_ids)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **kwargs)
+        total += sum(useful_lengths(out[:, width:], eos_ids, w.ignore_eos))
+        steps += out.shape[1] - width
+    elapsed = time.perf_counter() - t0
+    return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed, "decode_steps": steps,
+            "padded_tokens": steps * len(prompts) * w.n}
+
+
+def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
+    """Logprob of every completion token: one forward per micro-batch (right padding), fp32 log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    total, t0 = 0, time.perf_counter()
+    for i in range(0, len(pairs), hf_batch):
+        chunk = pairs[i: i + hf_batch]
+        seqs = [p + c for p, c in chunk]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        for j, (p, c) in enumerate(chunk):
+            rows = logits[j, len(p) - 1: len(p) - 1 + len(c)].float()
+            torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(c).unsqueeze(1))
+            total += len(c)
+    elapsed = time.perf_counter() - t0
+    return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed}
+
+
+def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int):
+    from rollout import RolloutEngine
+
+    return RolloutEngine(path, dtype=dtype, tp_size=features.tp_size, enable_overlap=features.overlap,
+                         enable_prefix_caching=features.prefix, enable_cuda_graph=features.graphs,
+                         kv_cache_tokens=kv_tokens, max_num_seqs=max_seqs, use_generation_config=False)
+
+
+def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_seqs: int) -> dict:
+    from rollout import SamplingParams
+
+    kv_tokens = min(len(prompts) * w.n, max_num_seqs) * (max(map(len, prompts)) + w.max_new_tokens + 32)
+    with _engine(path, dtype, features, max_num_seqs, kv_tokens) as engine:
+        if w.score:
+            pairs = completions(prompts, w.n, w.max_new_tokens, engine.model_config.vocab_size)
+            sp = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0)
+            engine.score([p for p, _ in pairs[:2]], [c[:4] for _, c in pairs[:2]], sp,
+                         return_sampling_mask=False)  # warm-up
+            t0 = time.perf_counter()
+            outs = engine.score([p for p, _ in pairs], [c for _, c in pairs], sp, return_sampling_mask=False)
+            elapsed = time.perf_counter() - t0
+            total = sum(len(o.output_logprobs) for o in outs)
+            return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed}
+        n, todo = (w.n, prompts) if features.prefix else (1, [p for p in prompts for _ in range(w.n)])
+        sp = SamplingParams(max_new_tokens=w.max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0, n=n, seed=0,
+                            ignore_eos=w.ignore_eos)
+        engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
+        base = engine.get_stats()
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=todo, sampling_params=sp)
+        elapsed = time.perf_counter() - t0
+        stats = engine.get_stats()
+    delta = {k: stats[k] - base[k] for k in ("num_sample_steps", "sample_time_s", "forward_time_s", "num_decode_steps",
+                                             "decode_step_time_s", "decode_step_batch")}
+    steps = max(delta["num_sample_steps"], 1)
+    lengths = sorted(len(o.output_token_ids) for o in outs)
+    return {"tokens": sum(lengths), "seconds": elapsed, "tokens_per_s": sum(lengths) / elapsed,
+            "steps": delta["num_sample_steps"], "forward_ms_per_step": 1e3 * delta["forward_time_s"] / steps,
+            "sampler_ms_per_step": 1e3 * delta["sample_time_s"] / steps,
+            "decode_step_ms": 1e3 * delta["decode_step_time_s"] / max(delta["num_decode_steps"], 1),
+            "mean_decode_batch": delta["decode_step_batch"] / max(delta["num_decode_steps"], 1),
+            "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1]}
+
+
+def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bfloat16", features: Features = Features(),
+        skip_hf: bool = False, hf_batch: int = 0, max_num_seqs: int = 256, out_dir: str = "benchmarks/results",
+        workdir: str = DEFAULT_WORKDIR, overrides: dict | None = None) -> dict:
+    from transformers import AutoTokenizer
+
+    from rollout.models import ModelConfig
+
+    w = replace(WORKLOADS[workload], **{k: v for k, v in (overrides or {}).items() if v is not None})
+    path = build_model(model, workdir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = make_prompts(tokenizer, w.num_prompts)
+    eos_ids = set(ModelConfig.from_pretrained(path).eos_token_ids) | {tokenizer.eos_token_id}
+    label = model_label(model)
+    result = {"benchmark": "throughput", "machine": machine(),
+              "config": {"model": label, "dtype": dtype, "workload": asdict(w), "features": asdict(features),
+                         "max_num_seqs": max_num_seqs, "hf_batch": hf_batch or (16 if w.score else w.num_prompts)}}
+    from tqdm import tqdm
+
+    with tqdm(total=1 if skip_hf else 2, desc=f"throughput {w.name} {label}") as bar:
+        result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs)
+        bar.update(1)
+        if not skip_hf:
+            hf_b = result["config"]["hf_batch"]
+            if w.score:
+                vocab = ModelConfig.from_pretrained(path).vocab_size
+                result["hf"] = run_hf_score(path, getattr(torch, dtype), completions(prompts, w.n, w.max_new_tokens,
+                                                                                     vocab), hf_b)
+            else:
+                result["hf"] = run_hf_generate(path, getattr(torch, dtype), prompts, w, eos_ids, hf_b)
+            result["ratio"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+            bar.update(1)
+    f = features
+    stem = (f"throughput_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
+            f"_prefix-{'on' if f.prefix else 'off'}")
+    write_result(result, out_dir, stem, plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    systems = [("engine", "rollout-worker")] + ([("hf", "transformers")] if "hf" in result else [])
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    vals = [result[k]["tokens_per_s"] for k, _ in systems]
+    bars = ax.bar([label for _, label in systems], vals, color=["tab:blue", "tab:gray"][: len(systems)])
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    cfg, w = result["config"], result["config"]["workload"]
+    ratio = f", {result['ratio']:.2f}x" if "ratio" in result else ""
+    feats = ", ".join(f"{k}={v}" for k, v in cfg["features"].items())
+    ax.set_ylabel("useful tokens / s")
+    ax.set_title(f"{w['name']} on {cfg['model']} {cfg['dtype']}{ratio}\n{w['num_prompts']} prompts x n={w['n']}, "
+                 f"{w['max_new_tokens']} tokens; {feats}", fontsize=8)
+    save_figure(fig, path)
+
+
+def add_feature_flags(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("engine features (each measured by switching it)")
+    g.add_argument("--overlap", choices=["on", "off"], default="off", help="overlap scheduling (delayed sampling)")
+    g.add_argument("--prefix", choices=["on", "off"], default="on",
+                   help="prefix cache and shared prefill of the n samples (off: each sample its own prompt)")
+    g.add_argument("--tp-size", type=int, default=1)
+    g.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (no effect on CPU)")
+
+
+def features_from(args) -> Features:
+    return Features(overlap=args.overlap == "on", prefix=args.prefix == "on", tp_size=args.tp_size,
+                    graphs=args.graphs == "on")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="rollout bench throughput", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(ap)
+    ap.add_argument("--workload", default="grpo-short", choices=list(WORKLOADS))
+    ap.add_argument("--num-prompts", type=int, default=None, help="override the workload's")
+    ap.add_argument("--n", type=int, default=None, help="override the workload's samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's")
+    ap.add_argument("--ignore-eos", action="store_true", default=None, help="every sample runs to max-new-tokens")
+    ap.add_argument("--hf-batch", type=int, default=0,
+                    help="prompts per generate call (default all: one call), sequences per scoring forward (16)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    add_feature_flags(ap)
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    args = ap.parse_args(argv)
+    overrides = {"num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+                 "ignore_eos": args.ignore_eos}
+    res = run(args.model, args.workload, args.dtype, features_from(args), args.skip_hf, args.hf_batch,
+              args.max_num_seqs, args.out_dir, args.workdir, overrides)
+    e = res["engine"]
+    line = f"{args.workload}: engine {e['tokens_per_s']:.0f} tok/s"
+    if "hf" in res:
+        line += f", transformers {res['hf']['tokens_per_s']:.0f} tok/s, ratio {res['ratio']:.2f}x"
+    print(line)
+    return res
+
+
+if __name__ == "__main__":
+    main()

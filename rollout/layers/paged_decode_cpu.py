@@ -1,0 +1,164 @@
+"""Paged decode attention on CPU that reads K/V blocks where they lie in the cache.
+
+The torch path (``rollout.layers.attention``) gathers every decoding sequence's blocks into a
+dense copy for SDPA: at batch 256 and 140-token contexts that is ~0.8 GB written and read again
+per step on SmolLM2, a fifth of the step (``benchmarks/NOTES.md``). This kernel walks each
+sequence's block table instead: one work item per (sequence, KV head), its query heads grouped
+(GQA without repeats), scores and softmax in fp32 (max-subtracted, as SDPA), values accumulated
+in fp32, one rounding to the cache dtype at the end. Parallel over work items with
+``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime).
+
+It is C++ compiled on first use with the machine's compiler (``torch.utils.cpp_extension``, cached
+under ``TORCH_EXTENSIONS_DIR``); without a compiler the engine keeps the torch path and says so
+once in its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[d + l] * b[d + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {  // bf16 is fp32's top half
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t bits = static_cast<uint32_t>(s[d]) << 16;
+    std::memcpy(dst + d, &bits, sizeof(float));
+  }
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <typename T>
+void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
+            int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+  const int64_t g = Hq / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * D), acc(g * D), row(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      const int64_t* table = tables + b * max_blocks;
+      to_float(q + (b * Hq + h * g) * D, qf.data(), g * D);
+      scores.resize(g * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        to_float(kc + table[pos / bs] * blk_stride + (pos % bs) * tok_stride + h * head_stride, row.data(), D);
+        for (int64_t i = 0; i < g; ++i) scores[i * n + t] = dot(qf.data() + i * D, row.data(), D) * scale;
+      }
+      std::vector<float> total(g, 0.f);
+      for (int64_t i = 0; i < g; ++i) {
+        float* s = scores.data() + i * n;
+        const float m = *std::max_element(s, s + n);
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - m);  // vectorised (libmvec)
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) sum += s[t];
+        total[i] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = start + t;
+        to_float(vc + table[pos / bs] * blk_stride + (pos % bs) * tok_stride + h * head_stride, row.data(), D);
+        for (int64_t i = 0; i < g; ++i) {
+          const float w = scores[i * n + t];
+          float* a = acc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+        }
+      }
+      T* o = out + (b * Hq + h * g) * D;
+      for (int64_t i = 0; i < g; ++i)
+        for (int64_t d = 0; d < D; ++d) o[i * D + d] = static_cast<T>(acc[i * D + d] / total[i]);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "bad cache strides");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  q = q.contiguous();
+  tables = tables.to(torch::kInt64).contiguous();
+  lens = lens.to(torch::kInt64).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "bad head layout");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
+                     bs, tables.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     static_cast<float>(scale), window);
+  });
+  return out;
+}
+"""
+
+_NAME = "rollout_paged_decode_cpu_v2"  # a new name when the source changes: no stale build is reused
+_lock = threading.Lock()
+_module = None
+_failed: Optional[str] = None
+
+
+def load() -> Optional[object]:
+    """The compiled extension, built on first call; None (with the reason logged once) if it cannot be."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _module = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["paged_decode"],
+                                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                      extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # no compiler, no headers: the torch path serves
+                _failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                logger.warning("CPU paged decode attention unavailable (%s); decode gathers KV blocks instead",
+                               _failed)
+    return _module
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block tables [B, max_blocks]; context
+    lengths [B] (the new token's K/V already written) -> [B, Hq, D] in q's dtype."""
+    return load().paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, float(scale), int(sliding_window or 0))
