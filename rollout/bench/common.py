@@ -171,3 +171,23 @@ def save_figure(fig, path: str, legend_ax=None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def parse_engine_args(pairs) -> dict:
+    """``["cpu_packed_weights=false", "block_size=32"]`` -> engine options (JSON values, else strings)."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg {pair!r}: write KEY=VALUE (an EngineConfig option)")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def add_engine_arg_flag(ap) -> None:
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig option for our engine (repeatable), e.g. cpu_paged_attention=false: "
+                         "switch one feature off to measure it")

@@ -25,10 +25,12 @@ import torch.nn.functional as F
 
 from rollout.bench.common import (
     DEFAULT_WORKDIR,
+    add_engine_arg_flag,
     add_model_flags,
     build_model,
     machine,
     model_label,
+    parse_engine_args,
     save_figure,
     timed,
     write_result,
@@ -121,7 +123,7 @@ def gemm_steps(shapes, batches, dtype: torch.dtype, repeats: int, device: torch.
 
 
 def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int, tp_size: int, overlap: bool,
-                        profile_dir=None, progress=None) -> dict:
+                        profile_dir=None, progress=None, engine_args: dict | None = None) -> dict:
     """The engine's decode step at each batch size: B samples (B/8 prompts x n=8, or one prompt
     when B < 8) of ``context`` random prompt tokens, ``steps`` new tokens each, sampled at
     temperature 1 with logprobs, EOS ignored. Means over the decode-only steps."""
@@ -131,7 +133,7 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
     max_b = max(batches)
     kv_tokens = max_b * (context + steps + 2 * 16) + 64
     with RolloutEngine(path, dtype=dtype, tp_size=tp_size, enable_overlap=overlap, kv_cache_tokens=kv_tokens,
-                       max_num_seqs=max_b, use_generation_config=False, seed=0) as engine:
+                       max_num_seqs=max_b, use_generation_config=False, seed=0, **(engine_args or {})) as engine:
         vocab = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         for b in batches:
@@ -197,7 +199,8 @@ def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
 
 def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: int = 128, steps: int = 16,
         tp_size: int = 1, overlap: bool = False, repeats: int = 5, profile: bool = False,
-        out_dir: str = "benchmarks/results", workdir: str = DEFAULT_WORKDIR, engine: bool = True) -> dict:
+        out_dir: str = "benchmarks/results", workdir: str = DEFAULT_WORKDIR, engine: bool = True,
+        engine_args: dict | None = None, tag: str = "") -> dict:
     from tqdm import tqdm
 
     path = build_model(model, workdir)
@@ -206,11 +209,11 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
     shapes = linear_shapes(path, tp_size)
     wbytes = weight_bytes(path, tdtype) // tp_size
     label = model_label(model)
-    stem = f"limits_{label}_{dtype}_tp{tp_size}"
+    stem = f"limits_{label}_{dtype}_tp{tp_size}{tag}"
     result = {"benchmark": "limits", "machine": machine(),
               "config": {"model": label, "dtype": dtype, "batches": list(batches), "context": context,
                          "decode_steps": steps, "tp_size": tp_size, "overlap": overlap, "repeats": repeats,
-                         "device": device.type},
+                         "device": device.type, "engine_args": engine_args or {}},
               "weight_bytes": wbytes}
     with tqdm(total=len(shapes) + 1 + (len(batches) if engine else 0), desc=f"limits {label}") as bar:
         # on a thread that ends: its OpenMP team must not outlive it (see rollout.engine.run_on_own_thread)
@@ -222,7 +225,7 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
         if engine:
             prof_dir = os.path.join(out_dir, stem + "_profiles") if profile else None
             result["engine"] = engine_decode_steps(path, dtype, batches, context, steps, tp_size, overlap, prof_dir,
-                                                   bar)
+                                                   bar, engine_args)
     if engine:
         result["ratios"] = {b: {"step_over_gemm_step": e["step_s"] / result["gemm"][b]["gemm_step_s"],
                                 "step_over_weight_read": e["step_s"] / result["weight_read_s"]}
@@ -286,12 +289,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="also write the profiler's top operators per batch size")
     ap.add_argument("--no-engine", action="store_true", help="the machine's ceilings only")
+    add_engine_arg_flag(ap)
+    ap.add_argument("--tag", default="", help="appended to the result's file name (e.g. _no-kernel)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
     result = run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                  args.tp_size, args.overlap == "on", args.repeats, args.profile, args.out_dir, args.workdir,
-                 engine=not args.no_engine)
+                 engine=not args.no_engine, engine_args=parse_engine_args(args.engine_arg), tag=args.tag)
     print("\n".join(summary_lines(result)))
     return result
 

@@ -29,10 +29,12 @@ import torch
 
 from rollout.bench.common import (
     DEFAULT_WORKDIR,
+    add_engine_arg_flag,
     add_model_flags,
     build_model,
     machine,
     model_label,
+    parse_engine_args,
     save_figure,
     write_result,
 )
@@ -152,19 +154,21 @@ def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
     return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed}
 
 
-def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int):
+def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int, engine_args: dict | None = None):
     from rollout import RolloutEngine
 
     return RolloutEngine(path, dtype=dtype, tp_size=features.tp_size, enable_overlap=features.overlap,
                          enable_prefix_caching=features.prefix, enable_cuda_graph=features.graphs,
-                         kv_cache_tokens=kv_tokens, max_num_seqs=max_seqs, use_generation_config=False)
+                         kv_cache_tokens=kv_tokens, max_num_seqs=max_seqs, use_generation_config=False,
+                         **(engine_args or {}))
 
 
-def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_seqs: int) -> dict:
+def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_seqs: int,
+               engine_args: dict | None = None) -> dict:
     from rollout import SamplingParams
 
     kv_tokens = min(len(prompts) * w.n, max_num_seqs) * (max(map(len, prompts)) + w.max_new_tokens + 32)
-    with _engine(path, dtype, features, max_num_seqs, kv_tokens) as engine:
+    with _engine(path, dtype, features, max_num_seqs, kv_tokens, engine_args) as engine:
         if w.score:
             pairs = completions(prompts, w.n, w.max_new_tokens, engine.model_config.vocab_size)
             sp = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0)
@@ -198,7 +202,8 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
 
 def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bfloat16", features: Features = Features(),
         skip_hf: bool = False, hf_batch: int = 0, max_num_seqs: int = 256, out_dir: str = "benchmarks/results",
-        workdir: str = DEFAULT_WORKDIR, overrides: dict | None = None) -> dict:
+        workdir: str = DEFAULT_WORKDIR, overrides: dict | None = None, engine_args: dict | None = None,
+        tag: str = "") -> dict:
     from transformers import AutoTokenizer
 
     from rollout.models import ModelConfig
@@ -211,11 +216,12 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     label = model_label(model)
     result = {"benchmark": "throughput", "machine": machine(),
               "config": {"model": label, "dtype": dtype, "workload": asdict(w), "features": asdict(features),
-                         "max_num_seqs": max_num_seqs, "hf_batch": hf_batch or (16 if w.score else w.num_prompts)}}
+                         "max_num_seqs": max_num_seqs, "hf_batch": hf_batch or (16 if w.score else w.num_prompts),
+                         "engine_args": engine_args or {}}}
     from tqdm import tqdm
 
     with tqdm(total=1 if skip_hf else 2, desc=f"throughput {w.name} {label}") as bar:
-        result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs)
+        result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs, engine_args)
         bar.update(1)
         if not skip_hf:
             hf_b = result["config"]["hf_batch"]
@@ -229,7 +235,7 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
             bar.update(1)
     f = features
     stem = (f"throughput_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
-            f"_prefix-{'on' if f.prefix else 'off'}")
+            f"_prefix-{'on' if f.prefix else 'off'}{tag}")
     write_result(result, out_dir, stem, plot)
     return result
 
@@ -279,13 +285,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     add_feature_flags(ap)
+    add_engine_arg_flag(ap)
+    ap.add_argument("--tag", default="", help="appended to the result's file name")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
     overrides = {"num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                  "ignore_eos": args.ignore_eos}
     res = run(args.model, args.workload, args.dtype, features_from(args), args.skip_hf, args.hf_batch,
-              args.max_num_seqs, args.out_dir, args.workdir, overrides)
+              args.max_num_seqs, args.out_dir, args.workdir, overrides, parse_engine_args(args.engine_arg), args.tag)
     e = res["engine"]
     line = f"{args.workload}: engine {e['tokens_per_s']:.0f} tok/s"
     if "hf" in res:

@@ -36,6 +36,7 @@ class AttentionMetadata:
     decode_blocks: Optional[torch.Tensor] = None  # [Bd, max_blocks] block tables, padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool
     decode_ctx_lens: Optional[torch.Tensor] = None  # [Bd] context lengths (the paged CUDA kernel's input)
+    all_decode: bool = False  # every row is a decode token, in order: no row selection needed
     use_paged_kernel: bool = False  # read paged KV in place (CUDA: Triton; CPU: C++) instead of gather + SDPA
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
@@ -73,6 +74,7 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
         meta.decode_blocks = tables[idx][:, :num_blocks].to(device)
         meta.decode_ctx_lens = lens.to(device)
         meta.decode_mask = mask.view(len(idx), 1, 1, -1).to(device)
+        meta.all_decode = len(idx) == num_seqs
     for i in (~is_decode).nonzero().squeeze(1).tolist():
         meta.prefills.append(_prefill_span(int(row_start[i]), q_lens[i], ctx_lens[i], tables[i], block_size,
                                            device, sliding_window))
@@ -106,6 +108,12 @@ class PagedAttention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.all_decode and meta.use_paged_kernel and not q.is_cuda:  # a plain decode step
+            from rollout.layers.paged_decode_cpu import paged_decode_attention
+
+            od = paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
+                                        meta.sliding_window)
+            return od.view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)

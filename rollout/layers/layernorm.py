@@ -13,7 +13,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # torch.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

@@ -46,15 +46,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sign-folded sin) of these positions in ``dtype``, [T, 1, D] each: looked up once per
+        forward for every layer. ``rotate_half(x) * sin == x.roll(D / 2) * cat(-sin1, sin2)``
+        exactly (negation is exact), so ``apply_rotary`` gives Hugging Face's bits."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; rotated in fp32, returned in their dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """q: [T, Hq, D], k: [T, Hk, D]; rotated in their dtype, as Hugging Face does."""
+        cos, sin = self.tables(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] with ``RotaryEmbedding.tables`` of its positions."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -13,7 +13,7 @@ from torch import nn
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from rollout.layers.rotary import RotaryEmbedding
+from rollout.layers.rotary import RotaryEmbedding, apply_rotary
 from rollout.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.models.config import ModelConfig
 
@@ -21,7 +21,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
@@ -33,18 +33,20 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
-        self.rotary = [rotary]  # a list: shared, not registered as a child of every layer
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata):
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
+        """rope: ``RotaryEmbedding.tables`` of this forward's positions."""
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.reshape(t, self.num_heads, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), *rope)
+        else:  # q and k lie side by side in qkv: rotated as one tensor
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
 
 
@@ -61,15 +63,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -78,13 +80,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, hidden.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv, meta)
+            hidden = layer(rope, hidden, kv, meta)
         return self.norm(hidden)
 
 
