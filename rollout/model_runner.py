@@ -233,7 +233,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
-        self.refresh_packed_weights(len(batch.input_ids))
+        self.refresh_packed_weights(1 if self.config.deterministic else len(batch.input_ids))
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -200,7 +200,7 @@ def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
 def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: int = 128, steps: int = 16,
         tp_size: int = 1, overlap: bool = False, repeats: int = 5, profile: bool = False,
         out_dir: str = "benchmarks/results", workdir: str = DEFAULT_WORKDIR, engine: bool = True,
-        engine_args: dict | None = None, tag: str = "") -> dict:
+        engine_args: dict | None = None, tag: str = "", busy_caller: bool = False) -> dict:
     from tqdm import tqdm
 
     path = build_model(model, workdir)
@@ -213,7 +213,7 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
     result = {"benchmark": "limits", "machine": machine(),
               "config": {"model": label, "dtype": dtype, "batches": list(batches), "context": context,
                          "decode_steps": steps, "tp_size": tp_size, "overlap": overlap, "repeats": repeats,
-                         "device": device.type, "engine_args": engine_args or {}},
+                         "device": device.type, "engine_args": engine_args or {}, "busy_caller": busy_caller},
               "weight_bytes": wbytes}
     with tqdm(total=len(shapes) + 1 + (len(batches) if engine else 0), desc=f"limits {label}") as bar:
         # on a thread that ends: its OpenMP team must not outlive it (see rollout.engine.run_on_own_thread)
@@ -222,6 +222,9 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
         result["weight_read_s"] = wbytes / (mem["read_gb_s"] * 1e9)
         bar.update(1)
         result["gemm"] = run_on_own_thread(lambda: gemm_steps(shapes, batches, tdtype, repeats, device, bar))
+        if busy_caller:  # the caller's thread runs parallel torch work too, as a colocated trainer's does
+            a = torch.randn(1024, 1024)
+            (a @ a).sum()
         if engine:
             prof_dir = os.path.join(out_dir, stem + "_profiles") if profile else None
             result["engine"] = engine_decode_steps(path, dtype, batches, context, steps, tp_size, overlap, prof_dir,
@@ -291,12 +294,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-engine", action="store_true", help="the machine's ceilings only")
     add_engine_arg_flag(ap)
     ap.add_argument("--tag", default="", help="appended to the result's file name (e.g. _no-kernel)")
+    ap.add_argument("--busy-caller", action="store_true",
+                    help="run parallel torch work on the calling thread first (it then holds an OpenMP team of its "
+                         "own, as a colocated trainer's thread does) to measure what that costs the engine")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
     result = run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                  args.tp_size, args.overlap == "on", args.repeats, args.profile, args.out_dir, args.workdir,
-                 engine=not args.no_engine, engine_args=parse_engine_args(args.engine_arg), tag=args.tag)
+                 engine=not args.no_engine, engine_args=parse_engine_args(args.engine_arg), tag=args.tag,
+                 busy_caller=args.busy_caller)
     print("\n".join(summary_lines(result)))
     return result
 

@@ -108,22 +108,15 @@ class PagedAttention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        if meta.all_decode and meta.use_paged_kernel and not q.is_cuda:  # a plain decode step
-            from rollout.layers.paged_decode_cpu import paged_decode_attention
-
-            od = paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
-                                        meta.sliding_window)
-            return od.view(q.shape[0], self.num_heads * self.head_dim)
+        cpu_kernel = meta.use_paged_kernel and not q.is_cuda
+        if meta.all_decode and cpu_kernel:  # a plain decode step: no rows to select or scatter
+            return self._cpu_decode(q, k_cache, v_cache, meta).view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)
             bd = qd.shape[0]
-            if meta.use_paged_kernel and not qd.is_cuda:
-                from rollout.layers.paged_decode_cpu import paged_decode_attention
-
-                od = paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
-                                            meta.sliding_window)
-                out.index_copy_(0, meta.decode_rows, od)
+            if cpu_kernel:
+                out.index_copy_(0, meta.decode_rows, self._cpu_decode(qd, k_cache, v_cache, meta))
                 return self._prefill(q, k, v, k_flat, v_flat, meta, out)
             if meta.use_paged_kernel and meta.sliding_window is None:
                 from rollout.layers.paged_decode_triton import paged_decode_attention
@@ -137,6 +130,12 @@ class PagedAttention(nn.Module):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
             out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
         return self._prefill(q, k, v, k_flat, v_flat, meta, out)
+
+    def _cpu_decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from rollout.layers.paged_decode_cpu import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
+                                      meta.sliding_window)
 
     def _prefill(self, q, k, v, k_flat, v_flat, meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
         for span in meta.prefills:
