@@ -268,8 +268,10 @@ def plot(result: dict, path: str) -> None:
                    label=f"engine step: {part[:-2]}")
             bottom = [a + v for a, v in zip(bottom, vals)]
         for i, b in enumerate(batches):
-            ax.annotate(f"{result['ratios'][b]['step_over_gemm_step']:.2f}x", (i + 0.2, bottom[i]), ha="center",
-                        va="bottom", fontsize=7)
+            r = result["ratios"][b]
+            ax.annotate(f"{r['step_over_gemm_step']:.2f}x GEMM\n{r['step_over_weight_read']:.2f}x read",
+                        (i + 0.2, bottom[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(top=3 * max(bottom))
     ax.axhline(1e3 * result["weight_read_s"], ls="--", lw=0.8, color="black", label="weight read")
     ax.set_yscale("log")
     ax.set_xticks(list(x), [f"batch {b}" for b in batches])

@@ -6,8 +6,9 @@ one flattened bucket, as a colocated trainer does; the new weights are the old o
 deterministic change, so the model stays the model); the prefix cache is flushed with the update,
 so the next step refills it (its prefills run again); continue. Per step it records:
 
-- ``rollout_s``: generation wall time, and within it ``tail_s``: the time the last request holds
-  everyone up (its finish minus the 90th-percentile request finish; a group needs all n samples);
+- ``rollout_s``: generation wall time, and within it ``tail_s``: the long tail, from the moment fewer
+  than a quarter of the peak batch is still running (or waiting) until the last sample ends — the time
+  the last samples hold everyone up (``get_stats`` polled every 0.2 s from another thread);
 - ``first_token_s``: the slowest time to first token (the cache refill: every prompt prefilled again);
 - ``pause_s`` (pause + continue), ``sync_s`` (the update with its flush);
 - ``samples_per_s``: samples over the whole step (rollout + pause + sync).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -35,6 +37,40 @@ from rollout.bench.common import (
 )
 from rollout.bench.throughput import WORKLOADS, Features, add_feature_flags, features_from, make_prompts
 from rollout.engine import run_on_own_thread
+
+
+class _InFlight:
+    """Polls the engine's running/waiting counts from a thread of its own while a rollout runs."""
+
+    def __init__(self, engine, every_s: float = 0.2):
+        self.engine, self.every_s = engine, every_s
+        self.samples: list[tuple[float, int, int]] = []  # (time, running, running + waiting)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="rl-step-watch", daemon=True)
+
+    def _poll(self):
+        while not self._stop.wait(self.every_s):
+            st = self.engine.get_stats()
+            self.samples.append((time.perf_counter(), st["num_running"], st["num_running"] + st["num_waiting"]))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.end = time.perf_counter()
+
+    @property
+    def peak(self) -> int:
+        return max((r for _, r, _ in self.samples), default=0)
+
+    def tail_s(self) -> float:
+        """From the first poll after the peak with under a quarter of the peak left, to the end."""
+        peak_at = next((i for i, (_, r, _) in enumerate(self.samples) if r == self.peak), len(self.samples))
+        below = [t for t, _, left in self.samples[peak_at:] if left < self.peak / 4]
+        return self.end - below[0] if below else 0.0
 
 
 def _new_weights(named: list[tuple[str, torch.Tensor]], step: int) -> list[tuple[str, torch.Tensor]]:
@@ -84,9 +120,9 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
         engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
         for step in tqdm(range(steps), desc=f"rl-step {w.name} {label}"):
             t0 = time.perf_counter()
-            outs = engine.generate(input_ids=prompts, sampling_params=replace(sp, seed=step))
+            with _InFlight(engine) as watch:
+                outs = engine.generate(input_ids=prompts, sampling_params=replace(sp, seed=step))
             rollout_s = time.perf_counter() - t0
-            finish = sorted({o.rid: o.latency_s for o in outs}.values())
             first = max(o.time_to_first_token_s or 0.0 for o in outs)
             bucket = run_on_own_thread(lambda: FlattenedTensorBucket(_new_weights(named, step)))  # not timed
             t1 = time.perf_counter()
@@ -101,7 +137,7 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
             total = t4 - t0
             tokens = sum(len(o.output_token_ids) for o in outs)
             result["steps"].append({
-                "rollout_s": rollout_s, "tail_s": finish[-1] - finish[int(0.9 * (len(finish) - 1))],
+                "rollout_s": rollout_s, "tail_s": watch.tail_s(), "peak_running": watch.peak,
                 "first_token_s": first, "pause_s": (t2 - t1) + (t4 - t3), "sync_s": t3 - t2, "step_s": total,
                 "samples": len(outs), "tokens": tokens, "samples_per_s": len(outs) / total,
                 "tokens_per_s": tokens / total})
