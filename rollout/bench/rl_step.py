@@ -165,6 +165,7 @@ def plot(result: dict, path: str) -> None:
     for i, s in enumerate(steps):
         ax.annotate(f"{s['samples_per_s']:.1f}/s", (x[i], bottom[i]), ha="center", va="bottom", fontsize=7)
     cfg = result["config"]
+    ax.set_xticks(x)
     ax.set_xlabel("RL step")
     ax.set_ylabel("seconds")
     ax.set_title(f"rl-step {cfg['workload']['name']} on {cfg['model']} {cfg['dtype']} (samples/s on top)", fontsize=9)
