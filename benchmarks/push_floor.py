@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from rollout.bench.common import machine
     from trainer_bridge.grpo import verify_pushed
     from trainer_bridge.push import gathered, param_buckets, push_weights
 
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         with gathered(params):
             pass
 
-    results: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+    results: dict = {"machine": machine(),
                      "config": {**vars(args), "out": os.path.relpath(args.out, ROOT), "world_size": world, "num_params": sum(
                          getattr(p, "ds_numel", p.numel()) for p in params)},
                      "bare": {"bucketed": [], "all_at_once": []}, "push": {}}

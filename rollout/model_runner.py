@@ -20,7 +20,7 @@ from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers import paged_decode_cpu
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
-from rollout.layers.linear import LOADER_HOOKS, PackedWeight, RowParallelLinear
+from rollout.layers.linear import LOADER_HOOKS, RowParallelLinear, pack_weight
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
@@ -139,7 +139,7 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):  # derived tables: rebuild them for real
                 real = RotaryEmbedding(model_config.head_dim, max_model_len, model_config.rope_theta,
                                        model_config.rope_scaling)
-                module.cos, module.sin = real.cos.to(device), real.sin.to(device)
+                module.cos, module.signed_sin = real.cos.to(device), real.signed_sin.to(device)
         self.name_map = weight_name_map(self.model)  # HF name -> where it lands (parameters never move)
         t0 = time.perf_counter()
         self.load_report: LoadReport = apply_load(plan_load(self.name_map, iter_safetensors(config.model_path)))
@@ -182,21 +182,16 @@ class ModelRunner:
         are read instead of the weights: they must never be stale)."""
         if not self._packed_modules:
             return
-        if self._packed_generation != self.weights_generation:
-            for m in self._packed_modules:
-                m.packed_weight = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None))
-            self._packed_generation, self._wide_generation = self.weights_generation, None
-        wide_rows = self.config.cpu_fp32_gemm_rows
-        if wide_rows and rows >= wide_rows and self._wide_generation != self.weights_generation:
-            for m in self._packed_modules:
-                p = m.packed_weight
-                p.wide = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().float(), None)
-                bias = getattr(m, "bias", None)
-                # a row-parallel bias is added after the reduction, outside the GEMM
-                p.wide_bias = bias.detach().float() if bias is not None and not isinstance(m, RowParallelLinear) \
-                    else None
-                p.wide_rows = wide_rows
-            self._wide_generation = self.weights_generation
+        wide_rows = self.config.cpu_fp32_gemm_rows if rows >= self.config.cpu_fp32_gemm_rows > 0 else 0
+        if self._packed_generation == self.weights_generation and (not wide_rows or self._wide_generation ==
+                                                                   self.weights_generation):
+            return
+        for m in self._packed_modules:
+            # a row-parallel bias is added after the reduction, outside the GEMM
+            bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)
+            m.packed_weight = pack_weight(m.weight, bias, wide_rows)
+        self._packed_generation = self.weights_generation
+        self._wide_generation = self.weights_generation if wide_rows else None
 
     def _drop_packed_weights(self) -> None:
         for m in self._packed_modules:

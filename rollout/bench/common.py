@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -53,17 +54,13 @@ def machine() -> dict:
     import importlib.metadata as md
 
     cpu = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError):  # not Linux: platform's answer stands
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     versions = {}
     for pkg in ("torch", "transformers", "deepspeed", "triton"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):  # an optional package that is not installed
             versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit()}

@@ -36,6 +36,7 @@ from rollout.bench.common import (
     write_result,
 )
 from rollout.engine import run_on_own_thread
+from rollout.layers.linear import pack_weight, packed_linear
 
 DEFAULT_BATCHES = (1, 8, 64, 256)
 
@@ -87,16 +88,15 @@ def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> dict:
 
 def _kernels(w: torch.Tensor, device: torch.device) -> dict:
     """Every way this machine can run ``x @ w.T`` for a ``w.dtype`` model: plain ``F.linear``, and
-    on CPU oneDNN with the weight packed once, in its dtype and (bf16) in fp32 (input converted in,
-    output rounded back: what the engine does for large batches)."""
+    on CPU the engine's own ``packed_linear`` with the weight packed for oneDNN, in its dtype and (bf16)
+    in fp32 (input converted in, output rounded back: what the engine does for large batches)."""
     kernels = {"linear": lambda x: F.linear(x, w)}
     if device.type == "cpu" and torch.backends.mkldnn.is_available() and w.dtype in (torch.float32, torch.bfloat16):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        kernels["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        narrow = pack_weight(w)
+        kernels["packed"] = lambda x: packed_linear(x, w, None, narrow)
         if w.dtype == torch.bfloat16:
-            wide = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
-            kernels["packed_fp32"] = lambda x: torch.ops.mkldnn._linear_pointwise(
-                x.float(), wide, None, "none", [], "").to(x.dtype)
+            wide = pack_weight(w, wide_rows=1)
+            kernels["packed_fp32"] = lambda x: packed_linear(x, w, None, wide)
     return kernels
 
 

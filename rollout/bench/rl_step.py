@@ -19,6 +19,8 @@ The trainer's own compute is not in it (``benchmarks/rl_modes.py`` runs whole De
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import statistics
 import threading
 import time
@@ -93,9 +95,6 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     w = replace(WORKLOADS[workload], **{k: v for k, v in (overrides or {}).items() if v is not None})
     path = build_model(model, workdir)
     prompts = make_prompts(AutoTokenizer.from_pretrained(path), w.num_prompts)
-    import glob
-    import os
-
     tdtype = getattr(torch, dtype)
 
     def trainer_weights():

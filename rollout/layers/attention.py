@@ -108,21 +108,15 @@ class PagedAttention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        cpu_kernel = meta.use_paged_kernel and not q.is_cuda
-        if meta.all_decode and cpu_kernel:  # a plain decode step: no rows to select or scatter
-            return self._cpu_decode(q, k_cache, v_cache, meta).view(q.shape[0], self.num_heads * self.head_dim)
+        kernel = self._paged_kernel(q, k_cache, v_cache, meta)
+        if kernel is not None and meta.all_decode:  # a plain decode step: no rows to select or scatter
+            return kernel(q.contiguous()).view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)
             bd = qd.shape[0]
-            if cpu_kernel:
-                out.index_copy_(0, meta.decode_rows, self._cpu_decode(qd, k_cache, v_cache, meta))
-                return self._prefill(q, k, v, k_flat, v_flat, meta, out)
-            if meta.use_paged_kernel and meta.sliding_window is None:
-                from rollout.layers.paged_decode_triton import paged_decode_attention
-
-                od = paged_decode_attention(qd, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale)
-                out.index_copy_(0, meta.decode_rows, od)
+            if kernel is not None:
+                out.index_copy_(0, meta.decode_rows, kernel(qd))
                 return self._prefill(q, k, v, k_flat, v_flat, meta, out)
             qd = qd.view(bd, self.num_kv_heads, self.group, self.head_dim)
             kd = k_cache[meta.decode_blocks].view(bd, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -131,11 +125,21 @@ class PagedAttention(nn.Module):
             out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
         return self._prefill(q, k, v, k_flat, v_flat, meta, out)
 
-    def _cpu_decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _paged_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+        """The decode attention that reads KV blocks in place (CUDA: Triton, no sliding window; CPU:
+        C++), as ``f(decode queries) -> outputs``; None: gather + SDPA."""
+        if not meta.use_paged_kernel or meta.decode_rows is None:
+            return None
+        args = (k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale)
+        if q.is_cuda:
+            if meta.sliding_window is not None:
+                return None
+            from rollout.layers.paged_decode_triton import paged_decode_attention
+
+            return lambda qd: paged_decode_attention(qd, *args)
         from rollout.layers.paged_decode_cpu import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale,
-                                      meta.sliding_window)
+        return lambda qd: paged_decode_attention(qd, *args, meta.sliding_window)
 
     def _prefill(self, q, k, v, k_flat, v_flat, meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
         for span in meta.prefills:

@@ -35,6 +35,18 @@ class PackedWeight:
     wide_rows: int = 0
 
 
+def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                wide_rows: int = 0) -> PackedWeight:
+    """oneDNN's packed copy of ``weight``, and with ``wide_rows`` > 0 its fp32 copy (with ``bias``
+    in fp32, fused into that GEMM) for forwards of that many rows or more."""
+    packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+    if wide_rows:
+        packed.wide = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+        packed.wide_bias = None if bias is None else bias.detach().float()
+        packed.wide_rows = wide_rows
+    return packed
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   packed: Optional[PackedWeight]) -> torch.Tensor:
     """``F.linear``, through the packed copies when there are (the narrow one is bitwise

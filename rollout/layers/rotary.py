@@ -44,16 +44,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: never loaded, never updated; a buffer so .to(device) moves them.
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == x.roll(D / 2) * cat(-sin1, sin2) exactly (negation is exact): the
+        # sign is folded into the table once, so a layer rotates with one roll and no cat
+        half = emb.shape[-1] // 2
+        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1),
+                             persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sign-folded sin) of these positions in ``dtype``, [T, 1, D] each: looked up once per
-        forward for every layer. ``rotate_half(x) * sin == x.roll(D / 2) * cat(-sin1, sin2)``
-        exactly (negation is exact), so ``apply_rotary`` gives Hugging Face's bits."""
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin[positions].to(dtype)
-        half = sin.shape[-1] // 2
-        return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)
+        """(cos, signed sin) of these positions in ``dtype`` (as Hugging Face rotates), [T, 1, D]
+        each: looked up once per forward for every layer, for ``apply_rotary``."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; rotated in their dtype, as Hugging Face does."""
