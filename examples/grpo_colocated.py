@@ -26,8 +26,8 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 from trainer_bridge.ds_setup import ds_config, setup_deepspeed_env  # noqa: E402
 
 
-def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags the colocated and the disaggregated loop share."""
     ap.add_argument("--model", default="tiny", help="'tiny' (built locally), 'smollm2', or a Hugging Face folder")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--prompts-per-step", type=int, default=8)
@@ -57,7 +57,12 @@ def parse(argv=None):
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_flags(ap).parse_args(argv)
 
 
 def model_path(name: str, seed: int) -> str:

@@ -27,12 +27,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
-from grpo_colocated import build_trainer, grpo_config, step_logger  # noqa: E402
-from grpo_colocated import parse as parse_colocated  # noqa: E402
+from grpo_colocated import add_flags, build_trainer, grpo_config, step_logger  # noqa: E402
+
+OWN_FLAGS = ("replicas", "engine_url", "server_tp_size", "master_address", "group_timeout", "partial_rollouts")
 
 
 def parse(argv=None):
-    own = argparse.ArgumentParser(add_help=False)
+    """(this script's own flags, the flags shared with the colocated loop), from one parser: --help
+    shows this script's description and every flag."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    own = ap.add_argument_group("disaggregated")
     own.add_argument("--replicas", type=int, default=2, help="local rollout servers to start (without --engine-url)")
     own.add_argument("--engine-url", action="append", default=None, help="a running rollout server (repeatable)")
     own.add_argument("--server-tp-size", type=int, default=1, help="TP size of each local server")
@@ -41,15 +45,16 @@ def parse(argv=None):
                      help="seconds before a weight group gives up on a replica that stopped answering")
     own.add_argument("--partial-rollouts", action="store_true",
                      help="land each push in the middle of running rollouts (pause in place) instead of after them")
-    args, rest = own.parse_known_args(argv)
-    return args, parse_colocated(rest)
+    args = vars(add_flags(ap).parse_args(argv))
+    return (argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS}), argparse.Namespace(**args))
 
 
 def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> tuple[list, list[str]]:
     """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU."""
+    from rollout.openmp import child_env
     from weight_sync.process_group import free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = child_env(num_threads=1)  # bounded OpenMP spin, one thread: cores are shared
     procs, urls = [], []
     for _ in range(n):
         port = free_port()

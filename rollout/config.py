@@ -33,16 +33,19 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
     launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
-    # CPU bf16: linear layers read oneDNN-packed copies of their weights (rebuilt lazily after every
-    # update): a bf16 one (bitwise F.linear's results, faster at small batches; +1x the weight bytes)
-    # and, for forwards of at least cpu_fp32_gemm_rows tokens, an fp32 one (fp32 GEMMs are ~1.6x
-    # faster than bf16 on CPUs without AMX; +2x the weight bytes, built at the first such forward;
-    # 0 = never)
+    # CPU: each linear layer runs the GEMM kernel measured fastest on this machine for the forward's
+    # number of rows (rollout.layers.cpu_plan): oneDNN over a packed copy in the weight dtype, oneDNN
+    # over an fp32 copy of bf16 weights (the fast path from a few rows up where the CPU has no native
+    # bf16; +2x the weight bytes), or the project's C++ kernel that reads bf16 weights in place (small
+    # batches). Copies are rebuilt lazily after every weight change. cpu_packed_weights=False: plain
+    # F.linear everywhere. cpu_fp32_gemm_rows: fp32 copies only from this many rows (None: measured;
+    # 0: never); cpu_small_gemm_rows: the C++ kernel only up to this many rows (None: measured; 0: never).
     cpu_packed_weights: bool = True
-    cpu_fp32_gemm_rows: int = 32
-    # CPU bf16: decode attention reads KV blocks in place (C++ built on first use with the machine's
-    # compiler, then cached) instead of gathering them for SDPA; fp32 and machines without a
-    # compiler keep the gather path
+    cpu_fp32_gemm_rows: Optional[int] = None
+    cpu_small_gemm_rows: Optional[int] = None
+    # CPU: decode attention reads KV blocks in place (C++ built on first use with the machine's
+    # compiler, then cached) instead of gathering them for SDPA; machines without a compiler keep
+    # the gather path
     cpu_paged_attention: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
@@ -59,8 +62,10 @@ class EngineConfig:
             bad("dtype", f"must be one of auto, {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "must be auto, cpu, cuda or cuda:N")
-        if not isinstance(self.cpu_fp32_gemm_rows, int) or self.cpu_fp32_gemm_rows < 0:
-            bad("cpu_fp32_gemm_rows", "must be an integer >= 0 (0: never)")
+        for name in ("cpu_fp32_gemm_rows", "cpu_small_gemm_rows"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                bad(name, "must be None (measured) or an integer >= 0 (0: never)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")

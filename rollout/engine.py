@@ -142,9 +142,21 @@ class RolloutEngine:
         return self.worker.model_runner.device
 
     def memory_nbytes(self) -> dict[str, int]:
-        """Bytes this rank's engine holds as whole buffers: {"weights": ..., "kv_cache": ...}."""
+        """Bytes this rank's engine holds as whole buffers: {"weights": ..., "weight_copies": ... (the
+        packed / fp32 copies the CPU GEMM kernels read), "kv_cache": ...}."""
         runner = self.worker.model_runner
-        return {"weights": runner.weights_nbytes(), "kv_cache": runner.kv_nbytes()}
+        return {"weights": runner.weights_nbytes(), "weight_copies": runner.weight_copies_nbytes(),
+                "kv_cache": runner.kv_nbytes()}
+
+    def cpu_kernels(self) -> Optional[dict]:
+        """What this CPU has and which kernels the engine runs because of it (None off the CPU)."""
+        runner = self.worker.model_runner
+        if runner.device.type != "cpu":
+            return None
+        from rollout.layers.cpu_capability import cpu_capability
+
+        return {"capability": cpu_capability().as_dict(), "gemm_plan": runner.gemm_plan.describe(),
+                "paged_attention": runner.use_paged_kernel}
 
     def storage_moved(self) -> list[str]:
         """Parameters / KV whose storage moved since CUDA graphs were captured (empty: none, or no graphs)."""

@@ -20,7 +20,9 @@ from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.layers import paged_decode_cpu
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
-from rollout.layers.linear import LOADER_HOOKS, RowParallelLinear, pack_weight
+from rollout.layers.cpu_capability import cpu_capability
+from rollout.layers.cpu_plan import PLAIN, GemmPlan, plan_gemms
+from rollout.layers.linear import COPY_KERNELS, LOADER_HOOKS, PackedWeight, RowParallelLinear, pack_weight
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
@@ -90,9 +92,14 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _packing_supported(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    return (config.cpu_packed_weights and device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlan:
+    """The CPU GEMM plan for this rank's layer shapes (``rollout.layers.cpu_plan``); plain
+    ``F.linear`` off the CPU or with ``cpu_packed_weights=False``."""
+    if device.type != "cpu" or not config.cpu_packed_weights:
+        return PLAIN
+    layer = model.model.layers[0]
+    shapes = [tuple(m.weight.shape) for m in layer.modules() if hasattr(m, "packed_weight")]
+    return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows)
 
 
 def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
@@ -153,18 +160,19 @@ class ModelRunner:
         self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks + 1, self.block_size,
                                      attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
-        # CPU: the in-place kernel for reduced-precision caches; fp32 (the dtype of reference runs, pinned
-        # token for token to transformers by the test suite) keeps gather + SDPA
+        # CPU: the in-place kernel (fp32 softmax and sums, one rounding) for every cache dtype
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (
-            device.type == "cpu" and dtype != torch.float32 and config.cpu_paged_attention
-            and paged_decode_cpu.load() is not None)
-        # oneDNN-packed weights (CPU bf16): rebuilt lazily, at the first forward after the weights changed
+            device.type == "cpu" and config.cpu_paged_attention and paged_decode_cpu.load() is not None)
+        # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
+        self.gemm_plan = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change
-        self._packed_generation: Optional[int] = None
-        self._wide_generation: Optional[int] = None
+        self._copy_generation: dict[str, int] = {}  # copy kind -> the weights_generation it was built from
         self._packed_modules = [m for m in self.model.modules() if hasattr(m, "packed_weight")] \
-            if _packing_supported(config, device, dtype) else []
-        self.refresh_packed_weights()
+            if self.gemm_plan is not PLAIN else []
+        self._drop_packed_weights()
+        if device.type == "cpu":
+            logger.info("CPU %s; %s GEMMs: %s; decode attention: %s", cpu_capability().describe(), dtype,
+                        self.gemm_plan.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
         self.kv_released = self.weights_released = False
         self.weights_valid = True  # False after a release without backup, until a full update commits
         self.weights_backup: Optional[dict] = None
@@ -176,32 +184,39 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
             self.graph_runner.capture()
 
-    def refresh_packed_weights(self, rows: int = 0) -> None:
-        """Pack every linear weight for oneDNN if the weights changed since the last packing, and
-        the fp32 copies too when a forward of ``rows`` tokens will read them (the packed copies
-        are read instead of the weights: they must never be stale)."""
+    def refresh_packed_weights(self, *rows: int) -> None:
+        """Build the weight copies that forwards of these row counts read, where the weights changed
+        since they were built (the copies are read instead of the weights: never stale)."""
         if not self._packed_modules:
             return
-        wide_rows = self.config.cpu_fp32_gemm_rows if rows >= self.config.cpu_fp32_gemm_rows > 0 else 0
-        if self._packed_generation == self.weights_generation and (not wide_rows or self._wide_generation ==
-                                                                   self.weights_generation):
+        kinds = {self.gemm_plan.kernel_for(r) for r in rows if r > 0} & set(COPY_KERNELS)
+        stale = {k for k in kinds if self._copy_generation.get(k) != self.weights_generation}
+        if not stale:
             return
         for m in self._packed_modules:
             # a row-parallel bias is added after the reduction, outside the GEMM
             bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)
-            m.packed_weight = pack_weight(m.weight, bias, wide_rows)
-        self._packed_generation = self.weights_generation
-        self._wide_generation = self.weights_generation if wide_rows else None
+            pack_weight(m.weight, bias, self.gemm_plan, stale, into=m.packed_weight)
+        for k in stale:
+            self._copy_generation[k] = self.weights_generation
+
+    def copy_generation(self, kind: str) -> Optional[int]:
+        """The ``weights_generation`` the ``kind`` copies were built from (None: not built)."""
+        return self._copy_generation.get(kind)
 
     def _drop_packed_weights(self) -> None:
         for m in self._packed_modules:
-            m.packed_weight = None
-        self._packed_generation = self._wide_generation = None
+            m.packed_weight = PackedWeight(self.gemm_plan)
+        self._copy_generation = {}
 
     def _weights_changed(self) -> None:
-        """Every change of the live weights ends here: packed copies are dropped (rebuilt lazily)."""
+        """Every change of the live weights ends here: weight copies are dropped (rebuilt lazily)."""
         self.weights_generation += 1
         self._drop_packed_weights()
+
+    def weight_copies_nbytes(self) -> int:
+        """Bytes of the weight copies the CPU kernels read (oneDNN-packed, fp32), beside the weights."""
+        return sum(m.packed_weight.nbytes() for m in self._packed_modules)
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -228,7 +243,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
-        self.refresh_packed_weights(1 if self.config.deterministic else len(batch.input_ids))
+        if self.config.deterministic:
+            self.refresh_packed_weights(1)
+        else:
+            self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -368,7 +386,7 @@ class ModelRunner:
         if "weights" in tags and not self.weights_released:
             self.weights_backup = {d: b.to("cpu", copy=True) for d, b in self.param_buffers.items()} \
                 if backup_weights else None
-            freed += self.weights_nbytes()
+            freed += self.weights_nbytes() + self.weight_copies_nbytes()  # the copies go with the weights
             self._shadow = None
             for buf in self.param_buffers.values():
                 buf.untyped_storage().resize_(0)

@@ -55,7 +55,9 @@ def test_asynchronous_rollouts_with_staleness_one_still_learn(tmp_path):
 # ---------------------------------------------------------------------------------------------- failures
 
 def _serve(path: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from rollout.openmp import child_env
+
+    env = child_env(num_threads=1)  # bounded OpenMP spin, one thread: cores are shared
     return subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path",
                              path, "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "2048",
                              "--no-use-generation-config"], env=env)

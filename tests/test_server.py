@@ -161,7 +161,8 @@ def test_openai_client_completions_chat_and_models(server, refs):
                                extra_body={"ignore_eos": True})
     choice = c.choices[0]
     assert choice.finish_reason == "length" and c.usage.completion_tokens == 8
-    assert choice.logprobs.token_logprobs == pytest.approx(refs["a"][0].output_logprobs, abs=1e-6)
+    # the reference ran batched, this request alone: fp32 GEMMs of other row counts round differently
+    assert choice.logprobs.token_logprobs == pytest.approx(refs["a"][0].output_logprobs, abs=1e-5)
     assert len(choice.logprobs.top_logprobs) == 8
     n = oai.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=5, n=2, seed=3,
                                temperature=1.0, extra_body={"ignore_eos": True})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 
 import torch
 
@@ -16,6 +17,9 @@ def setup_deepspeed_env(skip_shm_build: bool = True) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_KEY") else "online")
     importlib.import_module("torch._dynamo")  # deepspeed.zero.Init needs it imported first
+    # DeepSpeed 0.19 calls torch.distributed functions torch has deprecated: a FutureWarning on every
+    # call (four lines per RL step) that says nothing to a user of this loop. Only those are hidden.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed", category=FutureWarning, module=r"deepspeed")
 
     if skip_shm_build and not torch.cuda.is_available():
         importlib.import_module("deepspeed.comm.torch")

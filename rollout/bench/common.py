@@ -16,6 +16,7 @@ import torch
 
 DEFAULT_WORKDIR = os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker")
 MODELS = ("smollm2", "qwen2-0.5b-random", "tiny")
+OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ROLLOUT_CPU_ISA")
 
 
 def build_model(name: str, workdir: str = DEFAULT_WORKDIR) -> str:
@@ -61,7 +62,11 @@ def machine() -> dict:
     for pkg in ("torch", "transformers", "deepspeed", "triton"):
         with contextlib.suppress(md.PackageNotFoundError):  # an optional package that is not installed
             versions[pkg] = md.version(pkg)
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from rollout.layers.cpu_capability import cpu_capability
+
+    info = {"cpu": cpu, "cpu_capability": cpu_capability().as_dict(),
+            "openmp_env": {k: os.environ.get(k) for k in OPENMP_VARS}, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit()}
     if torch.cuda.is_available():

@@ -2,11 +2,12 @@
 engine's decode step against them, in one run.
 
 - memory: read GB/s (a reduction over a buffer as large as the model's weights) and copy GB/s;
-- matmul FLOP/s of every linear shape of the model (QKV, O, gate-up, down, LM head) at each batch;
+- matmul FLOP/s of every linear shape of the model (QKV, O, gate-up, down, LM head) at each batch,
+  with every GEMM kernel the engine can dispatch to here (``rollout.layers.cpu_plan``);
 - the **GEMM-only decode step**: every linear layer of one decode step at that batch (the LM head
-  included), no attention, sampling or Python between them, each with the fastest kernel this
-  machine has for it (plain ``F.linear``, oneDNN with a packed weight, fp32 from bf16 weights) —
-  the arithmetic floor of a step;
+  included), no attention, sampling or Python between them, each with the fastest of those kernels
+  for it (plain ``F.linear``, oneDNN with a packed weight, oneDNN over fp32 copies of bf16 weights,
+  the C++ bf16 kernel) — the arithmetic floor of a step;
 - the **weight-read time**: the model's weight bytes over the read bandwidth — the floor of a
   small-batch step, which must read every weight once;
 - the engine's decode step (``generate``, RL-shaped: prompts x n samples, temperature 1, logprobs),
@@ -36,7 +37,6 @@ from rollout.bench.common import (
     write_result,
 )
 from rollout.engine import run_on_own_thread
-from rollout.layers.linear import pack_weight, packed_linear
 
 DEFAULT_BATCHES = (1, 8, 64, 256)
 
@@ -87,17 +87,15 @@ def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> dict:
 
 
 def _kernels(w: torch.Tensor, device: torch.device) -> dict:
-    """Every way this machine can run ``x @ w.T`` for a ``w.dtype`` model: plain ``F.linear``, and
-    on CPU the engine's own ``packed_linear`` with the weight packed for oneDNN, in its dtype and (bf16)
-    in fp32 (input converted in, output rounded back: what the engine does for large batches)."""
-    kernels = {"linear": lambda x: F.linear(x, w)}
-    if device.type == "cpu" and torch.backends.mkldnn.is_available() and w.dtype in (torch.float32, torch.bfloat16):
-        narrow = pack_weight(w)
-        kernels["packed"] = lambda x: packed_linear(x, w, None, narrow)
-        if w.dtype == torch.bfloat16:
-            wide = pack_weight(w, wide_rows=1)
-            kernels["packed_fp32"] = lambda x: packed_linear(x, w, None, wide)
-    return kernels
+    """Every GEMM kernel the engine can dispatch to for a ``w.dtype`` model on this machine
+    (``rollout.layers.cpu_plan``): plain ``F.linear`` and, on CPU, oneDNN over a packed copy, oneDNN
+    over an fp32 copy of bf16 weights, the C++ kernel reading bf16 weights — each exactly as the
+    engine runs it."""
+    if device.type != "cpu":
+        return {"linear": lambda x: F.linear(x, w)}
+    from rollout.layers.cpu_plan import candidates, prepare
+
+    return {k: prepare(k, w) for k in dict.fromkeys(["linear", *candidates(w.dtype, None, None)])}
 
 
 @torch.inference_mode()
@@ -123,10 +121,12 @@ def gemm_steps(shapes, batches, dtype: torch.dtype, repeats: int, device: torch.
 
 
 def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int, tp_size: int, overlap: bool,
-                        profile_dir=None, progress=None, engine_args: dict | None = None) -> dict:
-    """The engine's decode step at each batch size: B samples (B/8 prompts x n=8, or one prompt
-    when B < 8) of ``context`` random prompt tokens, ``steps`` new tokens each, sampled at
-    temperature 1 with logprobs, EOS ignored. Means over the decode-only steps."""
+                        profile_dir=None, progress=None, engine_args: dict | None = None,
+                        kernels: dict | None = None) -> dict:
+    """The engine's decode step at each batch size (and, into ``kernels``, what it dispatches to):
+    B samples (B/8 prompts x n=8, or one prompt when B < 8) of ``context`` random prompt tokens,
+    ``steps`` new tokens each, sampled at temperature 1 with logprobs, EOS ignored. Means over the
+    decode-only steps."""
     from rollout import RolloutEngine, SamplingParams
 
     out = {}
@@ -134,6 +134,10 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
     kv_tokens = max_b * (context + steps + 2 * 16) + 64
     with RolloutEngine(path, dtype=dtype, tp_size=tp_size, enable_overlap=overlap, kv_cache_tokens=kv_tokens,
                        max_num_seqs=max_b, use_generation_config=False, seed=0, **(engine_args or {})) as engine:
+        if kernels is not None:
+            runner = engine.worker.model_runner
+            kernels.update(gemm_plan=runner.gemm_plan.as_dict(), gemm_plan_text=runner.gemm_plan.describe(),
+                           paged_attention=runner.use_paged_kernel)
         vocab = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
         for b in batches:
@@ -197,10 +201,40 @@ def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
     return path
 
 
+NEIGHBOUR_BATCHES = (8, 64)
+_NEIGHBOUR = """
+import sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(384, 384)
+end = time.monotonic() + float(sys.argv[2])
+print("ready", flush=True)
+while time.monotonic() < end:  # matmuls with its own OpenMP team until killed (or the time limit)
+    (a @ a).sum()
+"""
+
+
+def busy_neighbour(threads: int, limit_s: float = 1800.0):
+    """A second process doing matmuls on ``threads`` threads of its own (the environment this
+    process would give its children: ``rollout.openmp.child_env``), started and ready; the caller
+    terminates it. It stops by itself after ``limit_s``."""
+    import subprocess
+    import sys
+
+    from rollout.openmp import child_env
+
+    proc = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(threads), str(limit_s)], env=child_env(),
+                            stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError("the busy neighbour did not start")
+    return proc
+
+
 def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: int = 128, steps: int = 16,
         tp_size: int = 1, overlap: bool = False, repeats: int = 5, profile: bool = False,
         out_dir: str = "benchmarks/results", workdir: str = DEFAULT_WORKDIR, engine: bool = True,
-        engine_args: dict | None = None, tag: str = "", busy_caller: bool = False) -> dict:
+        engine_args: dict | None = None, tag: str = "", busy_caller: bool = False,
+        busy_neighbour_on: bool = False) -> dict:
     from tqdm import tqdm
 
     path = build_model(model, workdir)
@@ -213,7 +247,8 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
     result = {"benchmark": "limits", "machine": machine(),
               "config": {"model": label, "dtype": dtype, "batches": list(batches), "context": context,
                          "decode_steps": steps, "tp_size": tp_size, "overlap": overlap, "repeats": repeats,
-                         "device": device.type, "engine_args": engine_args or {}, "busy_caller": busy_caller},
+                         "device": device.type, "engine_args": engine_args or {}, "busy_caller": busy_caller,
+                         "busy_neighbour": busy_neighbour_on},
               "weight_bytes": wbytes}
     with tqdm(total=len(shapes) + 1 + (len(batches) if engine else 0), desc=f"limits {label}") as bar:
         # on a thread that ends: its OpenMP team must not outlive it (see rollout.engine.run_on_own_thread)
@@ -227,8 +262,20 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
             (a @ a).sum()
         if engine:
             prof_dir = os.path.join(out_dir, stem + "_profiles") if profile else None
+            result["engine_kernels"] = {}
             result["engine"] = engine_decode_steps(path, dtype, batches, context, steps, tp_size, overlap, prof_dir,
-                                                   bar, engine_args)
+                                                   bar, engine_args, result["engine_kernels"])
+        if engine and busy_neighbour_on:  # the same decode steps again, beside a process computing on its own threads
+            nb = [b for b in batches if b in NEIGHBOUR_BATCHES] or list(batches)
+            neighbour = busy_neighbour(torch.get_num_threads())
+            try:
+                busy = engine_decode_steps(path, dtype, nb, context, steps, tp_size, overlap, None, None, engine_args)
+            finally:
+                neighbour.terminate()
+                neighbour.wait(30)
+            result["busy_neighbour"] = {
+                "neighbour_threads": torch.get_num_threads(), "engine": busy,
+                "throughput_over_alone": {b: result["engine"][b]["step_s"] / e["step_s"] for b, e in busy.items()}}
     if engine:
         result["ratios"] = {b: {"step_over_gemm_step": e["step_s"] / result["gemm"][b]["gemm_step_s"],
                                 "step_over_weight_read": e["step_s"] / result["weight_read_s"]}
@@ -249,6 +296,11 @@ def summary_lines(result: dict) -> list[str]:
                      f"{1e3 * e['sample_s']:.1f}, other {1e3 * e['other_s']:.1f}) = {r['step_over_gemm_step']:.2f}x GEMM, "
                      f"{r['step_over_weight_read']:.2f}x weight read")
         lines.append(line)
+    if "engine_kernels" in result:
+        lines.append(f"  engine GEMMs: {result['engine_kernels'].get('gemm_plan_text')}; paged decode attention: "
+                     f"{result['engine_kernels'].get('paged_attention')}")
+    for b, r in result.get("busy_neighbour", {}).get("throughput_over_alone", {}).items():
+        lines.append(f"  batch {b:>4} beside a busy neighbour: {r:.2f}x the throughput alone")
     return lines
 
 
@@ -299,13 +351,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--busy-caller", action="store_true",
                     help="run parallel torch work on the calling thread first (it then holds an OpenMP team of its "
                          "own, as a colocated trainer's thread does) to measure what that costs the engine")
+    ap.add_argument("--busy-neighbour", action="store_true",
+                    help="time the decode steps at batch 8 and 64 again while a second process does matmuls on as "
+                         "many threads of its own on the same cores (a trainer or client beside the engine); reports "
+                         "the throughput beside it over the throughput alone (a fair share on shared cores: 0.5)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
     result = run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.context, args.steps,
                  args.tp_size, args.overlap == "on", args.repeats, args.profile, args.out_dir, args.workdir,
                  engine=not args.no_engine, engine_args=parse_engine_args(args.engine_arg), tag=args.tag,
-                 busy_caller=args.busy_caller)
+                 busy_caller=args.busy_caller, busy_neighbour_on=args.busy_neighbour)
     print("\n".join(summary_lines(result)))
     return result
 

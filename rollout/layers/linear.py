@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.layers import cpu_gemm
+from rollout.layers.cpu_plan import GemmPlan
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
 LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts")
@@ -23,43 +25,59 @@ LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "ful
 
 @dataclass
 class PackedWeight:
-    """oneDNN-packed copies of one linear weight (CPU bf16, see ``ModelRunner.refresh_packed_weights``):
-    ``narrow`` in the weight's dtype (what small batches read: fewest bytes), and ``wide``, the same
-    values in fp32 for batches of ``wide_rows`` rows or more — on CPUs without bf16 matrix units
-    (AMX) fp32 GEMMs run about 1.6x faster there. Products of bf16 values are exact in fp32 and
-    both kernels accumulate in fp32; the output is rounded to the weight's dtype either way."""
+    """What one linear layer's GEMMs read on CPU (see ``rollout.layers.cpu_plan``): the engine's
+    plan (which kernel serves a forward of how many rows) and the copies its kernels need, built
+    by ``ModelRunner.refresh_packed_weights`` and dropped at every weight change (never stale):
+    ``narrow``, oneDNN's packed copy in the weight's dtype (kernel ``onednn``), and ``wide``, an fp32
+    packed copy of a bf16 weight with its bias in fp32 (kernel ``fp32``; 2x the weight's bytes).
+    Kernels ``own`` and ``linear`` read the weight itself."""
 
-    narrow: torch.Tensor
+    plan: GemmPlan
+    narrow: Optional[torch.Tensor] = None
     wide: Optional[torch.Tensor] = None
     wide_bias: Optional[torch.Tensor] = None
-    wide_rows: int = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.narrow, self.wide, self.wide_bias) if t is not None)
 
 
-def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                wide_rows: int = 0) -> PackedWeight:
-    """oneDNN's packed copy of ``weight``, and with ``wide_rows`` > 0 its fp32 copy (with ``bias``
-    in fp32, fused into that GEMM) for forwards of that many rows or more."""
-    packed = PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-    if wide_rows:
+COPY_KERNELS = ("onednn", "fp32")  # the kernels that read a copy of the weight
+
+
+def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPlan,
+                kinds=None, into: Optional[PackedWeight] = None) -> PackedWeight:
+    """The copies of ``weight`` that ``kinds`` (default: every kernel of ``plan``) read, added to
+    ``into`` (or a new ``PackedWeight``)."""
+    packed = into if into is not None else PackedWeight(plan)
+    kinds = plan.kernels if kinds is None else kinds
+    if "onednn" in kinds:
+        packed.narrow = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if "fp32" in kinds:
         packed.wide = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
         packed.wide_bias = None if bias is None else bias.detach().float()
-        packed.wide_rows = wide_rows
     return packed
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   packed: Optional[PackedWeight]) -> torch.Tensor:
-    """``F.linear``, through the packed copies when there are (the narrow one is bitwise
-    ``F.linear``'s oneDNN bf16 kernel, with no reorder of the weight on each call)."""
+    """``F.linear``, through the kernel the plan names for this many rows."""
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    rows = rows if rows.is_contiguous() else rows.contiguous()
-    if packed.wide is not None and rows.shape[0] >= packed.wide_rows:
-        y = torch.ops.mkldnn._linear_pointwise(rows.float(), packed.wide, packed.wide_bias, "none", [], "")
-        y = y.to(x.dtype)
+    kernel = packed.plan.kernel_for(rows.shape[0])
+    if kernel == "linear":
+        return F.linear(x, weight, bias)
+    if kernel == "own":
+        y = cpu_gemm.bf16_linear(rows, weight, bias)
     else:
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed.narrow, bias, "none", [], "")
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        if kernel == "fp32":
+            assert packed.wide is not None, "fp32 copy missing: refresh_packed_weights was not called"
+            y = torch.ops.mkldnn._linear_pointwise(rows.float(), packed.wide, packed.wide_bias, "none", [], "")
+            y = y.to(x.dtype)
+        else:
+            assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
+            y = torch.ops.mkldnn._linear_pointwise(rows, packed.narrow, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

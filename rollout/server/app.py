@@ -372,7 +372,8 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
                 "weight_version": engine.get_weight_version(), "dtype": str(engine.dtype).replace("torch.", ""),
                 "tp_size": engine.tp_size, "max_body_bytes": config.max_body_bytes,
                 "request_timeout_s": config.request_timeout_s, "auth": config.api_key is not None,
-                "admin_auth": config.admin_api_key is not None, "allowed_weight_dirs": allowed_dirs}
+                "admin_auth": config.admin_api_key is not None, "allowed_weight_dirs": allowed_dirs,
+                "cpu": engine.cpu_kernels()}
 
     @app.get("/metrics", dependencies=[Depends(user)])
     async def prometheus_metrics():

@@ -1,0 +1,160 @@
+"""A small-batch GEMM on CPU that reads bf16 weights and accumulates in fp32.
+
+``y[M, N] = x[M, K] @ W[N, K]^T (+ b)`` for a bf16 weight in its own layout (no packed copy).
+Decode steps at batch 1-16 are bound by reading the weights; oneDNN on CPUs without native bf16
+converts them through a slow path (~20 GFLOP/s), and an fp32 copy doubles the bytes to read.
+This kernel widens bf16 to fp32 in registers (a bf16 value is the top half of an fp32 one) a tile
+at a time: each tile of 3-4 weight rows x 512 columns is widened once into an L1-resident buffer and
+then multiplied with every activation row (fp32 FMAs, several rows and outputs per register
+block), so the widening is paid once per weight and the arithmetic runs at fp32 FMA speed.
+Sums run in a fixed order (no ``-ffast-math``); products of bf16 values are exact in fp32, so
+the result differs from oneDNN's only by the order of the fp32 additions, then one rounding to
+the activation dtype. Parallel over tiles of output features with ``at::parallel_for``.
+
+Built for the CPU's kernel ISA (``rollout.layers.cpu_build``): vectors of
+``ROLLOUT_LANES`` floats (AVX-512: 16, AVX2: 8) through GCC's vector extensions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rollout.layers import cpu_build
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int L = ROLLOUT_LANES;
+// Register blocks: NB weight rows x MB activation rows of accumulators, plus NB weight vectors and
+// one activation vector, must fit the vector registers (AVX2: 16, AVX-512: 32).
+constexpr int NB = L >= 16 ? 4 : 3;          // weight rows (outputs) per tile
+constexpr int MB = 4;                        // activation rows per register block
+constexpr int KC = 512;                      // columns per widened chunk: NB x KC fp32 <= 8 KB
+typedef float vf __attribute__((vector_size(L * 4)));
+typedef uint16_t vh __attribute__((vector_size(L * 2)));
+typedef uint32_t vu __attribute__((vector_size(L * 4)));
+
+inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf widen(const uint16_t* p) {        // bf16 -> fp32: the 16 bits become the top half
+  vh h; std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf f; std::memcpy(&f, &u, sizeof f); return f;
+}
+inline float widen1(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }  // fixed order
+
+// acc[i * NB + r] += x[i, 0:kc] . wf[r, 0:kc] for i < R rows (x rows K apart), kc a multiple of L
+template <int R>
+inline void block(const float* x, int64_t K, const float* wf, int64_t kc, vf* acc) {
+  vf a[R][NB];
+  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) a[i][r] = acc[i * NB + r];
+  for (int64_t k = 0; k < kc; k += L) {
+    vf wv[NB];
+    for (int r = 0; r < NB; ++r) wv[r] = loadf(wf + r * KC + k);
+    for (int i = 0; i < R; ++i) {
+      const vf xv = loadf(x + i * K + k);
+      for (int r = 0; r < NB; ++r) a[i][r] += xv * wv[r];
+    }
+  }
+  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) acc[i * NB + r] = a[i][r];
+}
+
+// One or two activation rows: the weights are widened in registers and used at once (each is
+// read once whatever the path, and a buffer would only add a store and a load per element).
+// Missing rows of a last tile repeat row 0; their sums are never written.
+template <int R>
+inline void direct(const float* x, int64_t K, const uint16_t* w, int64_t nb, int64_t kv, vf* acc) {
+  const uint16_t* rows[NB];
+  for (int r = 0; r < NB; ++r) rows[r] = w + (r < nb ? r : 0) * K;
+  vf a[R][NB] = {}, b[R][NB] = {};  // two chains per sum (even and odd vectors): FMA latency is hidden
+  int64_t k = 0;
+  for (; k + 2 * L <= kv; k += 2 * L) {
+    vf wv[NB], wu[NB];
+    for (int r = 0; r < NB; ++r) { wv[r] = widen(rows[r] + k); wu[r] = widen(rows[r] + k + L); }
+    for (int i = 0; i < R; ++i) {
+      const vf xv = loadf(x + i * K + k), xu = loadf(x + i * K + k + L);
+      for (int r = 0; r < NB; ++r) { a[i][r] += xv * wv[r]; b[i][r] += xu * wu[r]; }
+    }
+  }
+  for (; k < kv; k += L)
+    for (int i = 0; i < R; ++i)
+      for (int r = 0; r < NB; ++r) a[i][r] += loadf(x + i * K + k) * widen(rows[r] + k);
+  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) acc[i * NB + r] = a[i][r] + b[i][r];
+}
+
+void gemm(const float* x, const uint16_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + NB - 1) / NB, kv = K / L * L;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<float> wf(NB * KC);
+    std::vector<vf> acc(M * NB);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
+      std::fill(acc.begin(), acc.end(), vf{});
+      if (M == 1) direct<1>(x, K, w + n0 * K, nb, kv, acc.data());
+      if (M == 2) direct<2>(x, K, w + n0 * K, nb, kv, acc.data());
+      for (int64_t k0 = 0; M > 2 && k0 < kv; k0 += KC) {
+        const int64_t kc = std::min<int64_t>(KC, kv - k0);
+        for (int r = 0; r < NB; ++r) {
+          float* dst = wf.data() + r * KC;
+          if (r < nb) {
+            const uint16_t* src = w + (n0 + r) * K + k0;
+            for (int64_t k = 0; k < kc; k += L) storef(dst + k, widen(src + k));
+          } else {
+            std::fill(dst, dst + kc, 0.f);
+          }
+        }
+        int64_t m = 0;
+        for (; m + MB <= M; m += MB) block<MB>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
+        if (M - m == 3) block<3>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
+        if (M - m == 2) block<2>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
+        if (M - m == 1) block<1>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < nb; ++r) {
+          float s = hsum(acc[m * NB + r]);
+          const uint16_t* wr = w + (n0 + r) * K;
+          for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * widen1(wr[k]);  // columns past the last vector
+          y[m * N + n0 + r] = bias ? s + bias[n0 + r] : s;
+        }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "weight: contiguous bf16 [N, K]");
+  TORCH_CHECK(x.size(-1) == w.size(1), "x and weight disagree on K");
+  auto rows = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  const int64_t M = rows.size(0), N = w.size(0), K = w.size(1);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  auto y = torch::empty({M, N}, rows.options());
+  gemm(rows.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(x.scalar_type()).view(sizes);
+}
+"""
+
+
+def load() -> Optional[object]:
+    """The compiled kernels for this CPU's ISA, or None where they cannot be built."""
+    return cpu_build.kernels()
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a contiguous bf16 ``weight``: fp32 accumulation, one
+    rounding to ``x.dtype``."""
+    return cpu_build.kernels().bf16_linear(x, weight, bias)

@@ -1,0 +1,241 @@
+"""Which GEMM kernel a CPU engine's linear layers run at each number of rows, measured.
+
+The kernels (``KERNELS``), for a layer with weight ``W``:
+
+- ``linear``: plain ``F.linear`` (the reference every other one is tested against);
+- ``onednn``: oneDNN with ``W`` packed once in its own dtype (bitwise ``F.linear``'s oneDNN kernel
+  for bf16, without reordering the weight on every call);
+- ``fp32``: oneDNN over an fp32 copy of a bf16 ``W`` (bf16 products are exact in fp32: only the
+  summation order moves; the input is widened, the output rounded back). Without native bf16
+  GEMMs this is the fast path from a few rows up; it doubles the weights' memory;
+- ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 ``W`` as it is and
+  accumulates in fp32 (small batches: the fewest bytes read, fp32 FMA speed).
+
+``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) over the layer shapes of the model
+(as many distinct weights as it takes to stream them from memory, as in a forward) and keeps the
+fastest per row count; larger forwards take the choice at 256. The plan is cached on disk per CPU,
+ISA, torch version, thread count, dtype and shapes, so an engine measures once per machine and
+model shape and later engines load the same choice. Explicit ``cpu_fp32_gemm_rows`` /
+``cpu_small_gemm_rows`` bound the candidates (0: never), and with both given nothing is measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from rollout.layers import cpu_build, cpu_gemm
+from rollout.layers.cpu_capability import cpu_capability
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("linear", "onednn", "fp32", "own")
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
+STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """``segments``: ascending (up to this many rows, kernel); rows past the last take its kernel."""
+
+    segments: tuple[tuple[int, str], ...]
+    how: str = "fixed"  # fixed | measured | cached
+    timings: dict = field(default_factory=dict, compare=False, hash=False)  # kernel -> {rows: seconds}
+
+    def kernel_for(self, rows: int) -> str:
+        i = bisect.bisect_left([upto for upto, _ in self.segments], rows)
+        return self.segments[min(i, len(self.segments) - 1)][1]
+
+    @property
+    def kernels(self) -> set[str]:
+        return {k for _, k in self.segments}
+
+    def describe(self) -> str:
+        parts, lo = [], 1
+        for i, (upto, kernel) in enumerate(self.segments):
+            last = i == len(self.segments) - 1
+            parts.append(f"{lo}+ rows: {kernel}" if last else f"{lo}{'' if upto == lo else f'-{upto}'} rows: {kernel}")
+            lo = upto + 1
+        return ", ".join(parts) + f" ({self.how})"
+
+    def as_dict(self) -> dict:
+        return {"segments": [list(s) for s in self.segments], "how": self.how, "timings": self.timings}
+
+
+PLAIN = GemmPlan(((1 << 62, "linear"),))
+
+
+def _segments(choice: dict[int, str]) -> tuple[tuple[int, str], ...]:
+    """{rows: kernel} at the candidate rows -> merged segments (a choice holds up to the next candidate)."""
+    rows = sorted(choice)
+    segs: list[list] = []
+    for i, r in enumerate(rows):
+        upto = rows[i + 1] - 1 if i + 1 < len(rows) else 1 << 62
+        if segs and segs[-1][1] == choice[r]:
+            segs[-1][0] = upto
+        else:
+            segs.append([upto, choice[r]])
+    return tuple((u, k) for u, k in segs)
+
+
+def prepare(kernel: str, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ w.T`` through ``kernel``, its copies of ``w`` built once (what the engine runs)."""
+    from rollout.layers.linear import pack_weight, packed_linear
+
+    if kernel == "linear":
+        return lambda x: F.linear(x, w)
+    packed = pack_weight(w, None, GemmPlan(((1 << 62, kernel),)))
+    return lambda x: packed_linear(x, w, None, packed)
+
+
+def _time(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, kernels: list[str],
+            rows_list=CANDIDATE_ROWS) -> dict[str, dict[int, float]]:
+    """Seconds of one pass over every shape (``copies`` distinct weights each) per kernel and rows.
+    A kernel 4x slower than the best at some rows is not timed at larger ones."""
+    layer_bytes = sum(o * i for o, i in shapes) * 4
+    copies = max(1, min(num_layers, -(-STREAM_BYTES // max(layer_bytes, 1))))
+    gen = torch.Generator().manual_seed(0)
+    weights = [[(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for o, i in shapes] for _ in range(copies)]
+    out: dict[str, dict[int, float]] = {k: {} for k in kernels}
+    fns = {k: [[prepare(k, w) for w in layer] for layer in weights] for k in kernels}
+    live = list(kernels)
+    for rows in rows_list:
+        xs = [torch.randn(rows, i, generator=gen).to(dtype) for _, i in shapes]
+        live = [k for k in live if k != "own" or rows <= OWN_MAX_ROWS]
+        for k in live:
+            out[k][rows] = _time(lambda k=k: [f(x) for layer in fns[k] for f, x in zip(layer, xs)])
+        best = min(out[k][rows] for k in live)
+        keep = [k for k in live if out[k][rows] <= 4 * best]
+        if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest
+            keep.append(min((k for k in live if k != "own"), key=lambda k: out[k][rows]))
+        live = keep
+    return out
+
+
+def _cache_path() -> str:
+    root = os.environ.get("ROLLOUT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker")
+    return os.path.join(root, "cpu_gemm_plans.json")
+
+
+def _read_cache() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            data = json.load(f)
+        return data if data.get("version") == _CACHE_VERSION else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_first(key: str, value: dict) -> dict:
+    """Store ``value`` under ``key`` unless a plan is there already, and return the stored one: the
+    first process to measure wins (the TP ranks of one engine measure at once and must agree, and
+    every later engine on this machine must choose as the first did)."""
+    import fcntl
+
+    path = _cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read_cache() or {"version": _CACHE_VERSION}
+            stored = data.setdefault("plans", {}).setdefault(key, value)
+            if stored is value:
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+            return stored
+    except OSError as exc:  # a read-only home: measured again next time
+        logger.info("could not cache the CPU GEMM plan at %s (%s)", path, exc)
+        return value
+
+
+def candidates(dtype: torch.dtype, fp32_rows: Optional[int], small_rows: Optional[int]) -> list[str]:
+    """The kernels a CPU engine of ``dtype`` may use here."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return ["linear"]
+    if dtype == torch.float32:
+        return ["linear", "onednn"]
+    # oneDNN packs bf16 weights only where it has native bf16; elsewhere the base is plain F.linear
+    out = [_bf16_base()]
+    if fp32_rows != 0:
+        out.append("fp32")
+    if small_rows != 0 and cpu_gemm.load() is not None:
+        out.append("own")
+    return out
+
+
+def _bf16_base() -> str:
+    return "onednn" if cpu_capability().onednn_bf16 else "linear"
+
+
+def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optional[int]) -> bool:
+    if kernel == "own" and rows > OWN_MAX_ROWS:
+        return False
+    if kernel == "fp32" and fp32_rows is not None:
+        return rows >= fp32_rows > 0
+    if kernel == "own" and small_rows is not None:
+        return rows <= small_rows
+    return True
+
+
+def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int,
+               fp32_rows: Optional[int] = None, small_rows: Optional[int] = None) -> GemmPlan:
+    """The plan for a CPU engine of ``dtype`` whose layers have these (out, in) weight shapes."""
+    kernels = candidates(dtype, fp32_rows, small_rows)
+    if dtype == torch.bfloat16 and fp32_rows is not None and small_rows is not None:  # fully given: nothing to measure
+        choice = {}
+        bounds = {1, OWN_MAX_ROWS + 1, *([small_rows + 1] if small_rows else []), *([fp32_rows] if fp32_rows else [])}
+        for r in sorted(bounds):
+            choice[r] = next((k for k in ("own", "fp32") if k in kernels and _allowed(k, r, fp32_rows, small_rows)),
+                             _bf16_base())
+        return GemmPlan(_segments(choice), "fixed")
+    if kernels == ["linear"]:
+        return PLAIN
+    cap = cpu_capability()
+    own = cpu_build.module_name("bf16_gemm", cpu_gemm.SOURCE) if "own" in kernels else "-"  # new source: new key
+    key = (f"{cap.cpu_model}|{cap.kernel_isa}|{own}|bf16 {cap.onednn_bf16}|torch {torch.__version__}|threads "
+           f"{torch.get_num_threads()}|{str(dtype)}|{sorted(shapes)}|layers {num_layers}|{','.join(kernels)}")
+    cached = _read_cache().get("plans", {}).get(key)
+    if cached is not None:
+        timings = {k: {int(r): s for r, s in v.items()} for k, v in cached["timings"].items()}
+        how = "cached"
+    else:
+        t0 = time.perf_counter()
+        stored = _store_first(key, {"timings": measure(dtype, shapes, num_layers, kernels)})
+        timings = {k: {int(r): s for r, s in v.items()} for k, v in stored["timings"].items()}
+        how = "measured"
+        logger.info("measured CPU GEMM kernels for %s in %.2fs", dtype, time.perf_counter() - t0)
+    # explicit bounds are honoured at their own row counts, timed as the candidate just below
+    points = sorted({*CANDIDATE_ROWS, OWN_MAX_ROWS + 1, *([fp32_rows] if fp32_rows else []),
+                     *([small_rows + 1] if small_rows else [])})
+    choice = {}
+    for r in points:
+        at = max(c for c in CANDIDATE_ROWS if c <= r)
+        timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows)}
+        choice[r] = min(timed, key=timed.get) if timed else (_bf16_base() if dtype == torch.bfloat16 else "linear")
+    return GemmPlan(_segments(choice), how, timings)
