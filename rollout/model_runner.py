@@ -8,6 +8,7 @@ every captured pointer valid and memory can be measured and released as whole bu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -100,6 +101,16 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
     layer = model.model.layers[0]
     shapes = [tuple(m.weight.shape) for m in layer.modules() if hasattr(m, "packed_weight")]
     return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows)
+
+
+def _return_free_heap_to_os() -> None:
+    """glibc keeps freed mid-sized blocks in its heap (its mmap threshold grows as large blocks are
+    freed); ``malloc_trim`` hands the free pages back, so released memory leaves the process."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
@@ -394,6 +405,8 @@ class ModelRunner:
             self.weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif freed:
+            _return_free_heap_to_os()  # the weight copies are many mid-sized allocations on the heap
         return freed
 
     def resume_memory(self, tags) -> list[str]:

@@ -6,14 +6,16 @@ that finds no work spins for up to ~300,000 iterations before it sleeps. Alone o
 keeps the many short parallel regions of a decode step fast; with another process computing on the
 same cores (a trainer, a load-test client) the spinning threads take the cores the other process
 needs, and both collapse (measured: a server 30x slower beside a client computing with its own
-threads). ``DEFAULTS`` bounds the spin (``GOMP_SPINCOUNT``) so that a waiting thread yields its
-core after a few tens of microseconds: close to full speed alone (``benchmarks/NOTES.md``), a fair
-share beside a neighbour.
+threads). ``DEFAULTS`` bounds the spin (``GOMP_SPINCOUNT=2000``: a waiting thread sleeps after about a
+microsecond). Measured on SmolLM2 decode (2 cores, AMD EPYC; ``benchmarks/NOTES.md``): beside a
+neighbour computing on two threads of its own, batch 8 / 64 keep 0.51-0.61 / 0.47-0.50 of their
+speed alone (libgomp's default spin: 0.23 / 0.25; 20000: 0.19-0.29 / 0.16-0.17), and alone the
+steps stay within this machine's run-to-run noise of the default's.
 
 Where they are applied: the ``rollout`` command (before it imports torch), the environment of
 spawned TP ranks and of the servers the examples start. A library user must set them before
 importing torch (``import rollout`` first does, where they are not set already):
-``GOMP_SPINCOUNT=20000`` beside other computing processes; ``OMP_NUM_THREADS`` to the cores this
+``GOMP_SPINCOUNT=2000`` beside other computing processes; ``OMP_NUM_THREADS`` to the cores this
 process should use. Values already in the environment are never overridden.
 """
 
@@ -24,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from typing import Optional
 
-DEFAULTS = {"GOMP_SPINCOUNT": "20000"}
+DEFAULTS = {"GOMP_SPINCOUNT": "2000"}
 
 
 def apply_defaults(environ=os.environ) -> dict[str, str]:
