@@ -203,7 +203,7 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
 def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bfloat16", features: Features = Features(),
         skip_hf: bool = False, hf_batch: int = 0, max_num_seqs: int = 256, out_dir: str = "benchmarks/results",
         workdir: str = DEFAULT_WORKDIR, overrides: dict | None = None, engine_args: dict | None = None,
-        tag: str = "") -> dict:
+        tag: str = "", hf_dtype: str | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from rollout.models import ModelConfig
@@ -215,7 +215,8 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     eos_ids = set(ModelConfig.from_pretrained(path).eos_token_ids) | {tokenizer.eos_token_id}
     label = model_label(model)
     result = {"benchmark": "throughput", "machine": machine(),
-              "config": {"model": label, "dtype": dtype, "workload": asdict(w), "features": asdict(features),
+              "config": {"model": label, "dtype": dtype, "hf_dtype": hf_dtype or dtype, "workload": asdict(w),
+                         "features": asdict(features),
                          "max_num_seqs": max_num_seqs, "hf_batch": hf_batch or (16 if w.score else w.num_prompts),
                          "engine_args": engine_args or {}}}
     from tqdm import tqdm
@@ -227,15 +228,16 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
             hf_b = result["config"]["hf_batch"]
             if w.score:
                 vocab = ModelConfig.from_pretrained(path).vocab_size
-                result["hf"] = run_hf_score(path, getattr(torch, dtype), completions(prompts, w.n, w.max_new_tokens,
-                                                                                     vocab), hf_b)
+                result["hf"] = run_hf_score(path, getattr(torch, hf_dtype or dtype),
+                                            completions(prompts, w.n, w.max_new_tokens, vocab), hf_b)
             else:
-                result["hf"] = run_hf_generate(path, getattr(torch, dtype), prompts, w, eos_ids, hf_b)
+                result["hf"] = run_hf_generate(path, getattr(torch, hf_dtype or dtype), prompts, w, eos_ids, hf_b)
             result["ratio"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
             bar.update(1)
     f = features
+    hf_part = f"_hf-{hf_dtype}" if hf_dtype and hf_dtype != dtype else ""
     stem = (f"throughput_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
-            f"_prefix-{'on' if f.prefix else 'off'}{tag}")
+            f"_prefix-{'on' if f.prefix else 'off'}{hf_part}{tag}")
     write_result(result, out_dir, stem, plot)
     return result
 
@@ -252,7 +254,8 @@ def plot(result: dict, path: str) -> None:
     ratio = f", {result['ratio']:.2f}x" if "ratio" in result else ""
     feats = ", ".join(f"{k}={v}" for k, v in cfg["features"].items())
     ax.set_ylabel("useful tokens / s")
-    ax.set_title(f"{w['name']} on {cfg['model']} {cfg['dtype']}{ratio}\n{w['num_prompts']} prompts x n={w['n']}, "
+    hf = f" (transformers {cfg['hf_dtype']})" if cfg.get("hf_dtype", cfg["dtype"]) != cfg["dtype"] else ""
+    ax.set_title(f"{w['name']} on {cfg['model']} {cfg['dtype']}{hf}{ratio}\n{w['num_prompts']} prompts x n={w['n']}, "
                  f"{w['max_new_tokens']} tokens; {feats}", fontsize=8)
     save_figure(fig, path)
 
@@ -284,6 +287,9 @@ def main(argv=None) -> dict:
                     help="prompts per generate call (default all: one call), sequences per scoring forward (16)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    ap.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32"],
+                    help="transformers' dtype (default: --dtype); e.g. float32 where the CPU has no native bf16, "
+                         "its fastest dtype there")
     add_feature_flags(ap)
     add_engine_arg_flag(ap)
     ap.add_argument("--tag", default="", help="appended to the result's file name")
@@ -293,7 +299,8 @@ def main(argv=None) -> dict:
     overrides = {"num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                  "ignore_eos": args.ignore_eos}
     res = run(args.model, args.workload, args.dtype, features_from(args), args.skip_hf, args.hf_batch,
-              args.max_num_seqs, args.out_dir, args.workdir, overrides, parse_engine_args(args.engine_arg), args.tag)
+              args.max_num_seqs, args.out_dir, args.workdir, overrides, parse_engine_args(args.engine_arg), args.tag,
+              args.hf_dtype)
     e = res["engine"]
     line = f"{args.workload}: engine {e['tokens_per_s']:.0f} tok/s"
     if "hf" in res:

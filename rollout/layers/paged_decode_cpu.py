@@ -6,7 +6,9 @@ per step on SmolLM2, a fifth of the step (``benchmarks/NOTES.md``). This kernel 
 sequence's block table instead: one work item per (sequence, KV head), its query heads grouped
 (GQA without repeats), scores and softmax in fp32 (max-subtracted, as SDPA), values accumulated
 in fp32, one rounding to the cache dtype at the end. Parallel over work items with
-``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime).
+``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime). Dot
+products, the exponentials (a polynomial of our own, within 2 ulp of ``expf``) and the softmax and
+value sums are explicit vector code in a fixed order (no ``-ffast-math``).
 
 It is C++ compiled on first use with the machine's compiler, for the CPU's instruction set and
 without ``-ffast-math`` (``rollout.layers.cpu_build``); without a compiler the engine keeps the
@@ -31,17 +33,66 @@ SOURCE = r"""
 
 namespace {
 
-constexpr int kLanes = 16;
+// Vectors of ROLLOUT_LANES floats (the build's ISA: AVX-512 16, AVX2 8) through GCC's vector
+// extensions; every sum runs in a fixed order (no -ffast-math).
+constexpr int PL = ROLLOUT_LANES;
+typedef float pvf __attribute__((vector_size(PL * 4)));
+typedef int32_t pvi __attribute__((vector_size(PL * 4)));
+
+inline pvf pload(const float* p) { pvf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void pstore(float* p, pvf v) { std::memcpy(p, &v, sizeof v); }
+inline float psum(pvf v) { float s = 0.f; for (int i = 0; i < PL; ++i) s += v[i]; return s; }
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {0};
+  pvf acc = {};
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[d + l] * b[d + l];
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; d + PL <= n; d += PL) acc += pload(a + d) * pload(b + d);
+  float s = psum(acc);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes'
+// degree-6 polynomial, 2^n put into the exponent bits. Within 2 ulp of expf on [-87, 0]; below that
+// it returns exp(-87.3) ~ 1e-38 (nothing next to the maximum's 1).
+inline pvf pexp(pvf x) {
+  const pvf lo = pvf{} - 87.3f;
+  x = x < lo ? lo : x;
+  const pvf fx = x * 1.44269504088896341f + 0.5f;
+  pvi n = __builtin_convertvector(fx, pvi);
+  n += (pvi)(__builtin_convertvector(n, pvf) > fx);  // truncation -> floor (the comparison is -1 where true)
+  const pvf nf = __builtin_convertvector(n, pvf);
+  const pvf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  pvf p = pvf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const pvi bits = (n + 127) << 23;
+  pvf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// s[0:n] = exp(s - m), returns their sum
+inline float exp_sum(float* s, int64_t n, float m) {
+  pvf acc = {};
+  int64_t t = 0;
+  for (; t + PL <= n; t += PL) {
+    const pvf e = pexp(pload(s + t) - m);
+    pstore(s + t, e);
+    acc += e;
+  }
+  float sum = psum(acc);
+  if (t < n) {  // the tail through the same vector exp: every score by one formula
+    float tail[PL];
+    for (int i = 0; i < PL; ++i) tail[i] = t + i < n ? s[t + i] : m - 100.f;
+    const pvf e = pexp(pload(tail) - m);
+    for (int64_t i = 0; t + i < n; ++i) { s[t + i] = e[i]; sum += e[i]; }
+  }
+  return sum;
 }
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -82,11 +133,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
       std::vector<float> total(g, 0.f);
       for (int64_t i = 0; i < g; ++i) {
         float* s = scores.data() + i * n;
-        const float m = *std::max_element(s, s + n);
-        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - m);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += s[t];
-        total[i] = sum;
+        total[i] = exp_sum(s, n, *std::max_element(s, s + n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
@@ -94,8 +141,11 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
         to_float(vc + table[pos / bs] * blk_stride + (pos % bs) * tok_stride + h * head_stride, row.data(), D);
         for (int64_t i = 0; i < g; ++i) {
           const float w = scores[i * n + t];
+          const pvf wv = pvf{} + w;
           float* a = acc.data() + i * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+          int64_t d = 0;
+          for (; d + PL <= D; d += PL) pstore(a + d, pload(a + d) + wv * pload(row.data() + d));
+          for (; d < D; ++d) a[d] += w * row[d];
         }
       }
       T* o = out + (b * Hq + h * g) * D;
