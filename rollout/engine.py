@@ -155,7 +155,7 @@ class RolloutEngine:
             return None
         from rollout.layers.cpu_capability import cpu_capability
 
-        return {"capability": cpu_capability().as_dict(), "gemm_plan": runner.gemm_plan.describe(),
+        return {"capability": cpu_capability().as_dict(), "gemm_plans": runner.gemm_plans.describe(),
                 "paged_attention": runner.use_paged_kernel}
 
     def storage_moved(self) -> list[str]:

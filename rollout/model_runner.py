@@ -22,7 +22,7 @@ from rollout.config import EngineConfig
 from rollout.layers import paged_decode_cpu
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.cpu_capability import cpu_capability
-from rollout.layers.cpu_plan import PLAIN, GemmPlan, plan_gemms
+from rollout.layers.cpu_plan import GemmPlans, plan_gemms
 from rollout.layers.linear import COPY_KERNELS, LOADER_HOOKS, PackedWeight, RowParallelLinear, pack_weight
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
@@ -93,14 +93,15 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlan:
-    """The CPU GEMM plan for this rank's layer shapes (``rollout.layers.cpu_plan``); plain
+def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlans:
+    """The CPU GEMM plans for this rank's weight shapes (``rollout.layers.cpu_plan``); plain
     ``F.linear`` off the CPU or with ``cpu_packed_weights=False``."""
     if device.type != "cpu" or not config.cpu_packed_weights:
-        return PLAIN
+        return GemmPlans(())
     layer = model.model.layers[0]
     shapes = [tuple(m.weight.shape) for m in layer.modules() if hasattr(m, "packed_weight")]
-    return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows)
+    return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows,
+                      head_shape=tuple(model.lm_head.weight.shape))
 
 
 def _return_free_heap_to_os() -> None:
@@ -175,15 +176,16 @@ class ModelRunner:
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (
             device.type == "cpu" and config.cpu_paged_attention and paged_decode_cpu.load() is not None)
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
-        self.gemm_plan = _plan_gemms(config, self.model, device, dtype)
+        self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change
         self._copy_generation: dict[str, int] = {}  # copy kind -> the weights_generation it was built from
+        self._refreshed_rows: set[int] = set()  # row counts whose copies exist for this generation
         self._packed_modules = [m for m in self.model.modules() if hasattr(m, "packed_weight")] \
-            if self.gemm_plan is not PLAIN else []
+            if self.gemm_plans.plans and not self.gemm_plans.is_plain else []
         self._drop_packed_weights()
         if device.type == "cpu":
-            logger.info("CPU %s; %s GEMMs: %s; decode attention: %s", cpu_capability().describe(), dtype,
-                        self.gemm_plan.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
+            logger.info("CPU %s; %s GEMMs by weight shape: %s; decode attention: %s", cpu_capability().describe(),
+                        dtype, self.gemm_plans.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
         self.kv_released = self.weights_released = False
         self.weights_valid = True  # False after a release without backup, until a full update commits
         self.weights_backup: Optional[dict] = None
@@ -198,18 +200,19 @@ class ModelRunner:
     def refresh_packed_weights(self, *rows: int) -> None:
         """Build the weight copies that forwards of these row counts read, where the weights changed
         since they were built (the copies are read instead of the weights: never stale)."""
-        if not self._packed_modules:
-            return
-        kinds = {self.gemm_plan.kernel_for(r) for r in rows if r > 0} & set(COPY_KERNELS)
-        stale = {k for k in kinds if self._copy_generation.get(k) != self.weights_generation}
-        if not stale:
+        if not self._packed_modules or self._refreshed_rows.issuperset(rows):
             return
         for m in self._packed_modules:
-            # a row-parallel bias is added after the reduction, outside the GEMM
-            bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)
-            pack_weight(m.weight, bias, self.gemm_plan, stale, into=m.packed_weight)
-        for k in stale:
-            self._copy_generation[k] = self.weights_generation
+            packed = m.packed_weight
+            kinds = {packed.plan.kernel_for(r) for r in rows if r > 0} & set(COPY_KERNELS)
+            missing = {k for k in kinds if (packed.narrow if k == "onednn" else packed.wide) is None}
+            if missing:
+                # a row-parallel bias is added after the reduction, outside the GEMM
+                bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)
+                pack_weight(m.weight, bias, packed.plan, missing, into=packed)
+                for k in missing:
+                    self._copy_generation[k] = self.weights_generation
+        self._refreshed_rows.update(rows)
 
     def copy_generation(self, kind: str) -> Optional[int]:
         """The ``weights_generation`` the ``kind`` copies were built from (None: not built)."""
@@ -217,8 +220,9 @@ class ModelRunner:
 
     def _drop_packed_weights(self) -> None:
         for m in self._packed_modules:
-            m.packed_weight = PackedWeight(self.gemm_plan)
+            m.packed_weight = PackedWeight(self.gemm_plans.for_shape(m.weight.shape))
         self._copy_generation = {}
+        self._refreshed_rows = set()
 
     def _weights_changed(self) -> None:
         """Every change of the live weights ends here: weight copies are dropped (rebuilt lazily)."""

@@ -64,8 +64,8 @@ def _state(path, scale):
 def test_every_kernel_runs_where_forced_and_copies_follow_every_weight_change(engines, qwen_path, tmp_path):
     base, wide, own, plain = engines
     runners = {e: e.worker.model_runner for e in engines}
-    assert runners[base].gemm_plan.kernels == {BASE}  # the capability decides the base kernel
-    assert runners[wide].gemm_plan.kernels == {"fp32"} and runners[own].gemm_plan.kernel_for(64) == "own"
+    assert runners[base].gemm_plans.kernels == {BASE}  # the capability decides the base kernel
+    assert runners[wide].gemm_plans.kernels == {"fp32"} and runners[own].gemm_plans.kernels == {"own", BASE}
     assert runners[plain]._packed_modules == []
     prompts = random_prompts(300, [7, 12, 5, 9], seed=1)
     first = _outputs(base, prompts)
@@ -133,27 +133,33 @@ def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
         b = torch.randn(n, generator=g).bfloat16()
         ref = x.double() @ w.double().T + b.double()
         ulp = ref.abs().clamp(min=1e-3) * 2 ** -8  # one bf16 rounding
-        assert ((cpu_gemm.bf16_linear(x, w, b).double() - ref).abs() <= ulp).all()
+        y = cpu_gemm.bf16_linear(x, w, b)
+        assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs() <= ulp).all()
         assert ((F.linear(x, w, b).double() - ref).abs() <= ulp).all()
+        y32 = cpu_gemm.bf16_linear(x.float(), w, b.float())  # fp32 activations: fp32 out, no rounding
+        assert y32.dtype == torch.float32 and ((y32.double() - ref).abs() <= 1e-5 * ref.abs().clamp(min=1)).all()
 
 
-def test_gemm_plan_takes_the_fastest_measured_kernel_and_honours_bounds(tmp_path, monkeypatch):
+def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds(tmp_path, monkeypatch):
     from rollout.layers import cpu_plan
 
     monkeypatch.setenv("ROLLOUT_CACHE_DIR", str(tmp_path))
-    shapes = [(96, 64), (64, 96)]
-    plan = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2)
-    assert plan.how == "measured" and set(plan.timings) == set(cpu_plan.candidates(torch.bfloat16, None, None))
-    for rows in cpu_plan.CANDIDATE_ROWS:  # the fastest timed kernel at each candidate row count
-        timed = {k: t[rows] for k, t in plan.timings.items() if rows in t and (k != "own" or rows <= 64)}
-        assert plan.kernel_for(rows) == min(timed, key=timed.get)
-    again = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2)
-    assert again.how == "cached" and again.segments == plan.segments  # one measurement per machine and shape
+    shapes, head = [(96, 64), (64, 96)], (300, 64)
+    plans = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, head_shape=head)
+    assert [s for s, _ in plans.plans] == [*shapes, head]  # one plan per weight shape, the LM head's too
+    for shape in [*shapes, head]:
+        plan = plans.for_shape(shape)
+        assert plan.how == "measured" and set(plan.timings) == set(cpu_plan.candidates(torch.bfloat16, None, None))
+        for rows in cpu_plan.CANDIDATE_ROWS:  # the fastest timed kernel at each candidate row count
+            timed = {k: t[rows] for k, t in plan.timings.items() if rows in t and (k != "own" or rows <= 64)}
+            assert plan.kernel_for(rows) == min(timed, key=timed.get)
+    again = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, head_shape=head)
+    assert again.for_shape(head).how == "cached"  # one measurement per machine and shape, the same choice
+    assert [p.segments for _, p in again.plans] == [p.segments for _, p in plans.plans]
     bounded = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, fp32_rows=0, small_rows=None)
     assert "fp32" not in bounded.kernels
-    assert cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, 16, 4).segments == \
-        ((4, "own"), (15, BASE), (1 << 62, "fp32"))
-    assert cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, 16, 4).kernel_for(200) == "fp32"
+    fixed = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, 16, 4).for_shape(shapes[0])
+    assert fixed.segments == ((4, "own"), (15, BASE), (1 << 62, "fp32")) and fixed.kernel_for(200) == "fp32"
 
 
 def test_kernels_build_for_a_lower_isa_under_its_own_name():

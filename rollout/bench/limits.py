@@ -136,7 +136,7 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
                        max_num_seqs=max_b, use_generation_config=False, seed=0, **(engine_args or {})) as engine:
         if kernels is not None:
             runner = engine.worker.model_runner
-            kernels.update(gemm_plan=runner.gemm_plan.as_dict(), gemm_plan_text=runner.gemm_plan.describe(),
+            kernels.update(gemm_plans=runner.gemm_plans.as_dict(), gemm_plans_text=runner.gemm_plans.describe(),
                            paged_attention=runner.use_paged_kernel)
         vocab = engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -297,7 +297,7 @@ def summary_lines(result: dict) -> list[str]:
                      f"{r['step_over_weight_read']:.2f}x weight read")
         lines.append(line)
     if "engine_kernels" in result:
-        lines.append(f"  engine GEMMs: {result['engine_kernels'].get('gemm_plan_text')}; paged decode attention: "
+        lines.append(f"  engine GEMMs: {result['engine_kernels'].get('gemm_plans_text')}; paged decode attention: "
                      f"{result['engine_kernels'].get('paged_attention')}")
     for b, r in result.get("busy_neighbour", {}).get("throughput_over_alone", {}).items():
         lines.append(f"  batch {b:>4} beside a busy neighbour: {r:.2f}x the throughput alone")

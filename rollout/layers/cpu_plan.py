@@ -11,11 +11,12 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
 - ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 ``W`` as it is and
   accumulates in fp32 (small batches: the fewest bytes read, fp32 FMA speed).
 
-``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) over the layer shapes of the model
-(as many distinct weights as it takes to stream them from memory, as in a forward) and keeps the
-fastest per row count; larger forwards take the choice at 256. The plan is cached on disk per CPU,
-ISA, torch version, thread count, dtype and shapes, so an engine measures once per machine and
-model shape and later engines load the same choice. Explicit ``cpu_fp32_gemm_rows`` /
+``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) for each
+weight shape of the model (as many distinct weights as it takes to stream them from memory, as in
+a forward; the LM head as the one weight it is) and keeps the fastest per shape and row count;
+larger forwards take the choice at 256. The plans are cached on disk per CPU, ISA, torch version,
+thread count, dtype and shapes, so an engine measures once per machine and model shape and later
+engines load the same choice. Explicit ``cpu_fp32_gemm_rows`` /
 ``cpu_small_gemm_rows`` bound the candidates (0: never), and with both given nothing is measured.
 """
 
@@ -44,7 +45,7 @@ KERNELS = ("linear", "onednn", "fp32", "own")
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,32 @@ class GemmPlan:
 
 
 PLAIN = GemmPlan(((1 << 62, "linear"),))
+
+
+@dataclass(frozen=True)
+class GemmPlans:
+    """One plan per weight shape (out, in): the fastest kernel differs between shapes at the same rows."""
+
+    plans: tuple[tuple[tuple[int, int], GemmPlan], ...]
+
+    def for_shape(self, shape) -> GemmPlan:
+        """The plan of this weight shape; a shape not measured takes the largest measured one's."""
+        found = dict(self.plans).get(tuple(shape))
+        return found if found is not None else max(self.plans, key=lambda p: p[0][0] * p[0][1])[1]
+
+    @property
+    def kernels(self) -> set[str]:
+        return {k for _, p in self.plans for k in p.kernels}
+
+    @property
+    def is_plain(self) -> bool:
+        return self.kernels == {"linear"}
+
+    def describe(self) -> str:
+        return "; ".join(f"{o}x{i}: {p.describe()}" for (o, i), p in self.plans)
+
+    def as_dict(self) -> dict:
+        return {f"{o}x{i}": p.as_dict() for (o, i), p in self.plans}
 
 
 def _segments(choice: dict[int, str]) -> tuple[tuple[int, str], ...]:
@@ -112,27 +139,30 @@ def _time(fn: Callable[[], object], repeats: int = 3) -> float:
 
 
 @torch.inference_mode()
-def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, kernels: list[str],
-            rows_list=CANDIDATE_ROWS) -> dict[str, dict[int, float]]:
-    """Seconds of one pass over every shape (``copies`` distinct weights each) per kernel and rows.
-    A kernel 4x slower than the best at some rows is not timed at larger ones."""
-    layer_bytes = sum(o * i for o, i in shapes) * 4
-    copies = max(1, min(num_layers, -(-STREAM_BYTES // max(layer_bytes, 1))))
+def measure(dtype: torch.dtype, shapes: list[tuple[int, int, int]], kernels: list[str],
+            rows_list=CANDIDATE_ROWS) -> dict[str, dict[str, dict[int, float]]]:
+    """Seconds of one pass over ``copies`` distinct weights of each (out, in, copies) shape, per
+    shape, kernel and rows: {"OUTxIN": {kernel: {rows: s}}}. A kernel 4x slower than the best for a
+    shape at some rows is not timed at larger ones."""
     gen = torch.Generator().manual_seed(0)
-    weights = [[(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for o, i in shapes] for _ in range(copies)]
-    out: dict[str, dict[int, float]] = {k: {} for k in kernels}
-    fns = {k: [[prepare(k, w) for w in layer] for layer in weights] for k in kernels}
-    live = list(kernels)
-    for rows in rows_list:
-        xs = [torch.randn(rows, i, generator=gen).to(dtype) for _, i in shapes]
-        live = [k for k in live if k != "own" or rows <= OWN_MAX_ROWS]
-        for k in live:
-            out[k][rows] = _time(lambda k=k: [f(x) for layer in fns[k] for f, x in zip(layer, xs)])
-        best = min(out[k][rows] for k in live)
-        keep = [k for k in live if out[k][rows] <= 4 * best]
-        if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest
-            keep.append(min((k for k in live if k != "own"), key=lambda k: out[k][rows]))
-        live = keep
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for o, i, copies in shapes:
+        weights = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for _ in range(copies)]
+        fns = {k: [prepare(k, w) for w in weights] for k in kernels}
+        times: dict[str, dict[int, float]] = {k: {} for k in kernels}
+        live = list(kernels)
+        for rows in rows_list:
+            x = torch.randn(rows, i, generator=gen).to(dtype)
+            live = [k for k in live if k != "own" or rows <= OWN_MAX_ROWS]
+            for k in live:
+                times[k][rows] = _time(lambda fs=fns[k]: [f(x) for f in fs])
+            best = min(times[k][rows] for k in live)
+            keep = [k for k in live if times[k][rows] <= 4 * best]
+            if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest
+                keep.append(min((k for k in live if k != "own"), key=lambda k: times[k][rows]))
+            live = keep
+        out[f"{o}x{i}"] = times
+        del weights, fns
     return out
 
 
@@ -203,33 +233,8 @@ def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optio
     return True
 
 
-def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int,
-               fp32_rows: Optional[int] = None, small_rows: Optional[int] = None) -> GemmPlan:
-    """The plan for a CPU engine of ``dtype`` whose layers have these (out, in) weight shapes."""
-    kernels = candidates(dtype, fp32_rows, small_rows)
-    if dtype == torch.bfloat16 and fp32_rows is not None and small_rows is not None:  # fully given: nothing to measure
-        choice = {}
-        bounds = {1, OWN_MAX_ROWS + 1, *([small_rows + 1] if small_rows else []), *([fp32_rows] if fp32_rows else [])}
-        for r in sorted(bounds):
-            choice[r] = next((k for k in ("own", "fp32") if k in kernels and _allowed(k, r, fp32_rows, small_rows)),
-                             _bf16_base())
-        return GemmPlan(_segments(choice), "fixed")
-    if kernels == ["linear"]:
-        return PLAIN
-    cap = cpu_capability()
-    own = cpu_build.module_name("bf16_gemm", cpu_gemm.SOURCE) if "own" in kernels else "-"  # new source: new key
-    key = (f"{cap.cpu_model}|{cap.kernel_isa}|{own}|bf16 {cap.onednn_bf16}|torch {torch.__version__}|threads "
-           f"{torch.get_num_threads()}|{str(dtype)}|{sorted(shapes)}|layers {num_layers}|{','.join(kernels)}")
-    cached = _read_cache().get("plans", {}).get(key)
-    if cached is not None:
-        timings = {k: {int(r): s for r, s in v.items()} for k, v in cached["timings"].items()}
-        how = "cached"
-    else:
-        t0 = time.perf_counter()
-        stored = _store_first(key, {"timings": measure(dtype, shapes, num_layers, kernels)})
-        timings = {k: {int(r): s for r, s in v.items()} for k, v in stored["timings"].items()}
-        how = "measured"
-        logger.info("measured CPU GEMM kernels for %s in %.2fs", dtype, time.perf_counter() - t0)
+def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows: Optional[int],
+            small_rows: Optional[int], how: str) -> GemmPlan:
     # explicit bounds are honoured at their own row counts, timed as the candidate just below
     points = sorted({*CANDIDATE_ROWS, OWN_MAX_ROWS + 1, *([fp32_rows] if fp32_rows else []),
                      *([small_rows + 1] if small_rows else [])})
@@ -239,3 +244,45 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
         timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows)}
         choice[r] = min(timed, key=timed.get) if timed else (_bf16_base() if dtype == torch.bfloat16 else "linear")
     return GemmPlan(_segments(choice), how, timings)
+
+
+def _copies(shapes: list[tuple[int, int]], num_layers: int) -> int:
+    """Distinct weights per layer shape to time: as many layers as stream from memory, as in a forward."""
+    layer_bytes = sum(o * i for o, i in shapes) * 4
+    return max(1, min(num_layers, -(-STREAM_BYTES // max(layer_bytes, 1))))
+
+
+def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int,
+               fp32_rows: Optional[int] = None, small_rows: Optional[int] = None,
+               head_shape: Optional[tuple[int, int]] = None) -> GemmPlans:
+    """The plans for a CPU engine of ``dtype`` whose layers have these (out, in) weight shapes (and
+    an LM head of ``head_shape``, timed as the one weight it is): one per shape."""
+    all_shapes = list(dict.fromkeys([*shapes, *([head_shape] if head_shape else [])]))
+    kernels = candidates(dtype, fp32_rows, small_rows)
+    if dtype == torch.bfloat16 and fp32_rows is not None and small_rows is not None:  # fully given: nothing to measure
+        choice = {}
+        bounds = {1, OWN_MAX_ROWS + 1, *([small_rows + 1] if small_rows else []), *([fp32_rows] if fp32_rows else [])}
+        for r in sorted(bounds):
+            choice[r] = next((k for k in ("own", "fp32") if k in kernels and _allowed(k, r, fp32_rows, small_rows)),
+                             _bf16_base())
+        return GemmPlans(tuple((s, GemmPlan(_segments(choice), "fixed")) for s in all_shapes))
+    if kernels == ["linear"]:
+        return GemmPlans(tuple((s, PLAIN) for s in all_shapes))
+    cap = cpu_capability()
+    own = cpu_build.module_name("bf16_gemm", cpu_gemm.SOURCE) if "own" in kernels else "-"  # new source: new key
+    copies = _copies(shapes, num_layers)
+    timed_shapes = [(o, i, copies if (o, i) in shapes else 1) for o, i in all_shapes]
+    key = (f"{cap.cpu_model}|{cap.kernel_isa}|{own}|bf16 {cap.onednn_bf16}|torch {torch.__version__}|threads "
+           f"{torch.get_num_threads()}|{str(dtype)}|{timed_shapes}|{','.join(kernels)}")
+    cached = _read_cache().get("plans", {}).get(key)
+    how = "cached"
+    if cached is None:
+        t0 = time.perf_counter()
+        cached = _store_first(key, {"timings": measure(dtype, timed_shapes, kernels)})
+        how = "measured"
+        logger.info("measured CPU GEMM kernels for %s in %.2fs", dtype, time.perf_counter() - t0)
+    plans = []
+    for o, i in all_shapes:
+        timings = {k: {int(r): t for r, t in v.items()} for k, v in cached["timings"][f"{o}x{i}"].items()}
+        plans.append(((o, i), _choose(timings, dtype, fp32_rows, small_rows, how)))
+    return GemmPlans(tuple(plans))
