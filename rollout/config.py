@@ -47,6 +47,8 @@ class EngineConfig:
     # compiler, then cached) instead of gathering them for SDPA; machines without a compiler keep
     # the gather path
     cpu_paged_attention: bool = True
+    # CPU: RMSNorm in one C++ call per norm (rollout.layers.cpu_norm) instead of five torch operators
+    cpu_fused_norm: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

@@ -23,6 +23,7 @@ from rollout.layers import paged_decode_cpu
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.cpu_capability import cpu_capability
 from rollout.layers.cpu_plan import GemmPlans, plan_gemms
+from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import COPY_KERNELS, LOADER_HOOKS, PackedWeight, RowParallelLinear, pack_weight
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
@@ -175,6 +176,10 @@ class ModelRunner:
         # CPU: the in-place kernel (fp32 softmax and sums, one rounding) for every cache dtype
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (
             device.type == "cpu" and config.cpu_paged_attention and paged_decode_cpu.load() is not None)
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.use_cpu_kernel = (device.type == "cpu" and config.cpu_fused_norm
+                                         and paged_decode_cpu.load() is not None)
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
         self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change

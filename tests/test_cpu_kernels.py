@@ -32,7 +32,7 @@ def qwen_path(model_dir):
 
 @pytest.fixture(scope="module")
 def engines(qwen_path):
-    kw = dict(dtype="bfloat16", kv_cache_tokens=1024)
+    kw = dict(dtype="bfloat16", kv_cache_tokens=1024, cpu_fused_norm=False)  # GEMM kernels alone differ
     with RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=0, **kw) as base, \
             RolloutEngine(qwen_path, cpu_fp32_gemm_rows=1, cpu_small_gemm_rows=0, **kw) as wide, \
             RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=64, **kw) as own, \
@@ -138,6 +138,29 @@ def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
         assert ((F.linear(x, w, b).double() - ref).abs() <= ulp).all()
         y32 = cpu_gemm.bf16_linear(x.float(), w, b.float())  # fp32 activations: fp32 out, no rounding
         assert y32.dtype == torch.float32 and ((y32.double() - ref).abs() <= 1e-5 * ref.abs().clamp(min=1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_rounds_where_the_torch_path_rounds(dtype):
+    """The C++ RMSNorm against the torch path it replaces: the same values up to the order of the
+    sum of squares (fp32: a few ulp; bf16: at most one bf16 rounding step apart, almost all equal)."""
+    from rollout.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    for rows, h in ((1, 576), (7, 64), (33, 131)):
+        norm = RMSNorm(h, 1e-5, dtype)
+        norm.weight.copy_(torch.randn(h, generator=g))
+        x = (3 * torch.randn(rows, h, generator=g)).to(dtype)
+        ref = norm(x)
+        norm.use_cpu_kernel = True
+        out = norm(x)
+        assert out.dtype == dtype and out.shape == ref.shape
+        if dtype == torch.float32:
+            assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+        else:
+            apart = (out.float() - ref.float()).abs() > 0
+            assert apart.float().mean() < 0.02
+            assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
 
 
 def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds(tmp_path, monkeypatch):

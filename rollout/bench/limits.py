@@ -288,6 +288,9 @@ def summary_lines(result: dict) -> list[str]:
     lines = [f"{result['config']['model']} {result['config']['dtype']}: weights {result['weight_bytes'] / 1e6:.0f} MB, "
              f"read {result['memory']['read_gb_s']:.1f} GB/s -> weight read {1e3 * result['weight_read_s']:.1f} ms, "
              f"copy {result['memory']['copy_gb_s']:.1f} GB/s"]
+    first = next(iter(result["gemm"].values()))["shapes"]
+    lines.append("  GEMM kernels timed (every one the engine can dispatch to here): "
+                 + ", ".join(next(iter(first.values()))["kernels_s"]))
     for b, g in result["gemm"].items():
         line = f"  batch {b:>4}: GEMM-only step {1e3 * g['gemm_step_s']:8.1f} ms"
         if "engine" in result:

@@ -58,11 +58,12 @@ def build(name: str, source: str, functions: list[str]) -> Optional[object]:
 
 def kernels() -> Optional[object]:
     """Every C++ CPU kernel of the project in one extension (one compile, ~30 s, then cached):
-    ``paged_decode`` (``rollout.layers.paged_decode_cpu``) and ``bf16_linear``
-    (``rollout.layers.cpu_gemm``). None where it cannot be built."""
-    from rollout.layers import cpu_gemm, paged_decode_cpu
+    ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear`` (``rollout.layers.cpu_gemm``)
+    and ``rms_norm`` (``rollout.layers.cpu_norm``). None where it cannot be built."""
+    from rollout.layers import cpu_gemm, cpu_norm, paged_decode_cpu
 
-    return build("cpu_kernels", paged_decode_cpu.SOURCE + cpu_gemm.SOURCE, ["paged_decode", "bf16_linear"])
+    return build("cpu_kernels", paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE,
+                 ["paged_decode", "bf16_linear", "rms_norm"])
 
 
 def build_error(name: str = "cpu_kernels") -> Optional[str]:
