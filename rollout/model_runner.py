@@ -19,7 +19,7 @@ from torch import nn
 
 from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
-from rollout.layers import paged_decode_cpu
+from rollout.layers import cpu_build
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.cpu_capability import cpu_capability
 from rollout.layers.cpu_plan import GemmPlans, plan_gemms
@@ -174,12 +174,11 @@ class ModelRunner:
                                      attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
         # CPU: the in-place kernel (fp32 softmax and sums, one rounding) for every cache dtype
-        self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (
-            device.type == "cpu" and config.cpu_paged_attention and paged_decode_cpu.load() is not None)
+        cpu_kernels = device.type == "cpu" and cpu_build.kernels() is not None  # the C++ kernels built here
+        self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (cpu_kernels and config.cpu_paged_attention)
         for module in self.model.modules():
             if isinstance(module, RMSNorm):
-                module.use_cpu_kernel = (device.type == "cpu" and config.cpu_fused_norm
-                                         and paged_decode_cpu.load() is not None)
+                module.use_cpu_kernel = cpu_kernels and config.cpu_fused_norm
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
         self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change
