@@ -54,17 +54,14 @@ def machine() -> dict:
     """Where and with what a result was measured."""
     import importlib.metadata as md
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):  # not Linux: platform's answer stands
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     versions = {}
     for pkg in ("torch", "transformers", "deepspeed", "triton"):
         with contextlib.suppress(md.PackageNotFoundError):  # an optional package that is not installed
             versions[pkg] = md.version(pkg)
     from rollout.layers.cpu_capability import cpu_capability
 
-    info = {"cpu": cpu, "cpu_capability": cpu_capability().as_dict(),
+    cap = cpu_capability()  # the CPU read once, for the engine and every result alike
+    info = {"cpu": cap.cpu_model, "cpu_capability": cap.as_dict(),
             "openmp_env": {k: os.environ.get(k) for k in OPENMP_VARS}, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions,
