@@ -60,6 +60,9 @@ def kernels() -> Optional[object]:
     """Every C++ CPU kernel of the project in one extension (one compile, ~30 s, then cached):
     ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear`` (``rollout.layers.cpu_gemm``)
     and ``rms_norm`` (``rollout.layers.cpu_norm``). None where it cannot be built."""
+    built = _built.get("cpu_kernels")  # every linear layer asks: the hot path is one dict lookup
+    if built is not None:
+        return built
     from rollout.layers import cpu_gemm, cpu_norm, paged_decode_cpu
 
     return build("cpu_kernels", paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE,
