@@ -4,13 +4,13 @@
 what torch dispatches to (``torch.backends.cpu.get_cpu_capability()``) and whether oneDNN runs
 bf16 GEMMs natively (AVX512-BF16 or AMX) rather than by converting to fp32 and back (on AVX2-only
 CPUs a bf16 GEMM is several times slower than an fp32 one). It also says which instruction set the
-project's own C++ kernels are compiled for (``kernel_isa``): ``avx512`` (AVX-512 F/BW/VL), ``avx2``
-(AVX2 + FMA + F16C) or ``generic``. The build flags name that ISA explicitly (never
-``-march=native``) and so does the build cache, so a build made on one processor is never loaded
-on another.
+project's own C++ kernels run (``kernel_isa``): ``avx512`` (AVX-512 F/BW/VL), ``avx2``
+(AVX2 + FMA + F16C) or ``generic``. One build holds a variant of every one
+(``rollout.layers.cpu_build``), chosen at run time from this CPU's flags, so a build made on one
+processor never runs instructions another lacks.
 
 ``ROLLOUT_CPU_ISA=avx2`` (or ``generic``) caps ``kernel_isa`` below what the CPU has, so a machine
-with AVX-512 can build and test the AVX2 kernels too; ``ROLLOUT_CPU_NATIVE_BF16=0`` makes the
+with AVX-512 runs (and tests) the AVX2 kernels too; ``ROLLOUT_CPU_NATIVE_BF16=0`` makes the
 engine plan its GEMMs as on a CPU without native bf16 (the fp32-compute path), for the same reason.
 """
 
@@ -27,9 +27,6 @@ import torch
 KERNEL_ISAS = ("generic", "avx2", "avx512")
 # the ISA extensions that decide kernels, as /proc/cpuinfo spells them
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile")
-_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
-              "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
-_ISA_LANES = {"avx512": 16, "avx2": 8, "generic": 4}
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class CpuCapability:
     flags: tuple[str, ...]  # which of _FLAGS this CPU has
     onednn_bf16: bool  # oneDNN runs bf16 GEMMs natively (not by conversion)
     amx: bool  # bf16 matrix units
-    kernel_isa: str  # what the project's C++ kernels are built for (see module docstring)
+    kernel_isa: str  # which variant of the project's C++ kernels runs (see module docstring)
 
     @property
     def native_bf16(self) -> bool:
@@ -47,14 +44,10 @@ class CpuCapability:
         return self.onednn_bf16
 
     @property
-    def compile_flags(self) -> list[str]:
-        """Compiler flags for ``kernel_isa``: the exact extensions, no ``-march=native``."""
-        return list(_ISA_FLAGS[self.kernel_isa])
-
-    @property
-    def vector_lanes(self) -> int:
-        """fp32 lanes of one vector register of ``kernel_isa``."""
-        return _ISA_LANES[self.kernel_isa]
+    def runnable_isas(self) -> tuple[str, ...]:
+        """The kernel ISAs this CPU can run (``kernel_isa`` and every one below it; ``ROLLOUT_CPU_ISA``
+        lowers ``kernel_isa``, not these)."""
+        return KERNEL_ISAS[: KERNEL_ISAS.index(_best_isa(set(self.flags))) + 1]
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -64,7 +57,7 @@ class CpuCapability:
 
     def describe(self) -> str:
         return (f"{self.cpu_model}: torch {self.torch_isa}, oneDNN bf16 {'native' if self.onednn_bf16 else 'by conversion'}"
-                f"{', AMX' if self.amx else ''}; own kernels built for {self.kernel_isa}")
+                f"{', AMX' if self.amx else ''}; own kernels: {self.kernel_isa}")
 
 
 def _cpuinfo() -> tuple[str, set[str]]:

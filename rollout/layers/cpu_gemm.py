@@ -13,8 +13,8 @@ the activation dtype (round to nearest even, as torch); inputs are widened and o
 the kernel, not by torch operators around it (two fewer operators per linear layer). Parallel over
 tiles of output features with ``at::parallel_for``.
 
-Built for the CPU's kernel ISA (``rollout.layers.cpu_build``): vectors of
-``ROLLOUT_LANES`` floats (AVX-512: 16, AVX2: 8) through GCC's vector extensions.
+Compiled once per kernel ISA, the CPU's variant chosen at run time (``rollout.layers.cpu_build``):
+vectors of ``ROLLOUT_LANES`` floats (AVX-512: 16, AVX2: 8, generic: 4) through GCC's vector extensions.
 """
 
 from __future__ import annotations
@@ -26,13 +26,6 @@ import torch
 from rollout.layers import cpu_build
 
 SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
 namespace {
 
 constexpr int L = ROLLOUT_LANES;
@@ -55,11 +48,11 @@ inline vf widen(const uint16_t* p) {        // bf16 -> fp32: the 16 bits become 
 inline float widen1(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }  // fixed order
 
-// acc[i * NB + r] += x[i, 0:kc] . wf[r, 0:kc] for i < R rows (x rows K apart), kc a multiple of L
+// sum vector i * NB + r of acc += x[i, 0:kc] . wf[r, 0:kc] for i < R rows (x rows K apart), kc a multiple of L
 template <int R>
-inline void block(const float* x, int64_t K, const float* wf, int64_t kc, vf* acc) {
+inline void block(const float* x, int64_t K, const float* wf, int64_t kc, float* acc) {
   vf a[R][NB];
-  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) a[i][r] = acc[i * NB + r];
+  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) a[i][r] = loadf(acc + (i * NB + r) * L);
   for (int64_t k = 0; k < kc; k += L) {
     vf wv[NB];
     for (int r = 0; r < NB; ++r) wv[r] = loadf(wf + r * KC + k);
@@ -68,7 +61,7 @@ inline void block(const float* x, int64_t K, const float* wf, int64_t kc, vf* ac
       for (int r = 0; r < NB; ++r) a[i][r] += xv * wv[r];
     }
   }
-  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) acc[i * NB + r] = a[i][r];
+  for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) storef(acc + (i * NB + r) * L, a[i][r]);
 }
 
 inline void put(float* y, int64_t i, float v) { y[i] = v; }
@@ -112,10 +105,10 @@ void gemm(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t 
   const int64_t tiles = (N + NB - 1) / NB, kv = K / L * L;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> wf(NB * KC);
-    std::vector<vf> acc(M * NB);
+    std::vector<float> acc(M * NB * L);  // the sums' vectors (float storage: no over-aligned allocation)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
-      std::fill(acc.begin(), acc.end(), vf{});
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t k0 = 0; k0 < kv; k0 += KC) {
         const int64_t kc = std::min<int64_t>(KC, kv - k0);
         for (int r = 0; r < NB; ++r) {
@@ -131,14 +124,14 @@ void gemm(const float* x, const uint16_t* w, const float* bias, Out* y, int64_t 
           }
         }
         int64_t m = 0;
-        for (; m + MB <= M; m += MB) block<MB>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
-        if (M - m == 3) block<3>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
-        if (M - m == 2) block<2>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
-        if (M - m == 1) block<1>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB);
+        for (; m + MB <= M; m += MB) block<MB>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+        if (M - m == 3) block<3>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+        if (M - m == 2) block<2>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+        if (M - m == 1) block<1>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < nb; ++r) {
-          float s = hsum(acc[m * NB + r]);
+          float s = hsum(loadf(acc.data() + (m * NB + r) * L));
           const uint16_t* wr = w + (n0 + r) * K;
           for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * widen1(wr[k]);  // columns past the last vector
           put(y, m * N + n0 + r, bias ? s + bias[n0 + r] : s);

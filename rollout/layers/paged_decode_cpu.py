@@ -25,14 +25,6 @@ from typing import Optional
 import torch
 
 SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
 namespace {
 
 // Vectors of ROLLOUT_LANES floats (the build's ISA: AVX-512 16, AVX2 8) through GCC's vector
