@@ -76,7 +76,10 @@ def _git_commit() -> Optional[str]:
     try:
         out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10)
-        return out.stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = out.stdout.strip()
+        return (commit + ("+uncommitted" if dirty else "")) or None  # a run of a changed tree says so
     except (OSError, subprocess.SubprocessError):
         return None
 
