@@ -49,6 +49,9 @@ class EngineConfig:
     cpu_paged_attention: bool = True
     # CPU: RMSNorm in one C++ call per norm (rollout.layers.cpu_norm) instead of five torch operators
     cpu_fused_norm: bool = True
+    # CPU decode steps: rotary and the K/V cache write in one C++ call per layer (rollout.layers.cpu_rope)
+    # instead of four rotary operators and two index_copy_ (the same bits)
+    cpu_fused_rope: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

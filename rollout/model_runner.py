@@ -179,6 +179,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, RMSNorm):
                 module.use_cpu_kernel = cpu_kernels and config.cpu_fused_norm
+            if hasattr(module, "fused_rope"):  # decode steps read K/V through the kernel: written by it too
+                module.fused_rope = cpu_kernels and config.cpu_fused_rope and self.use_paged_kernel
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
         self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change

@@ -309,3 +309,58 @@ def test_bf16_decode_through_the_kernel_is_as_precise_as_the_gather_path(qwen_pa
             diffs = [abs(x - y) for o, r in zip(outs, scored) for x, y in zip(o.output_logprobs, r.output_logprobs)]
             worst[kernel], mean[kernel] = max(diffs), sum(diffs) / len(diffs)
     assert worst[True] < 0.15 and mean[True] < 1.3 * mean[False] + 0.002, (worst, mean)
+
+
+def _torch_rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, hq, hkv):
+    """The torch path the fused call replaces (``LlamaAttention`` + ``PagedAttention`` at decode)."""
+    from rollout.layers.rotary import apply_rotary
+
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    qk = apply_rotary(qkv[:, : (hq + hkv) * d].view(t, -1, d), cos, sin)
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, qk[:, hq:])
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+    return qk[:, :hq].contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_and_kv_write_is_the_torch_path_bit_for_bit(dtype):
+    """One C++ call rotates q and k and writes k and v into their slots: the same bits as the four
+    rotary operators and two index_copy_ calls it replaces, in every ISA variant this CPU runs; a
+    slot outside the cache is refused before anything is written."""
+    from rollout.layers import cpu_build
+    from rollout.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, blocks, bs = 9, 3, 64, 6, 4
+    rotary = RotaryEmbedding(d, 256, 10000.0, None)
+    for rows in (1, 5, 19):
+        qkv = (3 * torch.randn(rows, (hq + 2 * hkv) * d, generator=g)).to(dtype)
+        cos, sin = rotary.tables(torch.randint(0, 256, (rows,), generator=g), dtype)
+        slots = torch.randperm(blocks * bs, generator=g)[:rows]
+        caches = torch.randn(2, blocks, bs, hkv, d, generator=g).to(dtype)
+        want = caches.clone()
+        q_want = _torch_rope_and_cache(qkv, cos, sin, want[0], want[1], slots, hq, hkv)
+        for isa in cpu_capability().runnable_isas:
+            got = caches.clone()
+            q = cpu_build.kernels_for(isa).rope_and_cache(qkv, cos, sin, got[0], got[1], slots, hq, hkv)
+            assert torch.equal(q, q_want) and torch.equal(got, want), (isa, rows)
+    bad = slots.clone()
+    bad[-1] = blocks * bs
+    before = caches.clone()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_build.kernels().rope_and_cache(qkv, cos, sin, caches[0], caches[1], bad, hq, hkv)
+    assert torch.equal(caches, before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_with_the_fused_rotary_is_bitwise_the_torch_path(qwen_path, dtype):
+    """The engine's decode steps with the fused rotary + KV write and without: the same tokens and
+    logprobs to the bit (q/k/v biases included)."""
+    prompts = random_prompts(300, [9, 30, 4, 17], seed=3)
+    outs = {}
+    for fused in (True, False):
+        with RolloutEngine(qwen_path, dtype=dtype, kv_cache_tokens=1024, cpu_fused_rope=fused) as e:
+            layers = e.worker.model_runner.model.model.layers
+            assert all(layer.self_attn.fused_rope == fused for layer in layers)
+            outs[fused] = _outputs(e, prompts)
+    assert outs[True] == outs[False]

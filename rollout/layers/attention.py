@@ -125,6 +125,14 @@ class PagedAttention(nn.Module):
             out.index_copy_(0, meta.decode_rows, od.reshape(bd, self.num_heads, self.head_dim))
         return self._prefill(q, k, v, k_flat, v_flat, meta, out)
 
+    def decode_from_cache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """A plain decode step (``meta.all_decode``, the paged kernel on) whose new K/V are in the
+        cache already (``rollout.layers.cpu_rope``): q [T, Hq, D] -> [T, Hq*D]."""
+        kernel = self._paged_kernel(q, k_cache, v_cache, meta)
+        assert kernel is not None and meta.all_decode, "decode_from_cache: a decode step on the paged kernel only"
+        return kernel(q).view(q.shape[0], self.num_heads * self.head_dim)
+
     def _paged_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
         """The decode attention that reads KV blocks in place (CUDA: Triton, no sliding window; CPU:
         C++), as ``f(decode queries) -> outputs``; None: gather + SDPA."""

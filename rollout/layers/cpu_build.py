@@ -1,6 +1,6 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
-The kernels (``paged_decode``, ``bf16_linear``, ``rms_norm``) are C++ compiled on first use with the
+The kernels (``paged_decode``, ``bf16_linear``, ``rms_norm``, ``rope_and_cache``) are C++ compiled on first use with the
 machine's compiler (``torch.utils.cpp_extension.load_inline``, cached under
 ``TORCH_EXTENSIONS_DIR``). Their source is compiled once per instruction set of
 ``cpu_capability.KERNEL_ISAS`` in one translation unit: each copy in its own namespace under
@@ -24,7 +24,7 @@ from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
 
 logger = logging.getLogger(__name__)
 
-FUNCTIONS = ("paged_decode", "bf16_linear", "rms_norm")
+FUNCTIONS = ("paged_decode", "bf16_linear", "rms_norm", "rope_and_cache")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
@@ -70,9 +70,9 @@ def module_name(name: str, source: str) -> str:
 
 
 def _source() -> str:
-    from rollout.layers import cpu_gemm, cpu_norm, paged_decode_cpu
+    from rollout.layers import cpu_gemm, cpu_norm, cpu_rope, paged_decode_cpu
 
-    return combined_source(paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE)
+    return combined_source(paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE)
 
 
 def _module() -> Optional[object]:
@@ -96,7 +96,7 @@ def _module() -> Optional[object]:
 
 
 def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
-    """The kernels of one ISA variant (``paged_decode``, ``bf16_linear``, ``rms_norm``). Only ISAs
+    """The kernels of one ISA variant (``FUNCTIONS``). Only ISAs
     this CPU runs are given out (one above it would die on an illegal instruction)."""
     found = _dispatch.get(isa)
     if found is not None:
@@ -114,7 +114,8 @@ def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
 def kernels() -> Optional[types.SimpleNamespace]:
     """Every C++ CPU kernel of the project (one compile, ~40 s, then cached), the variant of this
     CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``
-    (``rollout.layers.cpu_gemm``) and ``rms_norm`` (``rollout.layers.cpu_norm``). None where it
+    (``rollout.layers.cpu_gemm``), ``rms_norm`` (``rollout.layers.cpu_norm``) and ``rope_and_cache``
+    (``rollout.layers.cpu_rope``). None where it
     cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.layers import cpu_rope
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -33,12 +34,18 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
+        self.fused_rope = False  # set by the ModelRunner on CPU (rollout.layers.cpu_rope)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         """rope: ``RotaryEmbedding.tables`` of this forward's positions."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.fused_rope and meta.all_decode and meta.use_paged_kernel and not self.qk_norm:
+            # a CPU decode step: rotary and the K/V write in one call, attention from the cache
+            q = cpu_rope.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+                                        self.num_kv_heads)
+            return self.o_proj(self.attn.decode_from_cache(q, kv_cache[0], kv_cache[1], meta))
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
