@@ -17,34 +17,20 @@ import torch
 SOURCE = r"""
 namespace {
 
-inline float rwiden(float v) { return v; }
-inline float rwiden(at::BFloat16 v) {
-  uint32_t u = static_cast<uint32_t>(v.x) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-// a product or sum rounded to T, as torch rounds each operator's result (bf16: nearest even); the
-// empty asm keeps fp32 products from being contracted into an FMA with the sum (torch rounds both)
+// nwiden / nround / nstore: rollout.layers.cpu_norm's (its source precedes this one in the build).
+// A product or sum rounded to T, as torch rounds each operator's result; for fp32 the empty asm keeps
+// a product from being contracted into an FMA with the sum (torch rounds both).
 inline float rround(float v, const float*) { asm volatile("" : "+x"(v)); return v; }
-inline float rround(float v, const at::BFloat16*) {
-  uint32_t u; std::memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  float f; std::memcpy(&f, &u, 4); return f;
-}
-inline void rstore(float* p, float v) { *p = v; }
-inline void rstore(at::BFloat16* p, float v) {  // round to nearest even, as torch
-  uint32_t u; std::memcpy(&u, &v, 4);
-  p->x = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
-                                        : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+inline float rround(float v, const at::BFloat16*) { return nround(v, static_cast<at::BFloat16*>(nullptr)); }
 
 // out = x * cos + roll(x, D / 2) * signed_sin, each product and the sum rounded to T
 template <typename T>
 inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; ++d) {
-    const float a = rround(rwiden(x[d]) * rwiden(c[d]), x);
-    const float b = rround(rwiden(x[d < half ? d + half : d - half]) * rwiden(s[d]), x);
-    rstore(out + d, a + b);
+    const float a = rround(nwiden(x[d]) * nwiden(c[d]), x);
+    const float b = rround(nwiden(x[d < half ? d + half : d - half]) * nwiden(s[d]), x);
+    nstore(out + d, a + b);
   }
 }
 
