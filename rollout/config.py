@@ -39,7 +39,8 @@ class EngineConfig:
     # bf16; +2x the weight bytes), or the project's C++ kernel that reads bf16 weights in place (small
     # batches). Copies are rebuilt lazily after every weight change. cpu_packed_weights=False: plain
     # F.linear everywhere. cpu_fp32_gemm_rows: fp32 copies only from this many rows (None: measured;
-    # 0: never); cpu_small_gemm_rows: the C++ kernel only up to this many rows (None: measured; 0: never).
+    # 0: never); cpu_small_gemm_rows: the C++ kernel (bf16 or fp32 weights) only up to this many rows
+    # (None: measured; 0: never).
     cpu_packed_weights: bool = True
     cpu_fp32_gemm_rows: Optional[int] = None
     cpu_small_gemm_rows: Optional[int] = None

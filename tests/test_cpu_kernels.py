@@ -136,6 +136,10 @@ def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
         assert ((F.linear(x, w, b).double() - ref).abs() <= ulp).all()
         y32 = cpu_gemm.bf16_linear(x.float(), w, b.float())  # fp32 activations: fp32 out, no rounding
         assert y32.dtype == torch.float32 and ((y32.double() - ref).abs() <= 1e-5 * ref.abs().clamp(min=1)).all()
+        w32 = torch.randn(n, k, generator=g)  # fp32 weights (an fp32 engine's small batches)
+        ref32 = x.double() @ w32.double().T + b.double()
+        y32 = cpu_gemm.bf16_linear(x.float(), w32, b.float())
+        assert y32.dtype == torch.float32 and ((y32.double() - ref32).abs() <= 1e-5 * ref32.abs().clamp(min=1)).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

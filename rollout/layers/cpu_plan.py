@@ -8,8 +8,8 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
 - ``fp32``: oneDNN over an fp32 copy of a bf16 ``W`` (bf16 products are exact in fp32: only the
   summation order moves; the input is widened, the output rounded back). Without native bf16
   GEMMs this is the fast path from a few rows up; it doubles the weights' memory;
-- ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 ``W`` as it is and
-  accumulates in fp32 (small batches: the fewest bytes read, fp32 FMA speed).
+- ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 (or fp32) ``W`` as it
+  is and accumulates in fp32 (small batches: the fewest bytes read, streamed with prefetch).
 
 ``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) for each
 weight shape of the model (as many distinct weights as it takes to stream them from memory, as in
@@ -208,13 +208,14 @@ def candidates(dtype: torch.dtype, fp32_rows: Optional[int], small_rows: Optiona
     """The kernels a CPU engine of ``dtype`` may use here."""
     if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
         return ["linear"]
+    own = small_rows != 0 and cpu_gemm.load() is not None
     if dtype == torch.float32:
-        return ["linear", "onednn"]
+        return ["linear", "onednn", *(["own"] if own else [])]
     # oneDNN packs bf16 weights only where it has native bf16; elsewhere the base is plain F.linear
     out = [_bf16_base()]
     if fp32_rows != 0:
         out.append("fp32")
-    if small_rows != 0 and cpu_gemm.load() is not None:
+    if own:
         out.append("own")
     return out
 
