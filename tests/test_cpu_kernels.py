@@ -175,6 +175,8 @@ def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds
     for shape in [*shapes, head]:
         plan = plans.for_shape(shape)
         assert plan.how == "measured" and set(plan.timings) == set(cpu_plan.candidates(torch.bfloat16, None, None))
+        for k in set(plan.timings) - set(cpu_plan.PRUNABLE) - {"own"}:  # oneDNN's kernels: timed at every row count
+            assert set(plan.timings[k]) == set(cpu_plan.CANDIDATE_ROWS), k
         for rows in cpu_plan.CANDIDATE_ROWS:  # the fastest timed kernel at each candidate row count
             timed = {k: t[rows] for k, t in plan.timings.items() if rows in t and (k != "own" or rows <= 64)}
             assert plan.kernel_for(rows) == min(timed, key=timed.get)

@@ -45,7 +45,8 @@ KERNELS = ("linear", "onednn", "fp32", "own")
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3  # 3: oneDNN's kernels timed at every row count (plans cached before could lack them)
+PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower than the best
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,11 @@ def _time(fn: Callable[[], object], repeats: int = 3) -> float:
 def measure(dtype: torch.dtype, shapes: list[tuple[int, int, int]], kernels: list[str],
             rows_list=CANDIDATE_ROWS) -> dict[str, dict[str, dict[int, float]]]:
     """Seconds of one pass over ``copies`` distinct weights of each (out, in, copies) shape, per
-    shape, kernel and rows: {"OUTxIN": {kernel: {rows: s}}}. A kernel 4x slower than the best for a
-    shape at some rows is not timed at larger ones."""
+    shape, kernel and rows: {"OUTxIN": {kernel: {rows: s}}}. Plain ``F.linear`` 4x slower than the best
+    for a shape at some rows is not timed at larger ones (it only falls further behind: the bf16 one
+    without native bf16 converts every call). oneDNN's kernels are timed at every row count: they
+    are the large-batch kernels, and slow at one row says nothing of 256 (a 4x cut there once made
+    an engine run bf16 ``F.linear`` at 224 rows, 538 ms a step of 1.4 s)."""
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[str, dict[int, float]]] = {}
     for o, i, copies in shapes:
@@ -157,7 +161,7 @@ def measure(dtype: torch.dtype, shapes: list[tuple[int, int, int]], kernels: lis
             for k in live:
                 times[k][rows] = _time(lambda fs=fns[k]: [f(x) for f in fs])
             best = min(times[k][rows] for k in live)
-            keep = [k for k in live if times[k][rows] <= 4 * best]
+            keep = [k for k in live if k not in PRUNABLE or times[k][rows] <= 4 * best]
             if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest
                 keep.append(min((k for k in live if k != "own"), key=lambda k: times[k][rows]))
             live = keep
