@@ -1,21 +1,23 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
 The kernels (``paged_decode``, ``bf16_linear``, ``rms_norm``, ``rope_and_cache``) are C++ compiled on first use with the
-machine's compiler (``torch.utils.cpp_extension.load_inline``, cached under
-``TORCH_EXTENSIONS_DIR``). Their source is compiled once per instruction set of
-``cpu_capability.KERNEL_ISAS`` in one translation unit: each copy in its own namespace under
-``#pragma GCC target`` naming the ISA's extensions exactly (never ``-march=native``), with vectors of
-that ISA's width (``ROLLOUT_LANES``). Which copy runs is decided at run time by the CPU that runs it
-(``cpu_capability().kernel_isa``), so one build serves every processor it may be found on, and a
-machine tests the variants below its own in the same process (``kernels_for``). No
+machine's compiler (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their
+source is compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
+translation unit and namespace under ``#pragma GCC target`` naming the ISA's extensions exactly (never
+``-march=native``), with vectors of that ISA's width (``ROLLOUT_LANES``); a last unit holds the Python
+bindings. The units include only the ATen headers they use (``torch/extension.h`` alone costs ~45 s
+of compiler time) and ninja compiles them side by side. Which copy runs is decided at run time by the
+CPU that runs it (``cpu_capability().kernel_isa``), so one build serves every processor it may be
+found on, and a machine tests the variants below its own in the same process (``kernels_for``). No
 ``-ffast-math``: no licence to reassociate sums or approximate functions; results are the same on
 every CPU that runs the same variant.
 """
-
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import threading
 import types
 from typing import Optional
@@ -28,7 +30,9 @@ FUNCTIONS = ("paged_decode", "bf16_linear", "rms_norm", "rope_and_cache")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
-_HEADER = """#include <torch/extension.h>
+# what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for
+_HEADER = """#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -36,6 +40,7 @@ _HEADER = """#include <torch/extension.h>
 #include <cstring>
 #include <vector>
 """
+_BINDING_HEADER = "#include <ATen/core/Tensor.h>\n#include <torch/csrc/utils/pybind.h>\n"
 
 _lock = threading.Lock()
 _built: dict[str, object] = {}
@@ -50,18 +55,36 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
 
 
-def combined_source(body: str) -> str:
-    """``body`` once per ISA (namespace ``rollout_<isa>``) and the Python bindings ``<fn>_<isa>``."""
-    parts = [_HEADER]
+def declarations(body: str) -> str:
+    """The C++ declaration of every function of ``FUNCTIONS`` defined in ``body`` (for the bindings'
+    unit, which sees no kernel code)."""
+    found = []
+    for fn in FUNCTIONS:
+        m = re.search(r"^(at::Tensor " + fn + r"\([^)]*\))\s*\{", body, re.M)
+        if m is None:
+            raise ValueError(f"kernel source defines no `at::Tensor {fn}(...) {{` at the start of a line")
+        found.append(m.group(1) + ";")
+    return "\n".join(found)
+
+
+def translation_units(body: str) -> dict[str, str]:
+    """``body`` once per ISA (``kernels_<isa>.cpp``, namespace ``rollout_<isa>``) and the Python
+    bindings ``<fn>_<isa>`` (``bindings.cpp``), by file name."""
+    units = {}  # the bindings first: the longest to compile, ninja starts it first
+    units["bindings.cpp"] = ""
     for isa in KERNEL_ISAS:
         target = _TARGETS[isa]
-        parts += ["#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
-                  f"#define ROLLOUT_LANES {_LANES[isa]}", f"namespace rollout_{isa} {{", body, "}",
-                  "#undef ROLLOUT_LANES", "#pragma GCC pop_options"]
+        units[f"kernels_{isa}.cpp"] = "\n".join([
+            _HEADER, "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
+            f"#define ROLLOUT_LANES {_LANES[isa]}", f"namespace rollout_{isa} {{", body, "}",
+            "#pragma GCC pop_options", ""])
+    decls = declarations(body)
+    parts = [_BINDING_HEADER] + [f"namespace rollout_{isa} {{\n{decls}\n}}" for isa in KERNEL_ISAS]
     parts.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
     parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn});' for isa in KERNEL_ISAS for fn in FUNCTIONS]
-    parts.append("}")
-    return "\n".join(parts)
+    parts += ["}", ""]
+    units["bindings.cpp"] = "\n".join(parts)
+    return units
 
 
 def module_name(name: str, source: str) -> str:
@@ -69,10 +92,34 @@ def module_name(name: str, source: str) -> str:
     return f"rollout_{name}_{digest}"
 
 
-def _source() -> str:
+def _body() -> str:
     from rollout.layers import cpu_gemm, cpu_norm, cpu_rope, paged_decode_cpu
 
-    return combined_source(paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE)
+    return paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE
+
+
+def _write_sources(module: str, units: dict[str, str]) -> list[str]:
+    """The units as files in ``<extensions dir>/<module>_src`` (written whole, then renamed into place,
+    so processes building at once never read a half-written file)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), module + "_src")
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for fname, text in units.items():
+        path = os.path.join(folder, fname)
+        try:
+            with open(path) as f:
+                same = f.read() == text
+        except OSError:
+            same = False
+        if not same:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        paths.append(path)
+    return paths
 
 
 def _module() -> Optional[object]:
@@ -84,11 +131,12 @@ def _module() -> Optional[object]:
     with _lock:
         if name not in _built and name not in _failed:
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import load
 
-                source = _source()
-                _built[name] = load_inline(module_name(name, source), cpp_sources=[source], functions=None,
-                                           extra_cflags=build_flags(), extra_ldflags=["-fopenmp"], verbose=False)
+                units = translation_units(_body())
+                module = module_name(name, "".join(units[k] for k in sorted(units)))
+                _built[name] = load(module, sources=_write_sources(module, units), extra_cflags=build_flags(),
+                                    extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler, no headers: the torch path serves
                 _failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 logger.warning("CPU kernel %s unavailable (%s); the torch path serves instead", name, _failed[name])
@@ -112,7 +160,7 @@ def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
 
 
 def kernels() -> Optional[types.SimpleNamespace]:
-    """Every C++ CPU kernel of the project (one compile, ~40 s, then cached), the variant of this
+    """Every C++ CPU kernel of the project (one build, ~25 s on two cores, then cached), the variant of this
     CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``
     (``rollout.layers.cpu_gemm``), ``rms_norm`` (``rollout.layers.cpu_norm``) and ``rope_and_cache``
     (``rollout.layers.cpu_rope``). None where it

@@ -160,7 +160,7 @@ std::vector<float> widened(const at::Tensor& t) {
   return out;
 }
 
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+at::Tensor bf16_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kBFloat16 ||
               (w.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat)),
               "weight: contiguous [N, K], bf16 (x bf16 or fp32) or fp32 (x fp32)");
@@ -175,7 +175,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
                 "bias: N bf16 or fp32 values");
     bf = widened(bias->contiguous());
   }
-  auto y = torch::empty({M, N}, rows.options());
+  auto y = rows.new_empty({M, N});
   const float* bp = bf.empty() ? nullptr : bf.data();
   if (w.scalar_type() == at::kFloat) {
     gemm(xf.data(), w.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);

@@ -64,12 +64,12 @@ void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t H, float eps) {
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.dim() == 1 && x.size(-1) == weight.size(0),
               "rms_norm: x [..., H] and weight [H] of one dtype");
   auto rows = x.contiguous();
   auto w = weight.contiguous();
-  auto y = torch::empty_like(rows);
+  auto y = rows.new_empty(rows.sizes());
   const int64_t H = w.size(0), M = rows.numel() / std::max<int64_t>(H, 1);
   if (x.scalar_type() == at::kFloat)
     rms_rows<float>(rows.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, H, static_cast<float>(eps));

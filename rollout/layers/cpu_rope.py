@@ -52,21 +52,21 @@ void rope_rows(const T* qkv, int64_t row_stride, const T* cos, const T* sin, T* 
 
 }  // namespace
 
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                             torch::Tensor v_cache, torch::Tensor slots, int64_t Hq, int64_t Hkv) {
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                             at::Tensor v_cache, at::Tensor slots, int64_t Hq, int64_t Hkv) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_and_cache: qkv [T, (Hq + 2 Hkv) D] with unit column stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
               k_cache.dim() == 4 && k_cache.size(2) == Hkv, "rope_and_cache: contiguous caches [blocks, bs, Hkv, D]");
   const int64_t T = qkv.size(0), D = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D && D % 2 == 0, "rope_and_cache: qkv width is not (Hq + 2 Hkv) D");
   auto c = cos.reshape({T, D}).contiguous(), s = sin.reshape({T, D}).contiguous();
-  auto sl = slots.to(torch::kInt64).contiguous();
+  auto sl = slots.to(at::kLong).contiguous();
   TORCH_CHECK(sl.numel() == T && c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type() &&
               k_cache.scalar_type() == qkv.scalar_type(), "rope_and_cache: one slot per row, one dtype throughout");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_and_cache: slot out of range");
-  auto q = torch::empty({T, Hq, D}, qkv.options());
+  auto q = qkv.new_empty({T, Hq, D});
   if (qkv.scalar_type() == at::kFloat)
     rope_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), q.data_ptr<float>(),
                      k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, T, Hq, Hkv, D);

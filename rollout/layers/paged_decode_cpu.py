@@ -204,17 +204,17 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 
 }  // namespace
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale, int64_t window) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                           at::Tensor lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "bad cache strides");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   q = q.contiguous();
-  tables = tables.to(torch::kInt64).contiguous();
-  lens = lens.to(torch::kInt64).contiguous();
+  tables = tables.to(at::kLong).contiguous();
+  lens = lens.to(at::kLong).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "bad head layout");
-  auto out = torch::empty_like(q);
+  auto out = q.new_empty(q.sizes());  // q is contiguous
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D,
