@@ -38,6 +38,7 @@ _HEADER = """#include <ATen/core/Tensor.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 """
 _BINDING_HEADER = "#include <ATen/core/Tensor.h>\n#include <torch/csrc/utils/pybind.h>\n"

@@ -5,7 +5,9 @@ dense copy for SDPA: at batch 256 and 140-token contexts that is ~0.8 GB written
 per step on SmolLM2, a fifth of the step (``benchmarks/NOTES.md``). This kernel walks each
 sequence's block table instead, a block at a time: one work item per sequence (all its KV heads,
 which lie side by side in the cache) or, at batches too small to share the threads, per
-(sequence, KV head); each KV head's query heads grouped (GQA without repeats), scores and
+(sequence, KV head); a block's rows widened to fp32 once for all the query heads of their KV head
+(GQA without repeats; bf16 rows in a paired lane order that needs one load and two integer
+operations per 2 vectors), register kernels for head sizes of 2-32 vectors, scores and
 softmax in fp32 (max-subtracted, as SDPA), values accumulated in fp32, one rounding to the cache
 dtype at the end. Parallel over work items with
 ``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime). Dot
@@ -35,7 +37,7 @@ typedef int32_t pvi __attribute__((vector_size(PL * 4)));
 
 inline pvf pload(const float* p) { pvf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void pstore(float* p, pvf v) { std::memcpy(p, &v, sizeof v); }
-// the lanes of v summed pairwise (halves, then quarters ...): a fixed order, a short dependency chain
+// the lanes of v summed (halves, then quarters ...): a fixed order, a short dependency chain
 inline float psum(pvf v) {
   float t[PL];
   std::memcpy(t, &v, sizeof v);
@@ -126,26 +128,127 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
+// bf16 rows widened in "paired" order: each run of 2 PL values, read as PL 32-bit words, becomes its
+// even elements (the word shifted up) then its odd ones (the word's top half): one load and two
+// integer operations per 2 PL values. Query, keys and values of a head all take this order, so
+// dot products see the same pairs; the value sums are put back in order at the end (unpair).
+inline void to_float_paired(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of 2 PL
+  const pvu top = pvu{} + 0xffff0000u;
+  for (int64_t d = 0; d < n; d += 2 * PL) {
+    pvu w;
+    std::memcpy(&w, reinterpret_cast<const uint16_t*>(src) + d, sizeof w);
+    const pvu even = w << 16, odd = w & top;
+    std::memcpy(dst + d, &even, sizeof even);
+    std::memcpy(dst + d + PL, &odd, sizeof odd);
+  }
+}
+inline int64_t unpaired(int64_t p) {  // where the value at paired position p belongs
+  const int64_t c = p / (2 * PL), j = p % (2 * PL);
+  return c * 2 * PL + (j < PL ? 2 * j : 2 * (j - PL) + 1);
+}
+
+// The lanes' sums of PL vectors as one vector (lane j: the sum of a[j]'s lanes) in psum's order —
+// each lane with the one half a vector away, then a quarter, ... — so a dot product here is bit for
+// bit dot()'s: fold<S>(a, b) adds, within a and within b, each group of S lanes to the group after it
+// (the two results side by side); PL / 2, PL / 4, ..., 1 (the shuffles: fold_shuffles()).
+@FOLDS@
+template <int S>
+inline void fold_levels(pvf* a, int n) {
+  for (int j = 0; j < n / 2; ++j) a[j] = fold<S>(a[2 * j], a[2 * j + 1]);
+  if constexpr (S > 1) fold_levels<S / 2>(a, n / 2);
+}
+inline pvf lane_sums(pvf* a) {  // overwrites a[0 .. PL)
+  fold_levels<PL / 2>(a, PL);
+  return a[0];
+}
+
+// Scores of one query head against cnt K rows (fp32, D apart): out[t] = (q . k_t) * scale.
+// ND > 0: D = ND vectors, q held in registers, PL rows at a time, each dot in two chains (even and
+// odd vectors, as dot()) whose lanes lane_sums adds up; ND == 0: any D, one dot() per row.
+template <int ND>
+inline void block_scores(const float* q, const float* k, int64_t cnt, int64_t D, float scale, float* out) {
+  if constexpr (ND == 0) {
+    for (int64_t t = 0; t < cnt; ++t) out[t] = dot(q, k + t * D, D) * scale;
+  } else {
+    pvf qv[ND];
+    for (int d = 0; d < ND; ++d) qv[d] = pload(q + d * PL);
+    for (int64_t t0 = 0; t0 < cnt; t0 += PL) {
+      pvf a[PL];
+      for (int j = 0; j < PL; ++j) {
+        a[j] = pvf{};
+        if (t0 + j >= cnt) continue;
+        const float* kr = k + (t0 + j) * D;
+        pvf c0 = {}, c1 = {};
+        for (int d = 0; d + 1 < ND; d += 2) {
+          c0 += qv[d] * pload(kr + d * PL);
+          c1 += qv[d + 1] * pload(kr + (d + 1) * PL);
+        }
+        if (ND & 1) c0 += qv[ND - 1] * pload(kr + (ND - 1) * PL);
+        a[j] = c0 + c1;
+      }
+      const pvf sc = lane_sums(a) * scale;
+      if (t0 + PL <= cnt) {
+        pstore(out + t0, sc);
+      } else {
+        for (int64_t j = 0; t0 + j < cnt; ++j) out[t0 + j] = sc[j];
+      }
+    }
+  }
+}
+
+// acc[0:D] += sum over t of p[t] * v_t (rows fp32, D apart), in t's order; ND > 0: the
+// accumulator in registers for the block
+template <int ND>
+inline void block_values(float* acc, const float* v, int64_t cnt, int64_t D, const float* p) {
+  if constexpr (ND == 0) {
+    for (int64_t t = 0; t < cnt; ++t) {
+      const float w = p[t];
+      const pvf wv = pvf{} + w;
+      const float* vr = v + t * D;
+      int64_t d = 0;
+      for (; d + PL <= D; d += PL) pstore(acc + d, pload(acc + d) + wv * pload(vr + d));
+      for (; d < D; ++d) acc[d] += w * vr[d];
+    }
+  } else {
+    pvf a[ND];
+    for (int d = 0; d < ND; ++d) a[d] = pload(acc + d * PL);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const pvf wv = pvf{} + p[t];
+      const float* vr = v + t * D;
+      for (int d = 0; d < ND; ++d) a[d] += wv * pload(vr + d * PL);
+    }
+    for (int d = 0; d < ND; ++d) pstore(acc + d * PL, a[d]);
+  }
+}
+
 // One work item is a sequence and a range of its KV heads: all of them where there are enough
 // sequences to share the threads, one each at small batches. A token's K (or V) values of all its
-// heads lie side by side in the cache, so an item reads each block it touches as one contiguous run
-// (the hardware prefetcher follows it); blocks lie anywhere, so the loops also ask for the token
-// AHEAD positions on. Measured on AVX2 (AMD EPYC): 2-3x faster than one head per item at batch 64+.
-constexpr int64_t AHEAD = 4;
+// heads lie side by side in the cache, so an item reads each block it touches as one contiguous run,
+// in the cache's order (the hardware prefetcher follows it; a head at a time, strided, was 1.3x
+// slower), widening it to fp32 rows once for every query head of their KV head; blocks lie anywhere,
+// so the loops also ask for the next block while one is used. Measured on AVX2 (AMD EPYC): one
+// sequence per item 2-3x faster than one head per item at batch 64+; the in-order block copies and
+// register kernels another 1.2-1.3x at batch 224 (random blocks read at ~6-9 GB/s a thread there
+// against ~17 GB/s streaming: what bounds this kernel at long contexts).
 inline void prefetch_bytes(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-template <typename T>
-void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
-            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
-            int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+template <typename T, int ND>
+void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+               int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
+               int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+  constexpr bool paired = std::is_same_v<T, at::BFloat16> && ND > 0 && ND % 2 == 0;
+  auto widen = [](const T* src, float* dst, int64_t n) {
+    if constexpr (paired) to_float_paired(src, dst, n); else to_float(src, dst, n);
+  };
   const int64_t g = Hq / Hkv;
   const int64_t per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;  // KV heads per work item
   const int64_t groups = (Hkv + per_item - 1) / per_item;
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per_item * g * D), acc(per_item * g * D), row(D), scores, total(per_item * g);
+    std::vector<float> qf(per_item * g * D), acc(per_item * g * D), rows(per_item * bs * D), scores,
+        total(per_item * g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / groups, h0 = (item % groups) * per_item, nh = std::min(per_item, Hkv - h0);
       const int64_t hq = nh * g;  // query heads of this item, h0 * g onwards
@@ -154,52 +257,68 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
       const int64_t n = len - start;
       const int64_t* table = tables + b * max_blocks;
       const int64_t run = ((nh - 1) * head_stride + D) * static_cast<int64_t>(sizeof(T));  // bytes per token
-      // f(t, row of head h0 of context token t) for t = 0 .. n-1, a block at a time (the item's
-      // heads follow h0's row head_stride apart); the next block's first tokens are asked for ahead
-      auto tokens = [&](const T* cache, auto&& f) {
+      // ask for the tokens of the block holding pos, from pos to the block's end
+      auto prefetch_block = [&](const T* cache, int64_t pos) {
+        if (pos >= len) return;
+        const T* p = cache + table[pos / bs] * blk_stride + (pos % bs) * tok_stride + h0 * head_stride;
+        for (int64_t j = 0; j < std::min(bs - pos % bs, len - pos); ++j) prefetch_bytes(p + j * tok_stride, run);
+      };
+      // f(t, hh, KV head hh's rows as fp32 (D apart), cnt) for each run of cnt context tokens from t
+      // that lies in one block; the next block is asked for while this one is used
+      auto blocks = [&](const T* cache, auto&& f) {
         for (int64_t pos = start; pos < len;) {
           const int64_t off = pos % bs, cnt = std::min(bs - off, len - pos);
           const T* base = cache + table[pos / bs] * blk_stride + off * tok_stride + h0 * head_stride;
-          if (pos + cnt < len) {
-            const T* next = cache + table[(pos + cnt) / bs] * blk_stride + h0 * head_stride;
-            for (int64_t j = 0; j < std::min<int64_t>(AHEAD, len - pos - cnt); ++j)
-              prefetch_bytes(next + j * tok_stride, run);
-          }
-          for (int64_t j = 0; j < cnt; ++j) f(pos - start + j, base + j * tok_stride);
+          prefetch_block(cache, pos + cnt);
+          for (int64_t j = 0; j < cnt; ++j)  // in the cache's order: token by token, its heads side by side
+            for (int64_t hh = 0; hh < nh; ++hh)
+              widen(base + j * tok_stride + hh * head_stride, rows.data() + (hh * bs + j) * D, D);
+          for (int64_t hh = 0; hh < nh; ++hh) f(pos - start, hh, static_cast<const float*>(rows.data() + hh * bs * D), cnt);
           pos += cnt;
         }
       };
-      to_float(q + (b * Hq + h0 * g) * D, qf.data(), hq * D);
+      prefetch_block(vc, start);  // wanted after the scores
+      for (int64_t i = 0; i < hq; ++i) widen(q + (b * Hq + h0 * g + i) * D, qf.data() + i * D, D);
       scores.resize(hq * n);
-      tokens(kc, [&](int64_t t, const T* k) {
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          to_float(k + hh * head_stride, row.data(), D);
-          for (int64_t i = hh * g; i < (hh + 1) * g; ++i) scores[i * n + t] = dot(qf.data() + i * D, row.data(), D) * scale;
-        }
+      blocks(kc, [&](int64_t t, int64_t hh, const float* k, int64_t cnt) {
+        for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
+          block_scores<ND>(qf.data() + i * D, k, cnt, D, scale, scores.data() + i * n + t);
       });
       for (int64_t i = 0; i < hq; ++i) {
         float* s = scores.data() + i * n;
         total[i] = exp_sum(s, n, *std::max_element(s, s + n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      tokens(vc, [&](int64_t t, const T* v) {
-        for (int64_t hh = 0; hh < nh; ++hh) {
-          to_float(v + hh * head_stride, row.data(), D);
-          for (int64_t i = hh * g; i < (hh + 1) * g; ++i) {
-            const float w = scores[i * n + t];
-            const pvf wv = pvf{} + w;
-            float* a = acc.data() + i * D;
-            int64_t d = 0;
-            for (; d + PL <= D; d += PL) pstore(a + d, pload(a + d) + wv * pload(row.data() + d));
-            for (; d < D; ++d) a[d] += w * row[d];
-          }
-        }
+      blocks(vc, [&](int64_t t, int64_t hh, const float* v, int64_t cnt) {
+        for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
+          block_values<ND>(acc.data() + i * D, v, cnt, D, scores.data() + i * n + t);
       });
       T* o = out + (b * Hq + h0 * g) * D;
       for (int64_t i = 0; i < hq; ++i)
-        for (int64_t d = 0; d < D; ++d) o[i * D + d] = static_cast<T>(acc[i * D + d] / total[i]);
+        for (int64_t d = 0; d < D; ++d) o[i * D + (paired ? unpaired(d) : d)] = static_cast<T>(acc[i * D + d] / total[i]);
     }
   });
+}
+
+// the register kernels for head sizes of 2 - 32 vectors (D = 64 or 128 on every ISA), the general
+// loops for any other
+template <typename T>
+void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
+            int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+  auto run = [&](auto nd) {
+    decode_nd<T, decltype(nd)::value>(q, kc, vc, tables, lens, out, B, Hq, Hkv, D, bs, max_blocks, blk_stride,
+                                      tok_stride, head_stride, scale, window);
+  };
+  const int64_t nd = D % PL == 0 ? D / PL : 0;
+  switch (nd) {
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 4: run(std::integral_constant<int, 4>{}); break;
+    case 8: run(std::integral_constant<int, 8>{}); break;
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    default: run(std::integral_constant<int, 0>{});
+  }
 }
 
 }  // namespace
@@ -224,6 +343,27 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   return out;
 }
 """
+
+
+def fold_shuffles() -> str:
+    """``fold<S>`` for every vector width (4, 8, 16 lanes) and group size S = lanes / 2 .. 1: the
+    lanes of groups 0, 2, 4, ... of a then of b, plus those of groups 1, 3, 5, ..."""
+    out = []
+    for width in (4, 8, 16):
+        out.append(f"{'#if' if width == 4 else '#elif'} ROLLOUT_LANES == {width}")
+        size = width // 2
+        while size >= 1:
+            def pick(first):
+                return ", ".join(str(v + g * size + i) for v in (0, width) for g in range(first, width // size, 2)
+                                 for i in range(size))
+            out.append(f"template <int S> inline std::enable_if_t<S == {size}, pvf> fold(pvf a, pvf b) {{\n"
+                       f"  return __builtin_shufflevector(a, b, {pick(0)}) + __builtin_shufflevector(a, b, {pick(1)});\n}}")
+            size //= 2
+    out.append("#endif")
+    return "\n".join(out)
+
+
+SOURCE = SOURCE.replace("@FOLDS@", fold_shuffles())
 
 def load() -> Optional[object]:
     """The compiled kernels (``rollout.layers.cpu_build``), or None (the reason logged once)."""
