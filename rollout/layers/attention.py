@@ -110,7 +110,7 @@ class PagedAttention(nn.Module):
         v_flat.index_copy_(0, meta.slot_mapping, v)
         kernel = self._paged_kernel(q, k_cache, v_cache, meta)
         if kernel is not None and meta.all_decode:  # a plain decode step: no rows to select or scatter
-            return kernel(q.contiguous()).view(q.shape[0], self.num_heads * self.head_dim)
+            return self._decode_all(kernel, q)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows)
@@ -131,7 +131,10 @@ class PagedAttention(nn.Module):
         cache already (``rollout.layers.cpu_rope``): q [T, Hq, D] -> [T, Hq*D]."""
         kernel = self._paged_kernel(q, k_cache, v_cache, meta)
         assert kernel is not None and meta.all_decode, "decode_from_cache: a decode step on the paged kernel only"
-        return kernel(q).view(q.shape[0], self.num_heads * self.head_dim)
+        return self._decode_all(kernel, q)
+
+    def _decode_all(self, kernel, q: torch.Tensor) -> torch.Tensor:
+        return kernel(q.contiguous()).view(q.shape[0], self.num_heads * self.head_dim)
 
     def _paged_kernel(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
         """The decode attention that reads KV blocks in place (CUDA: Triton, no sliding window; CPU:

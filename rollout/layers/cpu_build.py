@@ -71,20 +71,18 @@ def declarations(body: str) -> str:
 def translation_units(body: str) -> dict[str, str]:
     """``body`` once per ISA (``kernels_<isa>.cpp``, namespace ``rollout_<isa>``) and the Python
     bindings ``<fn>_<isa>`` (``bindings.cpp``), by file name."""
-    units = {}  # the bindings first: the longest to compile, ninja starts it first
-    units["bindings.cpp"] = ""
+    decls = declarations(body)
+    parts = [_BINDING_HEADER] + [f"namespace rollout_{isa} {{\n{decls}\n}}" for isa in KERNEL_ISAS]
+    parts.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
+    parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn});' for isa in KERNEL_ISAS for fn in FUNCTIONS]
+    parts += ["}", ""]
+    units = {"bindings.cpp": "\n".join(parts)}  # first: the longest to compile, ninja starts it first
     for isa in KERNEL_ISAS:
         target = _TARGETS[isa]
         units[f"kernels_{isa}.cpp"] = "\n".join([
             _HEADER, "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
             f"#define ROLLOUT_LANES {_LANES[isa]}", f"namespace rollout_{isa} {{", body, "}",
             "#pragma GCC pop_options", ""])
-    decls = declarations(body)
-    parts = [_BINDING_HEADER] + [f"namespace rollout_{isa} {{\n{decls}\n}}" for isa in KERNEL_ISAS]
-    parts.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
-    parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn});' for isa in KERNEL_ISAS for fn in FUNCTIONS]
-    parts += ["}", ""]
-    units["bindings.cpp"] = "\n".join(parts)
     return units
 
 
@@ -161,7 +159,7 @@ def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
 
 
 def kernels() -> Optional[types.SimpleNamespace]:
-    """Every C++ CPU kernel of the project (one build, ~25 s on two cores, then cached), the variant of this
+    """Every C++ CPU kernel of the project (one build, ~30 s on two cores, then cached), the variant of this
     CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``
     (``rollout.layers.cpu_gemm``), ``rms_norm`` (``rollout.layers.cpu_norm``) and ``rope_and_cache``
     (``rollout.layers.cpu_rope``). None where it
