@@ -83,8 +83,10 @@ def model_path(name: str, seed: int) -> str:
     return path
 
 
-def build_trainer(args):
-    """DeepSpeed over the launcher's ranks: (ds_engine, model folder, tied embeddings, rank, world)."""
+def build_trainer(args, on_model_folder=None):
+    """DeepSpeed over the launcher's ranks: (ds_engine, model folder, tied embeddings, rank, world).
+    ``on_model_folder(path, rank)``, if given, runs as soon as the folder exists, before the trainer's
+    model is loaded (what starts there overlaps the loading)."""
     setup_deepspeed_env()
     import deepspeed
     import torch
@@ -99,6 +101,8 @@ def build_trainer(args):
         path = model_path(args.model, args.seed)
     dist.barrier()
     path = model_path(args.model, args.seed)
+    if on_model_folder is not None:
+        on_model_folder(path, rank)
 
     from transformers import AutoModelForCausalLM
 

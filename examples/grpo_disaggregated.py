@@ -68,7 +68,21 @@ def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> tuple[li
 
 def main(argv=None) -> list:
     own, args = parse(argv)
-    ds_engine, path, tied, rank, world = build_trainer(args)
+    procs: list = []  # the local replicas rank 0 starts, and their URLs
+    local_urls: list[str] = []
+
+    def start_local_replicas(path: str, rank: int) -> None:  # they come up while the trainer loads
+        if not own.engine_url and rank == 0:
+            started, started_urls = start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
+            procs.extend(started)
+            local_urls.extend(started_urls)
+
+    try:
+        ds_engine, path, tied, rank, world = build_trainer(args, on_model_folder=start_local_replicas)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
     import torch.distributed as dist
     from parity_task import parity_task
 
@@ -77,11 +91,9 @@ def main(argv=None) -> list:
     from trainer_bridge import DistributedTarget, ReplicaRouter, ReplicaSet
     from trainer_bridge.grpo import run_grpo
 
-    procs, urls = [], own.engine_url
-    if not urls:  # rank 0 starts the local replicas; every trainer rank reaches them by URL
-        if rank == 0:
-            procs, urls = start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
-        box = [urls]
+    urls = own.engine_url
+    if not urls:  # rank 0 started the local replicas; every trainer rank reaches them by URL
+        box = [local_urls]
         dist.broadcast_object_list(box)
         urls = box[0]
     clients = [RolloutClient(u) for u in urls]

@@ -36,6 +36,8 @@ def main(model_path: str) -> None:
         for (n, a), (_, b) in zip(direct, want):
             assert a.dtype == b.dtype == dtype and a.shape == b.shape and torch.equal(a, b), n
     print("GATHER_OK", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # torn down here, not by the interpreter's exit
 
 
 if __name__ == "__main__":
