@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from rollout.layers.cpu_plan import KERNELS as _GEMM_KERNELS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,14 +38,17 @@ class EngineConfig:
     # CPU: each linear layer runs the GEMM kernel measured fastest on this machine for the forward's
     # number of rows (rollout.layers.cpu_plan): oneDNN over a packed copy in the weight dtype, oneDNN
     # over an fp32 copy of bf16 weights (the fast path from a few rows up where the CPU has no native
-    # bf16; +2x the weight bytes), or the project's C++ kernel that reads bf16 weights in place (small
-    # batches). Copies are rebuilt lazily after every weight change. cpu_packed_weights=False: plain
+    # bf16; +2x the weight bytes), the project's C++ kernel that reads bf16 weights in place (small
+    # batches) or its register-tiled C++ GEMM over fp32 panels of the weights (a copy, as fp32's).
+    # Copies are rebuilt lazily after every weight change. cpu_packed_weights=False: plain
     # F.linear everywhere. cpu_fp32_gemm_rows: fp32 copies only from this many rows (None: measured;
     # 0: never); cpu_small_gemm_rows: the C++ kernel (bf16 or fp32 weights) only up to this many rows
-    # (None: measured; 0: never).
+    # (None: measured; 0: never). cpu_gemm_kernel: one kernel at every row count, nothing measured
+    # (linear, onednn, fp32, own, tiled; None: measured) — to pin or test a path.
     cpu_packed_weights: bool = True
     cpu_fp32_gemm_rows: Optional[int] = None
     cpu_small_gemm_rows: Optional[int] = None
+    cpu_gemm_kernel: Optional[str] = None
     # CPU: decode attention reads KV blocks in place (C++ built on first use with the machine's
     # compiler, then cached) instead of gathering them for SDPA; machines without a compiler keep
     # the gather path
@@ -72,6 +77,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 bad(name, "must be None (measured) or an integer >= 0 (0: never)")
+        if self.cpu_gemm_kernel is not None and self.cpu_gemm_kernel not in _GEMM_KERNELS:
+            bad("cpu_gemm_kernel", f"must be None (measured) or one of {', '.join(_GEMM_KERNELS)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")

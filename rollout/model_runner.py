@@ -102,7 +102,7 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
     layer = model.model.layers[0]
     shapes = [tuple(m.weight.shape) for m in layer.modules() if hasattr(m, "packed_weight")]
     return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows,
-                      head_shape=tuple(model.lm_head.weight.shape))
+                      head_shape=tuple(model.lm_head.weight.shape), kernel=config.cpu_gemm_kernel)
 
 
 def _return_free_heap_to_os() -> None:
@@ -211,7 +211,7 @@ class ModelRunner:
         for m in self._packed_modules:
             packed = m.packed_weight
             kinds = {packed.plan.kernel_for(r) for r in rows if r > 0} & set(COPY_KERNELS)
-            missing = {k for k in kinds if (packed.narrow if k == "onednn" else packed.wide) is None}
+            missing = {k for k in kinds if not packed.has_copy(k)}
             if missing:
                 # a row-parallel bias is added after the reduction, outside the GEMM
                 bias = None if isinstance(m, RowParallelLinear) else getattr(m, "bias", None)

@@ -1,10 +1,10 @@
 """CPU GEMM kernels (``rollout.layers.cpu_plan``) and the paged decode kernel, on whatever CPU runs
 the suite. Each kernel is forced through the engine options so every path runs on every machine:
 the base kernel (oneDNN-packed bf16 where the CPU has native bf16 — bitwise ``F.linear`` — plain
-``F.linear`` elsewhere), the fp32-compute path (fp32 copies of bf16 weights) and the C++ kernel that
-reads bf16 weights in place; none is ever stale — every way the weights change (full and partial
-updates from tensors, disk, a transaction; release and resume) drops the copies, rebuilt at the
-next forward."""
+``F.linear`` elsewhere), the fp32-compute path (fp32 copies of bf16 weights), the C++ kernel that
+reads bf16 weights in place and the register-tiled C++ GEMM over fp32 panels; none is ever stale —
+every way the weights change (full and partial updates from tensors, disk, a transaction; release
+and resume) drops the copies, rebuilt at the next forward."""
 
 import glob
 import os
@@ -32,10 +32,11 @@ def qwen_path(model_dir):
 def engines(qwen_path):
     kw = dict(dtype="bfloat16", kv_cache_tokens=1024, cpu_fused_norm=False)  # GEMM kernels alone differ
     with RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=0, **kw) as base, \
-            RolloutEngine(qwen_path, cpu_fp32_gemm_rows=1, cpu_small_gemm_rows=0, **kw) as wide, \
+            RolloutEngine(qwen_path, cpu_gemm_kernel="fp32", **kw) as wide, \
             RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=64, **kw) as own, \
+            RolloutEngine(qwen_path, cpu_gemm_kernel="tiled", **kw) as tiled, \
             RolloutEngine(qwen_path, cpu_packed_weights=False, **kw) as plain:
-        yield base, wide, own, plain
+        yield base, wide, own, tiled, plain
 
 
 def _outputs(engine, prompts):
@@ -60,21 +61,25 @@ def _state(path, scale):
 
 
 def test_every_kernel_runs_where_forced_and_copies_follow_every_weight_change(engines, qwen_path, tmp_path):
-    base, wide, own, plain = engines
+    base, wide, own, tiled, plain = engines
     runners = {e: e.worker.model_runner for e in engines}
     assert runners[base].gemm_plans.kernels == {BASE}  # the capability decides the base kernel
     assert runners[wide].gemm_plans.kernels == {"fp32"} and runners[own].gemm_plans.kernels == {"own", BASE}
+    assert runners[tiled].gemm_plans.kernels == {"tiled"}
     assert runners[plain]._packed_modules == []
     prompts = random_prompts(300, [7, 12, 5, 9], seed=1)
     first = _outputs(base, prompts)
     assert first == _outputs(plain, prompts)  # oneDNN-packed bf16 is bitwise F.linear
     before = _scores(plain)
-    for e in (wide, own):  # fp32 sums in another order: bf16 rounding apart
+    for e in (wide, own, tiled):  # fp32 sums in another order: bf16 rounding apart
         assert (_scores(e) - before).abs().max() < 0.03
     fp32_bytes = sum(4 * m.weight.numel() + (4 * m.bias.numel() if m.packed_weight.wide_bias is not None else 0)
                      for m in runners[wide]._packed_modules)
     assert runners[wide].weight_copies_nbytes() == fp32_bytes > runners[wide].weights_nbytes()  # counted
     assert runners[own].weight_copies_nbytes() == 0  # reads the weights in place
+    panel_bytes = sum(m.packed_weight.panels.numel() * 4 for m in runners[tiled]._packed_modules)
+    assert runners[tiled].weight_copies_nbytes() == panel_bytes >= sum(4 * m.weight.numel()
+                                                                       for m in runners[tiled]._packed_modules)
 
     def same_after(change):
         for e in engines:
@@ -83,9 +88,10 @@ def test_every_kernel_runs_where_forced_and_copies_follow_every_weight_change(en
         now = _outputs(base, prompts)
         assert now == _outputs(plain, prompts)
         plain_scores = _scores(plain)
-        for e in (wide, own):
+        for e in (wide, own, tiled):
             assert (_scores(e) - plain_scores).abs().max() < 0.03
         assert runners[wide].copy_generation("fp32") == runners[wide].weights_generation  # rebuilt, not stale
+        assert runners[tiled].copy_generation("tiled") == runners[tiled].weights_generation
         if BASE == "onednn":
             assert runners[base].copy_generation("onednn") == runners[base].weights_generation
         return now, plain_scores
@@ -143,6 +149,38 @@ def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_gemm_is_fp32_accumulation_rounded_once_and_batch_invariant(dtype):
+    """The register-tiled kernel against fp64 over the same values (bf16: within one rounding of the
+    output; fp32: fp32 sums), with bias, odd shapes (partial panels and tiles, k past a block); each
+    row's result is bitwise the same whatever rows come with it (sums over k in order)."""
+    from rollout.layers import cpu_gemm
+
+    assert cpu_gemm.load() is not None, "the C++ kernels did not build on this machine"
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((96, 64), (37, 531), (5, 8), (300, 40)):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        panels = cpu_gemm.tile_pack(w)
+        assert panels.dtype == torch.float32 and torch.equal(
+            panels.transpose(1, 2).reshape(-1, k)[:n], w.float())  # the weight's values, exactly
+        x = torch.randn(23, k, generator=g).to(dtype)
+        ref = x.double() @ w.double().T + b.double()
+        y = cpu_gemm.tiled_linear(x, panels, n, b)
+        assert y.dtype == dtype and y.shape == (23, n)
+        if dtype == torch.bfloat16:
+            assert ((y.double() - ref).abs() <= ref.abs().clamp(min=1e-3) * 2 ** -8).all()
+        else:
+            assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().clamp(min=1) * (k / 64) ** 0.5).all()
+        for rows in (1, 5, 6, 7, 13):
+            assert torch.equal(cpu_gemm.tiled_linear(x[:rows], panels, n, b), y[:rows])
+        assert torch.equal(cpu_gemm.tiled_linear(x.view(23, 1, k), panels, n, b), y.view(23, 1, n))
+    with pytest.raises(RuntimeError, match="N does not fit the panels"):
+        cpu_gemm.tiled_linear(x, panels, n + 64, b)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        cpu_gemm.tiled_linear(x[:, :-1], panels, n, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rms_norm_rounds_where_the_torch_path_rounds(dtype):
     """The C++ RMSNorm against the torch path it replaces: the same values up to the order of the
     sum of squares (fp32: a few ulp; bf16: at most one bf16 rounding step apart, almost all equal)."""
@@ -184,7 +222,11 @@ def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds
     assert again.for_shape(head).how == "cached"  # one measurement per machine and shape, the same choice
     assert [p.segments for _, p in again.plans] == [p.segments for _, p in plans.plans]
     bounded = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, fp32_rows=0, small_rows=None)
-    assert "fp32" not in bounded.kernels
+    assert not {"fp32", "tiled"} & bounded.kernels  # no fp32 copies: neither oneDNN's nor the panels
+    forced = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, head_shape=head, kernel="tiled")
+    assert forced.kernels == {"tiled"} and forced.for_shape(head).kernel_for(1) == "tiled"
+    with pytest.raises(ValueError, match="cpu_gemm_kernel='fp32' cannot run for torch.float32"):
+        cpu_plan.plan_gemms(torch.float32, shapes, 2, kernel="fp32")  # fp32 copies of fp32 weights: no such path
     fixed = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, 16, 4).for_shape(shapes[0])
     assert fixed.segments == ((4, "own"), (15, BASE), (1 << 62, "fp32")) and fixed.kernel_for(200) == "fp32"
 
@@ -207,6 +249,7 @@ def test_every_isa_variant_this_cpu_runs_gives_the_same_results(monkeypatch):
     for isa in cap.runnable_isas:
         k = cpu_build.kernels_for(isa)
         assert ((k.bf16_linear(x, w, None).double() - ref).abs() <= ulp).all(), isa
+        assert ((k.tiled_linear(x, k.tile_pack(w), 40, None).double() - ref).abs() <= ulp).all(), isa
         torch.testing.assert_close(k.rms_norm(x, norm_w, 1e-6), cpu_build.kernels().rms_norm(x, norm_w, 1e-6),
                                    atol=0, rtol=2 ** -7)
         for args, refs, sdpa in _paged_cases(torch.bfloat16):

@@ -1,8 +1,9 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
-The kernels (``paged_decode``, ``bf16_linear``, ``rms_norm``, ``rope_and_cache``) are C++ compiled on first use with the
-machine's compiler (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their
-source is compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
+The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
+``rope_and_cache``) are C++ compiled on first use with the machine's compiler
+(``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their source is
+compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
 translation unit and namespace under ``#pragma GCC target`` naming the ISA's extensions exactly (never
 ``-march=native``), with vectors of that ISA's width (``ROLLOUT_LANES``); a last unit holds the Python
 bindings. The units include only the ATen headers they use (``torch/extension.h`` alone costs ~45 s
@@ -26,7 +27,7 @@ from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
 
 logger = logging.getLogger(__name__)
 
-FUNCTIONS = ("paged_decode", "bf16_linear", "rms_norm", "rope_and_cache")
+FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
@@ -159,10 +160,10 @@ def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
 
 
 def kernels() -> Optional[types.SimpleNamespace]:
-    """Every C++ CPU kernel of the project (one build, ~30 s on two cores, then cached), the variant of this
-    CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``
-    (``rollout.layers.cpu_gemm``), ``rms_norm`` (``rollout.layers.cpu_norm``) and ``rope_and_cache``
-    (``rollout.layers.cpu_rope``). None where it
+    """Every C++ CPU kernel of the project (one build, ~30-45 s on two cores, then cached), the variant of
+    this CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``,
+    ``tile_pack`` and ``tiled_linear`` (``rollout.layers.cpu_gemm``), ``rms_norm``
+    (``rollout.layers.cpu_norm``) and ``rope_and_cache`` (``rollout.layers.cpu_rope``). None where it
     cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)
 

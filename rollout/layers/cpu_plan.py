@@ -9,7 +9,11 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
   summation order moves; the input is widened, the output rounded back). Without native bf16
   GEMMs this is the fast path from a few rows up; it doubles the weights' memory;
 - ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 (or fp32) ``W`` as it
-  is and accumulates in fp32 (small batches: the fewest bytes read, streamed with prefetch).
+  is and accumulates in fp32 (small batches: the fewest bytes read, streamed with prefetch);
+- ``tiled``: ``rollout.layers.cpu_gemm.tiled_linear``, the project's register-tiled C++ GEMM over fp32
+  panels of ``W`` (a copy: 4 bytes a value, so for bf16 weights an fp32 copy like ``fp32``'s, bound
+  by ``cpu_fp32_gemm_rows`` as that one is). Measured on AMD EPYC (AVX2, 2 threads): 1.2-2.3x
+  oneDNN's fp32 GEMM at 8-16 rows, 1.0-1.2x at 64, even at 128-256.
 
 ``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) for each
 weight shape of the model (as many distinct weights as it takes to stream them from memory, as in
@@ -41,11 +45,11 @@ from rollout.layers.cpu_capability import cpu_capability
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("linear", "onednn", "fp32", "own")
+KERNELS = ("linear", "onednn", "fp32", "own", "tiled")
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
-_CACHE_VERSION = 3  # 3: oneDNN's kernels timed at every row count (plans cached before could lack them)
+_CACHE_VERSION = 4  # 3: oneDNN's kernels timed at every row count; 4: the tiled kernel among them
 PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower than the best
 
 
@@ -212,15 +216,18 @@ def candidates(dtype: torch.dtype, fp32_rows: Optional[int], small_rows: Optiona
     """The kernels a CPU engine of ``dtype`` may use here."""
     if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
         return ["linear"]
-    own = small_rows != 0 and cpu_gemm.load() is not None
+    built = cpu_gemm.load() is not None
+    own = small_rows != 0 and built
     if dtype == torch.float32:
-        return ["linear", "onednn", *(["own"] if own else [])]
+        return ["linear", "onednn", *(["own"] if own else []), *(["tiled"] if built else [])]
     # oneDNN packs bf16 weights only where it has native bf16; elsewhere the base is plain F.linear
     out = [_bf16_base()]
     if fp32_rows != 0:
         out.append("fp32")
     if own:
         out.append("own")
+    if fp32_rows != 0 and built:
+        out.append("tiled")
     return out
 
 
@@ -228,10 +235,12 @@ def _bf16_base() -> str:
     return "onednn" if cpu_capability().onednn_bf16 else "linear"
 
 
-def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optional[int]) -> bool:
+def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optional[int],
+             dtype: torch.dtype = torch.bfloat16) -> bool:
     if kernel == "own" and rows > OWN_MAX_ROWS:
         return False
-    if kernel == "fp32" and fp32_rows is not None:
+    fp32_copy = kernel == "fp32" or (kernel == "tiled" and dtype != torch.float32)
+    if fp32_copy and fp32_rows is not None:
         return rows >= fp32_rows > 0
     if kernel == "own" and small_rows is not None:
         return rows <= small_rows
@@ -246,7 +255,7 @@ def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows:
     choice = {}
     for r in points:
         at = max(c for c in CANDIDATE_ROWS if c <= r)
-        timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows)}
+        timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows, dtype)}
         choice[r] = min(timed, key=timed.get) if timed else (_bf16_base() if dtype == torch.bfloat16 else "linear")
     return GemmPlan(_segments(choice), how, timings)
 
@@ -259,10 +268,17 @@ def _copies(shapes: list[tuple[int, int]], num_layers: int) -> int:
 
 def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int,
                fp32_rows: Optional[int] = None, small_rows: Optional[int] = None,
-               head_shape: Optional[tuple[int, int]] = None) -> GemmPlans:
+               head_shape: Optional[tuple[int, int]] = None, kernel: Optional[str] = None) -> GemmPlans:
     """The plans for a CPU engine of ``dtype`` whose layers have these (out, in) weight shapes (and
-    an LM head of ``head_shape``, timed as the one weight it is): one per shape."""
+    an LM head of ``head_shape``, timed as the one weight it is): one per shape. ``kernel``: that one
+    at every row count for every shape (nothing measured; it must be one this engine can run here)."""
     all_shapes = list(dict.fromkeys([*shapes, *([head_shape] if head_shape else [])]))
+    if kernel is not None:
+        allowed = ["linear", *candidates(dtype, None, None)]
+        if kernel not in allowed:
+            raise ValueError(f"cpu_gemm_kernel={kernel!r} cannot run for {dtype} here; this CPU and build offer: "
+                             f"{', '.join(dict.fromkeys(allowed))}")
+        return GemmPlans(tuple((s, GemmPlan(((1 << 62, kernel),), "fixed")) for s in all_shapes))
     kernels = candidates(dtype, fp32_rows, small_rows)
     if dtype == torch.bfloat16 and fp32_rows is not None and small_rows is not None:  # fully given: nothing to measure
         choice = {}

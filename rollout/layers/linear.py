@@ -28,20 +28,28 @@ class PackedWeight:
     """What one linear layer's GEMMs read on CPU (see ``rollout.layers.cpu_plan``): the engine's
     plan (which kernel serves a forward of how many rows) and the copies its kernels need, built
     by ``ModelRunner.refresh_packed_weights`` and dropped at every weight change (never stale):
-    ``narrow``, oneDNN's packed copy in the weight's dtype (kernel ``onednn``), and ``wide``, an fp32
-    packed copy of a bf16 weight with its bias in fp32 (kernel ``fp32``; 2x the weight's bytes).
-    Kernels ``own`` and ``linear`` read the weight itself."""
+    ``narrow``, oneDNN's packed copy in the weight's dtype (kernel ``onednn``), ``wide``, an fp32
+    packed copy of a bf16 weight with its bias in fp32 (kernel ``fp32``; 2x the weight's bytes), and
+    ``panels``, the weight's fp32 panels for ``rollout.layers.cpu_gemm.tiled_linear`` (kernel
+    ``tiled``; 4 bytes a value). Kernels ``own`` and ``linear`` read the weight itself."""
 
     plan: GemmPlan
     narrow: Optional[torch.Tensor] = None
     wide: Optional[torch.Tensor] = None
     wide_bias: Optional[torch.Tensor] = None
+    panels: Optional[torch.Tensor] = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.narrow, self.wide, self.wide_bias) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.narrow, self.wide, self.wide_bias, self.panels)
+                   if t is not None)
+
+    def has_copy(self, kernel: str) -> bool:
+        """Whether the copy ``kernel`` reads is built (kernels reading the weight itself: always)."""
+        copy = {"onednn": self.narrow, "fp32": self.wide, "tiled": self.panels}
+        return kernel not in copy or copy[kernel] is not None
 
 
-COPY_KERNELS = ("onednn", "fp32")  # the kernels that read a copy of the weight
+COPY_KERNELS = ("onednn", "fp32", "tiled")  # the kernels that read a copy of the weight
 
 
 def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPlan,
@@ -55,6 +63,8 @@ def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPl
     if "fp32" in kinds:
         packed.wide = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
         packed.wide_bias = None if bias is None else bias.detach().float()
+    if "tiled" in kinds:
+        packed.panels = cpu_gemm.tile_pack(weight.detach())
     return packed
 
 
@@ -69,6 +79,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return F.linear(x, weight, bias)
     if kernel == "own":
         y = cpu_gemm.bf16_linear(rows, weight, bias)
+    elif kernel == "tiled":
+        assert packed.panels is not None, "panels missing: refresh_packed_weights was not called"
+        y = cpu_gemm.tiled_linear(rows, packed.panels, weight.shape[0], bias)
     else:
         rows = rows if rows.is_contiguous() else rows.contiguous()
         if kernel == "fp32":
