@@ -199,32 +199,18 @@ inline void tile_rows(int64_t rows, const float* a, const float* b, int64_t kc, 
   }
 }
 
-template <typename W>
-void pack_panels(const W* w, float* out, int64_t N, int64_t K) {
-  const int64_t panels = (N + TNR - 1) / TNR;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+// rows [n, K] -> ceil(n / WIDTH) blocks of K x WIDTH fp32 values in k order (rows past n: zeros):
+// the weight's panels (WIDTH = TNR) and the activations' tiles (WIDTH = TMR)
+template <int WIDTH, typename T>
+void interleave(const T* src, float* out, int64_t n, int64_t K) {
+  at::parallel_for(0, (n + WIDTH - 1) / WIDTH, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      float* dst = out + p * K * TNR;
-      for (int j = 0; j < TNR; ++j) {
-        const int64_t n = p * TNR + j;
-        if (n >= N) { for (int64_t k = 0; k < K; ++k) dst[k * TNR + j] = 0.f; continue; }
-        const W* row = w + n * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * TNR + j] = widen1(row[k]);
-      }
-    }
-  });
-}
-
-template <typename X>
-void pack_rows(const X* x, float* out, int64_t M, int64_t K) {
-  const int64_t tiles = (M + TMR - 1) / TMR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* dst = out + t * K * TMR;
-      for (int i = 0; i < TMR; ++i) {
-        const int64_t m = t * TMR + i;
-        if (m >= M) { for (int64_t k = 0; k < K; ++k) dst[k * TMR + i] = 0.f; continue; }
-        for (int64_t k = 0; k < K; ++k) dst[k * TMR + i] = widen1(x[m * K + k]);
+      float* dst = out + p * K * WIDTH;
+      for (int j = 0; j < WIDTH; ++j) {
+        const int64_t r = p * WIDTH + j;
+        if (r >= n) { for (int64_t k = 0; k < K; ++k) dst[k * WIDTH + j] = 0.f; continue; }
+        const T* row = src + r * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * WIDTH + j] = widen1(row[k]);
       }
     }
   });
@@ -313,9 +299,9 @@ at::Tensor tile_pack(at::Tensor w) {
   const int64_t N = wc.size(0), K = wc.size(1);
   auto out = wc.new_empty({(N + TNR - 1) / TNR, K, TNR}, wc.options().dtype(at::kFloat));
   if (wc.scalar_type() == at::kFloat)
-    pack_panels(wc.data_ptr<float>(), out.data_ptr<float>(), N, K);
+    interleave<TNR>(wc.data_ptr<float>(), out.data_ptr<float>(), N, K);
   else
-    pack_panels(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), out.data_ptr<float>(), N, K);
+    interleave<TNR>(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), out.data_ptr<float>(), N, K);
   return out;
 }
 
@@ -330,9 +316,9 @@ at::Tensor tiled_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
   const int64_t M = rows.size(0), K = rows.size(1);
   std::vector<float> ap(((M + TMR - 1) / TMR) * TMR * K);
   if (rows.scalar_type() == at::kFloat)
-    pack_rows(rows.data_ptr<float>(), ap.data(), M, K);
+    interleave<TMR>(rows.data_ptr<float>(), ap.data(), M, K);
   else
-    pack_rows(reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>()), ap.data(), M, K);
+    interleave<TMR>(reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>()), ap.data(), M, K);
   std::vector<float> bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
