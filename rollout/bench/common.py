@@ -16,7 +16,8 @@ import torch
 
 DEFAULT_WORKDIR = os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker")
 MODELS = ("smollm2", "qwen2-0.5b-random", "tiny")
-OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ROLLOUT_CPU_ISA")
+OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ROLLOUT_CPU_ISA", "MALLOC_ARENA_MAX",
+               "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def build_model(name: str, workdir: str = DEFAULT_WORKDIR) -> str:
