@@ -61,15 +61,14 @@ def apply_defaults(environ=os.environ) -> dict[str, str]:
 def _mallopt(values: Mapping[str, str]) -> None:
     if not values or not sys.platform.startswith("linux"):
         return
+    import contextlib
     import ctypes
     import ctypes.util
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, ...): its allocator does what it does
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         for key, value in values.items():
             libc.mallopt(_MALLOPT[key], int(value))
-    except (OSError, AttributeError):  # not glibc (musl, ...): its allocator does what it does
-        pass
 
 
 def child_env(num_threads: Optional[int] = None, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:

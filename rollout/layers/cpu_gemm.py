@@ -258,6 +258,14 @@ std::vector<float> widened(const at::Tensor& t) {
   return out;
 }
 
+// a linear layer's optional bias of n values as fp32 (empty: none)
+std::vector<float> widened_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
+              "bias: N bf16 or fp32 values");
+  return widened(bias->contiguous());
+}
+
 at::Tensor bf16_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kBFloat16 ||
               (w.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat)),
@@ -267,12 +275,7 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = rows.size(0), N = w.size(0), K = w.size(1);
   const std::vector<float> xf = widened(rows);
-  std::vector<float> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "bias: N bf16 or fp32 values");
-    bf = widened(bias->contiguous());
-  }
+  const std::vector<float> bf = widened_bias(bias, N);
   auto y = rows.new_empty({M, N});
   const float* bp = bf.empty() ? nullptr : bf.data();
   if (w.scalar_type() == at::kFloat) {
@@ -319,12 +322,7 @@ at::Tensor tiled_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
     interleave<TMR>(rows.data_ptr<float>(), ap.data(), M, K);
   else
     interleave<TMR>(reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>()), ap.data(), M, K);
-  std::vector<float> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n && (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "tiled_linear: bias of N bf16 or fp32 values");
-    bf = widened(bias->contiguous());
-  }
+  const std::vector<float> bf = widened_bias(bias, n);
   auto y = rows.new_empty({M, n});
   const float* bp = bf.empty() ? nullptr : bf.data();
   if (rows.scalar_type() == at::kFloat)
