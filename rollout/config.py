@@ -58,6 +58,11 @@ class EngineConfig:
     # CPU decode steps: rotary and the K/V cache write in one C++ call per layer (rollout.layers.cpu_rope)
     # instead of four rotary operators and two index_copy_ (the same bits)
     cpu_fused_rope: bool = True
+    # CPU: the sampler's inverse-CDF draw and its logprob in one C++ call (rollout.layers.cpu_sample)
+    # instead of max / subtract / exp / cumsum / search over the vocabulary
+    cpu_fused_sampler: bool = True
+    # CPU: the MLP's silu(gate) * up in one C++ call (rollout.layers.cpu_act) instead of two operators
+    cpu_fused_silu: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,7 @@ from rollout.layers.linear import COPY_KERNELS, LOADER_HOOKS, PackedWeight, RowP
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
+    SamplingBatchInfo,
     apply_logit_processors,
     drawn_logprob,
     processed_logits,
@@ -73,9 +75,10 @@ def _input_ids(batch: ModelWorkerBatch, device: torch.device, future_token_ids: 
     return input_ids
 
 
-def _sample_rows(logits: torch.Tensor, sampling: SamplingInputs, vocab: int, device) -> SampleOutput:
+def _sample_rows(logits: torch.Tensor, sampling: SamplingInputs,
+                 to_info: Callable[[SamplingInputs], SamplingBatchInfo]) -> SampleOutput:
     """``sample`` one row at a time (batch-invariant mode), outputs stacked as one batch's."""
-    outs = [sample(logits[i: i + 1], sampling.row(i).to_device(vocab, device)) for i in range(logits.shape[0])]
+    outs = [sample(logits[i: i + 1], to_info(sampling.row(i))) for i in range(logits.shape[0])]
 
     def cat(name):
         parts = [getattr(o, name) for o in outs]
@@ -181,6 +184,9 @@ class ModelRunner:
                 module.use_cpu_kernel = cpu_kernels and config.cpu_fused_norm
             if hasattr(module, "fused_rope"):  # decode steps read K/V through the kernel: written by it too
                 module.fused_rope = cpu_kernels and config.cpu_fused_rope and self.use_paged_kernel
+            if hasattr(module, "fused_act"):
+                module.fused_act = cpu_kernels and config.cpu_fused_silu
+        self.fused_sampler = cpu_kernels and config.cpu_fused_sampler
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
         self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change
@@ -301,8 +307,13 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
         if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
-            return _sample_rows(logits, sampling, self.model_config.vocab_size, self.device)
-        return sample(logits, sampling.to_device(self.model_config.vocab_size, self.device))
+            return _sample_rows(logits, sampling, self._sampling_info)
+        return sample(logits, self._sampling_info(sampling))
+
+    def _sampling_info(self, sampling: SamplingInputs) -> SamplingBatchInfo:
+        info = sampling.to_device(self.model_config.vocab_size, self.device)
+        info.fused_draw = self.fused_sampler
+        return info
 
     @torch.inference_mode()
     def score_processed(self, logits: torch.Tensor, batch: ModelWorkerBatch):
@@ -312,12 +323,12 @@ class ModelRunner:
         idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
         targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
         rows = logits.index_select(0, idx)
-        info = batch.input_logprob_sampling.to_device(self.model_config.vocab_size, self.device)
+        info = self._sampling_info(batch.input_logprob_sampling)
         x = apply_logit_processors(rows, info)
         dist = processed_logits(rows, info, x)
         greedy = info.temperatures <= 0
         raw_lp = token_logprob(rows, targets)  # the formulas ``sample`` reports with, for equal bits
-        processed_lp = drawn_logprob(dist, targets)
+        processed_lp = drawn_logprob(dist, targets, info)
         picked = raw_lp if self.config.logprob_mode == "raw" else torch.where(greedy, raw_lp, processed_lp)
         argmax = x.argmax(dim=-1)
         sampling_lp = torch.where(greedy, torch.where(targets == argmax, 0.0, float("-inf")), processed_lp)

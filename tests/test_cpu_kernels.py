@@ -413,3 +413,109 @@ def test_decode_with_the_fused_rotary_is_bitwise_the_torch_path(qwen_path, dtype
             assert all(layer.self_attn.fused_rope == fused for layer in layers)
             outs[fused] = _outputs(e, prompts)
     assert outs[True] == outs[False]
+
+
+def _draw_cases():
+    """Rows of logits of several vocabulary sizes (partial blocks of the draw's sums included), some
+    with masked tokens (-inf: probability 0), and uniforms from 0 to the largest below 1."""
+    g = torch.Generator().manual_seed(3)
+    uniforms = torch.tensor([0.0, 0.3, 0.5, 0.77, 0.999, 1 - 2 ** -24])
+    for vocab in (1, 5, 16, 17, 33, 1000, 40000):
+        x = torch.randn(len(uniforms), vocab, generator=g) * 4
+        if vocab > 2:
+            x[1, ::2] = float("-inf")  # every other token masked (top-k / top-p leave such rows)
+            x[2, 1:] = float("-inf")  # one token left
+            x[3, -1] = 30.0  # the mass on the last token of a partial block
+        yield x, uniforms
+
+
+def test_fused_draw_is_the_inverse_cdf_of_its_uniform_and_its_replay_the_same_bits():
+    """The C++ draw (rollout.layers.cpu_sample), every ISA variant this CPU runs: the token is the one
+    whose CDF interval (fp64 over the same logits) holds u, never one of probability 0, its logprob
+    within 1e-5 of fp64's log-softmax; the replay (the token given) reports the same bits, and a row
+    drawn alone gives what it gives in the batch. A NaN row reports NaN and leaves the others alone;
+    ids outside the vocabulary are refused."""
+    from rollout.layers import cpu_build
+
+    for isa in cpu_capability().runnable_isas:
+        k = cpu_build.kernels_for(isa)
+        for x, u in _draw_cases():
+            ids = torch.empty(len(u), dtype=torch.long)
+            lp = k.sample_rows(x, u, ids, True)
+            ref = torch.log_softmax(x.double(), dim=-1)
+            p = ref.exp()
+            cdf = p.cumsum(-1)
+            for r in range(len(u)):
+                t = int(ids[r])
+                assert p[r, t] > 0, (isa, x.shape, r)
+                assert cdf[r, t] - p[r, t] - 1e-6 <= float(u[r]) <= cdf[r, t] + 1e-6, (isa, x.shape, r)
+            assert (lp.double() - ref.gather(1, ids[:, None])[:, 0]).abs().max() <= 1e-5, (isa, x.shape)
+            assert torch.equal(k.sample_rows(x, torch.empty(0), ids.clone(), False), lp)
+            for r in range(len(u)):
+                one = torch.empty(1, dtype=torch.long)
+                assert torch.equal(k.sample_rows(x[r:r + 1], u[r:r + 1], one, True), lp[r:r + 1]) and one[0] == ids[r]
+    x, u = torch.randn(3, 50), torch.tensor([0.1, 0.5, 0.9])
+    want_ids = torch.empty(3, dtype=torch.long)
+    want = cpu_build.kernels().sample_rows(x, u, want_ids, True)
+    x[1, 7] = float("nan")
+    ids = torch.empty(3, dtype=torch.long)
+    lp = cpu_build.kernels().sample_rows(x, u, ids, True)
+    assert torch.isnan(lp[1]) and torch.equal(lp[[0, 2]], want[[0, 2]]) and torch.equal(ids[[0, 2]], want_ids[[0, 2]])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        cpu_build.kernels().sample_rows(x, torch.empty(0), torch.tensor([0, 50, 1]), False)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_build.kernels().sample_rows(x.double(), u, ids, True)
+
+
+def test_the_fused_sampler_draws_what_the_torch_path_draws(qwen_path):
+    """The engine with the C++ draw (the default on CPU) and without it: the same tokens (temperature,
+    top-k and top-p rows among greedy ones) with logprobs within 1e-5, and replayed scores within
+    1e-5 of each other."""
+    prompts = random_prompts(300, [9, 30, 4, 17], seed=4)
+    sp = [SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, seed=2, n=2, ignore_eos=True),
+          SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_new_tokens=12, temperature=1.0, seed=4, n=2, ignore_eos=True),
+          SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)]
+    got = {}
+    for fused in (True, False):
+        kw = {} if fused else dict(cpu_fused_sampler=False)
+        with RolloutEngine(qwen_path, dtype="float32", kv_cache_tokens=1024, **kw) as e:
+            assert e.worker.model_runner.fused_sampler == fused
+            assert all(layer.mlp.fused_act for layer in e.worker.model_runner.model.model.layers)  # the default
+            outs = e.generate(input_ids=prompts, sampling_params=sp)
+            got[fused] = ([o.output_token_ids for o in outs], [o.output_logprobs for o in outs], _scores(e))
+    assert got[True][0] == got[False][0]
+    for a, b in zip(got[True][1], got[False][1]):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5
+    torch.testing.assert_close(got[True][2], got[False][2], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_rounds_where_the_torch_path_rounds(dtype):
+    """silu(gate) * up in one call (rollout.layers.cpu_act), every ISA variant this CPU runs: within
+    2 fp32 ulps of fp64 before each rounding, so against ``F.silu(gate) * up`` an fp32 result moves by
+    a few ulps and a bf16 one, in rare elements, by one bf16 ulp; row tails, large |gate| (exp's
+    range ends) and batch invariance included."""
+    from rollout.layers import cpu_build
+
+    g = torch.Generator().manual_seed(5)
+    for rows, inter in ((1, 7), (5, 64), (3, 700), (130, 96)):
+        gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        gu[0, :4] = torch.tensor([-120.0, 95.0, 0.0, -0.0]).to(dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        silu64 = gate.double() * torch.sigmoid(gate.double())
+        for isa in cpu_capability().runnable_isas:
+            got = cpu_build.kernels_for(isa).silu_mul(gu)
+            assert got.dtype == dtype and got.shape == (rows, inter)
+            if dtype == torch.float32:
+                ref = silu64 * up.double()
+                assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -21 + 1e-30).all(), isa
+            else:
+                ulp = want.float().abs().clamp(min=1e-30) * 2 ** -7
+                diff = (got.float() - want.float()).abs()
+                assert (diff <= ulp).all() and (diff > 1e-30).float().mean() < 0.01, isa
+            for r in (1, min(rows, 3)):
+                assert torch.equal(cpu_build.kernels_for(isa).silu_mul(gu[:r]), got[:r])
+    with pytest.raises(RuntimeError, match="2 I"):
+        cpu_build.kernels().silu_mul(torch.randn(3, 5))

@@ -18,9 +18,11 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def info_for(n: int, temperature=1.0, uniforms=None, vocab=V, **fields):
+def info_for(n: int, temperature=1.0, uniforms=None, vocab=V, fused=False, **fields):
     inputs = SamplingInputs(temperatures=[temperature] * n, uniforms=uniforms or [0.5] * n, **fields)
-    return inputs.to_device(vocab, torch.device("cpu"))
+    info = inputs.to_device(vocab, torch.device("cpu"))
+    info.fused_draw = fused  # the CPU engine's C++ draw (rollout.layers.cpu_sample)
+    return info
 
 
 def reference(logits, temperature=1.0, bias=None, allowed=None, rep=None, add=None, banned=None, top_k=0,
@@ -71,7 +73,8 @@ def test_greedy_takes_the_argmax_and_reports_the_raw_logprob():
     ("top_p", dict(top_ps=[0.6]), dict(top_p=0.6)),
     ("min_p", dict(min_ps=[0.2]), dict(min_p=0.2)),
 ])
-def test_each_processor_shapes_the_distribution_it_samples_from(name, fields, ref):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_each_processor_shapes_the_distribution_it_samples_from(name, fields, ref, fused):
     logits = logits_rows(1, seed=3)
     want = reference(logits[0], **ref)
     info = info_for(1, temperature=1.0, **fields)
@@ -81,7 +84,7 @@ def test_each_processor_shapes_the_distribution_it_samples_from(name, fields, re
     assert torch.allclose(got[kept], want[kept], atol=1e-5), name
     # every drawn token lies in the kept set, with its logprob under that distribution
     for u in torch.linspace(0.01, 0.99, 25).tolist():
-        out = sample(logits, info_for(1, temperature=1.0, uniforms=[u], **fields))
+        out = sample(logits, info_for(1, temperature=1.0, uniforms=[u], fused=fused, **fields))
         tok = int(out.token_ids[0])
         assert kept[tok], (name, u)
         assert math.isclose(float(out.logprobs[0]), float(want[tok]), abs_tol=1e-5), (name, u)
@@ -119,12 +122,13 @@ def test_a_vanishing_top_p_keeps_the_most_likely_token():
         assert torch.equal(out.token_ids, logits.argmax(-1)) and torch.equal(out.logprobs, torch.zeros(2))
 
 
-def test_the_draw_is_the_inverse_cdf_of_its_uniform():
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_the_draw_is_the_inverse_cdf_of_its_uniform(fused):
     logits = logits_rows(1, seed=7)
     probs = logits[0].softmax(-1)
     cdf = probs.cumsum(-1)
     for u in (0.0, 0.2, 0.5, 0.93):
-        out = sample(logits, info_for(1, uniforms=[u]))
+        out = sample(logits, info_for(1, uniforms=[u], fused=fused))
         expected = int((cdf > u).nonzero()[0])
         assert int(out.token_ids[0]) == expected
         assert math.isclose(float(out.logprobs[0]), math.log(float(probs[expected])), abs_tol=1e-5)

@@ -175,6 +175,7 @@ inline void tile(const float* __restrict a, const float* __restrict b, int64_t k
     c0[i] = add ? loadf(c + i * TNR) : vf{};
     c1[i] = add ? loadf(c + i * TNR + L) : vf{};
   }
+#pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     if (PF) __builtin_prefetch(b + k * TNR + TPF, 0, 0);
     const vf b0 = loadf(b + k * TNR), b1 = loadf(b + k * TNR + L);

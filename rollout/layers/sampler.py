@@ -4,7 +4,8 @@ distribution it was drawn from, in one pass and without syncing the host.
 Order on the logits: logit_bias / allowed_token_ids -> repetition, frequency, presence penalties
 -> min_new_tokens stop mask -> temperature (0 = greedy) -> top_k -> top_p -> min_p -> draw.
 The draw is inverse-CDF sampling with a uniform supplied per row (see ``rollout.random``), so the
-token is a pure function of the distribution and the (seed, position) pair. No full-vocabulary
+token is a pure function of the distribution and the (seed, position) pair; on CPU one C++ call
+(``rollout.layers.cpu_sample``) does it where the engine turns it on (``fused_draw``). No full-vocabulary
 sort on the common path: top-k uses ``topk``; top-p looks at a small candidate set and falls
 back to a sort only for the rows whose candidates do not reach ``top_p``.
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from rollout.layers import cpu_sample
 
 _TOP_P_CANDIDATES = 64
 
@@ -48,6 +51,7 @@ class SamplingBatchInfo:
     all_greedy: bool = False
     has_greedy: bool = False
     all_temp_one: bool = False  # every sampled row has temperature 1: skip the division
+    fused_draw: bool = False  # CPU: the draw and its logprob in one C++ call (rollout.layers.cpu_sample)
 
 
 @dataclass
@@ -164,9 +168,15 @@ def _exp_cumsum(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row_max, (dist - row_max).exp_().cumsum_(dim=-1)
 
 
-def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(dist)[ids], computed exactly as ``sample`` computes a drawn token's logprob (so a
-    replayed score equals the reported one bit for bit)."""
+def _fused(dist: torch.Tensor, info: SamplingBatchInfo) -> bool:
+    return info.fused_draw and cpu_sample.available(dist)
+
+
+def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """log softmax(dist)[ids], computed exactly as ``sample`` computes a drawn token's logprob with
+    the same ``info`` (so a replayed score equals the reported one bit for bit)."""
+    if _fused(dist, info):
+        return cpu_sample.logprob(dist, ids)
     row_max, cdf = _exp_cumsum(dist)
     return (dist.gather(1, ids.unsqueeze(1)) - row_max - cdf[:, -1:].log()).squeeze(1)
 
@@ -185,12 +195,15 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         dist = None
     else:
         dist = processed_logits(logits, info, x)
-        # Inverse-CDF draw and the drawn token's logprob from one exp/cumsum pass, no sort.
-        row_max, cdf = _exp_cumsum(dist)
-        total = cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, info.uniforms.unsqueeze(1) * total, right=True)
-        token_ids = drawn.squeeze(1).clamp_(max=logits.shape[-1] - 1)
-        logprobs = (dist.gather(1, token_ids.unsqueeze(1)) - row_max - total.log()).squeeze(1)
+        if _fused(dist, info):
+            token_ids, logprobs = cpu_sample.draw(dist, info.uniforms)
+        else:
+            # Inverse-CDF draw and the drawn token's logprob from one exp/cumsum pass, no sort.
+            row_max, cdf = _exp_cumsum(dist)
+            total = cdf[:, -1:]
+            drawn = torch.searchsorted(cdf, info.uniforms.unsqueeze(1) * total, right=True)
+            token_ids = drawn.squeeze(1).clamp_(max=logits.shape[-1] - 1)
+            logprobs = (dist.gather(1, token_ids.unsqueeze(1)) - row_max - total.log()).squeeze(1)
         if info.has_greedy:
             greedy = info.temperatures <= 0
             token_ids = torch.where(greedy, x.argmax(dim=-1), token_ids)

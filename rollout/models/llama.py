@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers import cpu_rope
+from rollout.layers import cpu_act, cpu_rope
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -63,9 +63,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
                                                  shard_ids=[0, 1], params_dtype=dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+        self.fused_act = False  # set by the ModelRunner on CPU (rollout.layers.cpu_act)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act:
+            return self.down_proj(cpu_act.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
