@@ -16,49 +16,38 @@ import torch
 SOURCE = r"""
 namespace {
 
-typedef uint32_t avu __attribute__((vector_size(ROLLOUT_LANES * 4)));
-typedef uint16_t avh __attribute__((vector_size(ROLLOUT_LANES * 2)));
-
+// vf / vu / widen / putv: rollout.layers.cpu_gemm's, svf / sexp_clamped: rollout.layers.cpu_sample's
+// (their sources precede this one in the build)
 inline svf aload(const float* p) { return sload(p); }
-inline svf aload(const at::BFloat16* p) {  // bf16 is fp32's top half
-  avh h;
-  std::memcpy(&h, p, sizeof h);
-  const avu u = __builtin_convertvector(h, avu) << 16;
-  svf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline avu abits(svf v) { avu u; std::memcpy(&u, &v, sizeof u); return u; }
-inline avu around_bits(svf v) {  // to bf16 (round to nearest even, NaN kept quiet), in the top half
-  const avu u = abits(v);
-  const avu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+inline svf aload(const at::BFloat16* p) { return widen(reinterpret_cast<const uint16_t*>(p)); }
+inline vu abits(svf v) { vu u; std::memcpy(&u, &v, sizeof u); return u; }
+inline vu around_bits(svf v) {  // to bf16 (round to nearest even, NaN kept quiet), in the top half
+  const vu u = abits(v);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   return v != v ? (u | 0x00400000u) & 0xffff0000u : rounded;
 }
 inline svf around(svf v, const float*) { return v; }
 inline svf around(svf v, const at::BFloat16*) {
-  const avu u = around_bits(v);
+  const vu u = around_bits(v);
   svf f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
 inline void astore(float* p, svf v) { std::memcpy(p, &v, sizeof v); }
-typedef uint16_t avh2 __attribute__((vector_size(ROLLOUT_LANES * 4)));
-inline void astore(at::BFloat16* p, svf v) {  // the top halves of the rounded words: one shuffle
-  avh2 w;
-  const avu r = around_bits(v);
-  std::memcpy(&w, &r, sizeof w);
-  const avh h = @TOP_HALVES@;
-  std::memcpy(p, &h, sizeof h);
-}
+inline void astore(at::BFloat16* p, svf v) { putv(reinterpret_cast<uint16_t*>(p), v); }  // cpu_gemm's
 
 inline svf silu(svf g) { return g / (ssplat(1.f) + sexp_clamped(-g)); }  // cpu_sample's exp
 
 constexpr int64_t ACHUNK = 512;  // values of a row per work item
+// work items per thread at least: torch's own grain for elementwise operators (32768 values), so a
+// decode step of a few rows runs on the calling thread and wakes no other (a sleeping thread's
+// wake-up costs more than the work)
+constexpr int64_t AGRAIN = 32768 / ACHUNK;
 
 template <typename T>
 void silu_mul_rows(const T* gu, T* y, int64_t M, int64_t I) {
   const int64_t chunks = (I + ACHUNK - 1) / ACHUNK;
-  at::parallel_for(0, M * chunks, 1, [&](int64_t w0, int64_t w1) {
+  at::parallel_for(0, M * chunks, AGRAIN, [&](int64_t w0, int64_t w1) {
     T gbuf[SL], ubuf[SL], ybuf[SL];
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t m = w / chunks, j0 = (w % chunks) * ACHUNK, j1 = std::min(I, j0 + ACHUNK);
@@ -101,17 +90,6 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return y;
 }
 """
-
-
-def _top_halves() -> str:
-    """The shuffle taking the odd 16-bit halves of a vector of words, per build lane count."""
-    branches = [f"#{'if' if i == 0 else 'elif'} ROLLOUT_LANES == {lanes}\n"
-                f"      __builtin_shufflevector(w, w, {', '.join(str(2 * j + 1) for j in range(lanes))})\n"
-                for i, lanes in enumerate((4, 8, 16))]
-    return "\n" + "".join(branches) + "#endif\n      "
-
-
-SOURCE = SOURCE.replace("@TOP_HALVES@", _top_halves())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,20 @@ inline void block(const float* x, int64_t K, const float* wf, int64_t kc, float*
   for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) storef(acc + (i * NB + r) * L, a[i][r]);
 }
 
+// a vector of fp32 values stored as they are, or as bf16 rounded as put() rounds each (the top halves
+// of the rounded words, picked by one shuffle)
+typedef uint16_t vh2 __attribute__((vector_size(L * 4)));
+inline void putv(float* y, vf v) { storef(y, v); }
+inline void putv(uint16_t* y, vf v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+  vh2 w;
+  std::memcpy(&w, &r, sizeof w);
+  const vh h = @TOP_HALVES@;
+  std::memcpy(y, &h, sizeof h);
+}
+
 inline void put(float* y, int64_t i, float v) { y[i] = v; }
 inline void put(uint16_t* y, int64_t i, float v) {  // fp32 -> bf16, round to nearest even (as torch)
   uint32_t u; std::memcpy(&u, &v, 4);
@@ -236,6 +250,16 @@ void tiled(const float* ap, const float* bp, const float* bias, Out* y, int64_t 
         }
       }
       const int64_t n0 = p * TNR, nc = std::min<int64_t>(TNR, N - n0);
+      if (nc == TNR) {  // a whole panel: two vectors a row (the same adds and roundings as put's)
+        const vf b0 = bias ? loadf(bias + n0) : vf{}, b1 = bias ? loadf(bias + n0 + L) : vf{};
+        for (int64_t m = 0; m < M; ++m) {
+          vf s0 = loadf(c.data() + m * TNR), s1 = loadf(c.data() + m * TNR + L);
+          if (bias) { s0 += b0; s1 += b1; }
+          putv(y + m * N + n0, s0);
+          putv(y + m * N + n0 + L, s1);
+        }
+        continue;
+      }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < nc; ++j) {
           const float s = c[m * TNR + j];
@@ -335,6 +359,17 @@ at::Tensor tiled_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
   return y.view(sizes);
 }
 """
+
+
+def top_halves(v: str = "w") -> str:
+    """C++ picking the odd (top) 16-bit halves of ``v``, a vector of 2 L halves, per build lane count."""
+    branches = [f"#{'if' if i == 0 else 'elif'} ROLLOUT_LANES == {lanes}\n"
+                f"      __builtin_shufflevector({v}, {v}, {', '.join(str(2 * j + 1) for j in range(lanes))})\n"
+                for i, lanes in enumerate((4, 8, 16))]
+    return "\n" + "".join(branches) + "#endif\n      "
+
+
+SOURCE = SOURCE.replace("@TOP_HALVES@", top_halves())
 
 
 def load() -> Optional[object]:
