@@ -16,25 +16,19 @@ import torch
 SOURCE = r"""
 namespace {
 
-// vf / vu / widen / putv: rollout.layers.cpu_gemm's, svf / sexp_clamped: rollout.layers.cpu_sample's
+// vf / vu / widen / bf16_round_bits / putv: rollout.layers.cpu_gemm's, svf / sexp_clamped: rollout.layers.cpu_sample's
 // (their sources precede this one in the build)
 inline svf aload(const float* p) { return sload(p); }
 inline svf aload(const at::BFloat16* p) { return widen(reinterpret_cast<const uint16_t*>(p)); }
-inline vu abits(svf v) { vu u; std::memcpy(&u, &v, sizeof u); return u; }
-inline vu around_bits(svf v) {  // to bf16 (round to nearest even, NaN kept quiet), in the top half
-  const vu u = abits(v);
-  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  return v != v ? (u | 0x00400000u) & 0xffff0000u : rounded;
-}
 inline svf around(svf v, const float*) { return v; }
-inline svf around(svf v, const at::BFloat16*) {
-  const vu u = around_bits(v);
+inline svf around(svf v, const at::BFloat16*) {  // to bf16 and back, as putv rounds
+  const vu u = bf16_round_bits(v) & 0xffff0000u;
   svf f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-inline void astore(float* p, svf v) { std::memcpy(p, &v, sizeof v); }
-inline void astore(at::BFloat16* p, svf v) { putv(reinterpret_cast<uint16_t*>(p), v); }  // cpu_gemm's
+inline void astore(float* p, svf v) { putv(p, v); }
+inline void astore(at::BFloat16* p, svf v) { putv(reinterpret_cast<uint16_t*>(p), v); }
 
 inline svf silu(svf g) { return g / (ssplat(1.f) + sexp_clamped(-g)); }  // cpu_sample's exp
 

@@ -75,11 +75,15 @@ inline void block(const float* x, int64_t K, const float* wf, int64_t kc, float*
 // a vector of fp32 values stored as they are, or as bf16 rounded as put() rounds each (the top halves
 // of the rounded words, picked by one shuffle)
 typedef uint16_t vh2 __attribute__((vector_size(L * 4)));
-inline void putv(float* y, vf v) { storef(y, v); }
-inline void putv(uint16_t* y, vf v) {
+// v rounded to bf16 (nearest even; a NaN kept quiet): the bf16 values are the words' top halves
+inline vu bf16_round_bits(vf v) {
   vu u;
   std::memcpy(&u, &v, sizeof u);
-  const vu r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+}
+inline void putv(float* y, vf v) { storef(y, v); }
+inline void putv(uint16_t* y, vf v) {
+  const vu r = bf16_round_bits(v);
   vh2 w;
   std::memcpy(&w, &r, sizeof w);
   const vh h = @TOP_HALVES@;
