@@ -152,7 +152,8 @@ def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
 def test_tiled_gemm_is_fp32_accumulation_rounded_once_and_batch_invariant(dtype):
     """The register-tiled kernel against fp64 over the same values (bf16: within one rounding of the
     output; fp32: fp32 sums), with bias, odd shapes (partial panels and tiles, k past a block); each
-    row's result is bitwise the same whatever rows come with it (sums over k in order)."""
+    row's result is bitwise the same whatever rows come with it (sums over k in order), below and
+    above the row count where the weights' next block is prefetched in slices."""
     from rollout.layers import cpu_gemm
 
     assert cpu_gemm.load() is not None, "the C++ kernels did not build on this machine"
@@ -163,17 +164,17 @@ def test_tiled_gemm_is_fp32_accumulation_rounded_once_and_batch_invariant(dtype)
         panels = cpu_gemm.tile_pack(w)
         assert panels.dtype == torch.float32 and torch.equal(
             panels.transpose(1, 2).reshape(-1, k)[:n], w.float())  # the weight's values, exactly
-        x = torch.randn(23, k, generator=g).to(dtype)
+        x = torch.randn(67, k, generator=g).to(dtype)
         ref = x.double() @ w.double().T + b.double()
         y = cpu_gemm.tiled_linear(x, panels, n, b)
-        assert y.dtype == dtype and y.shape == (23, n)
+        assert y.dtype == dtype and y.shape == (67, n)
         if dtype == torch.bfloat16:
             assert ((y.double() - ref).abs() <= ref.abs().clamp(min=1e-3) * 2 ** -8).all()
         else:
             assert ((y.double() - ref).abs() <= 1e-5 * ref.abs().clamp(min=1) * (k / 64) ** 0.5).all()
-        for rows in (1, 5, 6, 7, 13):
+        for rows in (1, 5, 6, 7, 13, 23, 60):
             assert torch.equal(cpu_gemm.tiled_linear(x[:rows], panels, n, b), y[:rows])
-        assert torch.equal(cpu_gemm.tiled_linear(x.view(23, 1, k), panels, n, b), y.view(23, 1, n))
+        assert torch.equal(cpu_gemm.tiled_linear(x.view(67, 1, k), panels, n, b), y.view(67, 1, n))
     with pytest.raises(RuntimeError, match="N does not fit the panels"):
         cpu_gemm.tiled_linear(x, panels, n + 64, b)
     with pytest.raises(RuntimeError, match="disagree on K"):
