@@ -52,7 +52,7 @@ def timed(fn) -> tuple[float, object]:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    from grpo_colocated import build_trainer
+    from trainer_bridge.grpo_setup import build_trainer
 
     ns = argparse.Namespace(model=args.model, seed=0, dtype=args.dtype, lr=1e-5, zero_stage=args.zero_stage)
     ds_engine, path, tied, rank, world = build_trainer(ns)

@@ -27,9 +27,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
-from grpo_colocated import add_flags, build_trainer, grpo_config, step_logger  # noqa: E402
+import rollout  # noqa: E402,F401  first: its OpenMP defaults must be set before torch loads (rollout.openmp)
+from trainer_bridge.grpo_setup import add_flags, build_trainer, grpo_config, step_logger  # noqa: E402
 
-OWN_FLAGS = ("replicas", "engine_url", "server_tp_size", "master_address", "group_timeout", "partial_rollouts")
+OWN_FLAGS = ("replicas", "engine_url", "server_tp_size", "master_address", "group_timeout", "partial_rollouts",
+             "max_staleness", "stale_policy")
 
 
 def parse(argv=None):
@@ -45,6 +47,10 @@ def parse(argv=None):
                      help="seconds before a weight group gives up on a replica that stopped answering")
     own.add_argument("--partial-rollouts", action="store_true",
                      help="land each push in the middle of running rollouts (pause in place) instead of after them")
+    own.add_argument("--max-staleness", type=int, default=0,
+                     help="generate up to this many steps ahead with older weights (0: synchronous)")
+    own.add_argument("--stale-policy", default="keep", choices=["drop", "keep", "tis"],
+                     help="tokens older than --max-staleness: drop them from the loss, keep them, or weight them")
     args = vars(add_flags(ap).parse_args(argv))
     return (argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS}), argparse.Namespace(**args))
 
@@ -106,7 +112,8 @@ def main(argv=None) -> list:
                                    partial_rollouts=own.partial_rollouts, timeout_s=own.group_timeout)
         prompts, reward = parity_task(ModelConfig.from_pretrained(path).vocab_size)
         log, finish = step_logger(args, rank)
-        logs = run_grpo(grpo_config(args, release_memory=False), ds_engine, router, prompts, reward,
+        cfg = grpo_config(args, release_memory=False, max_staleness=own.max_staleness, stale_policy=own.stale_policy)
+        logs = run_grpo(cfg, ds_engine, router, prompts, reward,
                         tie_word_embeddings=tied, log_fn=log, target=target)
         finish(logs)
         if rank == 0:

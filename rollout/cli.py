@@ -123,7 +123,8 @@ def _cmd_demo(args) -> int:
 
 
 BENCHMARKS = {"throughput": "rollout.bench.throughput", "weight-sync": "rollout.bench.sync",
-              "rl-step": "rollout.bench.rl_step", "limits": "rollout.bench.limits"}
+              "rl-step": "rollout.bench.rl_step", "limits": "rollout.bench.limits",
+              "server-load": "rollout.bench.server", "fidelity": "rollout.bench.fidelity"}
 
 
 def _cmd_bench(args) -> int:

@@ -216,7 +216,7 @@ def check_overlap_parity(device, workdir, quick):
 def check_nccl_tp1(device, workdir, quick):
     if device != "cuda":
         return {"skipped": "needs CUDA"}
-    from rollout.tp_group import make_device_group
+    from rollout.worker.tp_group import make_device_group
     from weight_sync.process_group import free_port
 
     comm = make_device_group("127.0.0.1", free_port(), 0, 1, torch.device("cuda"), 60)

@@ -84,6 +84,23 @@ def test_limits_and_rl_step_benchmarks_and_compare(tmp_path):
     assert line.split()[-1] == "2.000"
 
 
+def test_fidelity_and_server_load_benchmarks_through_the_cli(tmp_path):
+    """``rollout bench fidelity`` and ``server-load`` (once scripts under ``benchmarks/``) at a tiny size;
+    fidelity in this process through the command's dispatch, server-load through the command line."""
+    from rollout.cli import main as cli_main
+
+    common = ["--model", "tiny", "--dtype", "float32", "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]
+    assert cli_main(["bench", "fidelity", *common, "--prompts", "2", "--n", "1", "--max-new-tokens", "4"]) == 0
+    fid = json.load(open(tmp_path / "fidelity_tiny_float32.json"))
+    assert fid["masks_on"] > 0 and fid["masks_mean_size"] >= 1 and fid["same_tokens"] is True
+    out = run_cli("bench", "server-load", *common, "--requests", "4", "--max-new-tokens", "4",
+                  "--refresh-every-s", "0.5", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    load = json.load(open(tmp_path / "server_load_tiny_float32.json"))
+    assert load["server"]["tokens_per_s"] > 0 and load["in_process"]["tokens_per_s"] > 0
+    assert load["server_with_refreshes"]["errors"] == [] and os.path.isfile(tmp_path / "server_load_tiny_float32.png")
+
+
 def test_async_generate_streams(llama_path):
     prompts = random_prompts(300, [6, 9], seed=20)
     sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=4, ignore_eos=True, n=2)

@@ -40,6 +40,9 @@ def test_disaggregated_control_without_pushes_stays_flat(tmp_path):
     logs, _ = run_example(tmp_path, "--no-push", steps=12)
     rewards = [x["reward"] for x in logs]
     assert max(rewards) - min(rewards) < 0.2, rewards
+    # what a pushed run cannot show: every replica served the initial weights at every step
+    assert [x["max_sample_staleness"] for x in logs] == list(range(len(logs)))
+    assert all(x["sync_phases"] == {} and x["push_verified"] is None for x in logs)
 
 
 def test_asynchronous_rollouts_with_staleness_one_still_learn(tmp_path):

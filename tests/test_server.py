@@ -327,18 +327,25 @@ def test_ops_routes(server):
 
 
 def test_a_client_that_disconnects_aborts_its_request(server):
+    """A streamed request asks for the most tokens its context allows and its client leaves after the
+    first event: the request stops there (far fewer tokens decoded than it asked for, so it did not
+    just finish) and its blocks come back."""
     url, client = server
+    wanted = 1024 - len(PROMPTS[0])  # the model's whole context
+    before = client.get_server_info()["stats"]
     with httpx.stream("POST", f"{url}/generate", headers={"Authorization": f"Bearer {GEN_KEY}"}, json={
             "input_ids": PROMPTS[0], "stream": True,
-            "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}) as r:
+            "sampling_params": {"max_new_tokens": wanted, "temperature": 0, "ignore_eos": True}}) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
     deadline = time.monotonic() + 20
     while client.get_server_info()["stats"]["num_running"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     stats = client.get_server_info()["stats"]
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    decoded = stats["num_decode_tokens"] - before["num_decode_tokens"]
+    assert decoded < wanted // 2, f"{decoded} of {wanted} tokens decoded: the disconnect aborted nothing"
 
 
 # ---------------------------------------------------------------------------------------------

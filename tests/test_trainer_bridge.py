@@ -57,6 +57,10 @@ def test_grpo_without_pushes_does_not_learn(tmp_path):
     logs, _ = run_demo(tmp_path, "--zero-stage", "3", "--no-push")
     rewards = [x["reward"] for x in logs]
     assert all(abs(r - rewards[0]) <= 0.1 for r in rewards), rewards
+    # what a pushed run cannot show: every step sampled with the initial weights (step k's samples are
+    # k versions behind the trainer), and nothing was pushed or verified
+    assert [x["max_sample_staleness"] for x in logs] == list(range(len(logs)))
+    assert all(x["sync_phases"] == {} and x["push_verified"] is None for x in logs)
 
 
 def test_grpo_zero0_exact_logprobs(tmp_path):

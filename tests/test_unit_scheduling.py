@@ -3,17 +3,15 @@ returns a fixed next token per row); everything else is the real scheduler and b
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch
-from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
-from rollout.request import Request, SeqStatus
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
+from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch
+from rollout.scheduler.block_manager import BlockManager
+from rollout.scheduler.request import Request, SeqStatus
+from rollout.scheduler.scheduler import Scheduler
 
 # ---------------------------------------------------------------------------------------------
 # block manager
@@ -78,7 +76,7 @@ class FakeWorker:
     """Returns token ``next_token`` for every sample row; records every batch it was given."""
 
     def __init__(self, num_blocks: int, next_token: int = 7, context_len: int = 1000):
-        self.model_runner = SimpleNamespace(num_blocks=num_blocks)
+        self.num_kv_blocks = num_blocks
         self.context_len = context_len
         self.next_token = next_token
         self.batches: list[ModelWorkerBatch] = []

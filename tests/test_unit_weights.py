@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from rollout.config import EngineConfig
-from rollout.loader import WeightLoadError, load_named_tensors, plan_load, weight_name_map
-from rollout.messages import (
+from rollout.executor.model_runner import ModelRunner
+from rollout.executor.param_storage import flatten_parameters
+from rollout.models import ModelConfig, build_model
+from rollout.weights.loader import WeightLoadError, load_named_tensors, plan_load, weight_name_map
+from rollout.weights.safetensors_io import safetensors_files, validate_safetensors_file
+from rollout.worker.messages import (
     WEIGHT_MESSAGES,
     AbortTransaction,
     ApplyTensors,
@@ -28,9 +32,6 @@ from rollout.messages import (
     WeightResult,
     WeightsChecksum,
 )
-from rollout.model_runner import ModelRunner, _flatten_parameters
-from rollout.models import ModelConfig, build_model
-from rollout.safetensors_io import safetensors_files, validate_safetensors_file
 from weight_sync.layout import (
     ALIGN,
     FIRST_BUCKET_BYTES,
@@ -62,7 +63,7 @@ def engine_model():
     cfg = ModelConfig.from_dict(QWEN2)
     with torch.device("meta"):
         model = build_model(cfg, torch.float32)
-    _flatten_parameters(model, torch.device("cpu"))
+    flatten_parameters(model, torch.device("cpu"))
     return model, weight_name_map(model)
 
 
@@ -265,7 +266,7 @@ def test_weight_result_is_built_in_one_place_and_reads_like_a_dict():
 @pytest.fixture(scope="module")
 def rank(model_dir):
     from rollout.layers.parallel_state import TpState, tp_state_context
-    from rollout.rank_weights import RankWeights
+    from rollout.weights.rank_weights import RankWeights
 
     path = model_dir("unit-rank", "qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2)

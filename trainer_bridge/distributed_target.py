@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rollout.messages import WeightResult
+from rollout.worker.messages import WeightResult
 from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe, is_healthy
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, push_weights
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
+from trainer_bridge.router import ReplicaRouter
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,32 @@ class GRPOConfig:
     # weights served then; a sample is at most max_staleness versions behind the trainer (0: synchronous).
     max_staleness: int = 0
     stale_policy: str = "keep"  # tokens older than the bound: "drop" (masked out), "keep", "tis" (weighted)
+
+    def __post_init__(self) -> None:
+        """Every option checked when the config is built, before any engine or trainer step runs."""
+        for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "bucket_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"GRPOConfig.temperature={self.temperature}: must be > 0 (the loss divides by it)")
+        if not 0 <= self.clip_eps < 1:
+            raise ValueError(f"GRPOConfig.clip_eps={self.clip_eps}: use 0 <= clip_eps < 1")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"GRPOConfig.tis_cap={self.tis_cap}: must be > 0 (or None: off)")
+        if self.max_staleness < 0:
+            raise ValueError(f"GRPOConfig.max_staleness={self.max_staleness}: must be >= 0")
+        if self.stale_policy not in ("drop", "keep", "tis"):
+            raise ValueError(f"GRPOConfig.stale_policy={self.stale_policy!r}: use drop, keep or tis")
+        if self.release_memory and not self.push_weights:
+            raise ValueError("GRPOConfig: release_memory without push_weights would leave the engine without weights")
+        if self.max_staleness and self.release_memory:
+            raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
+                             "devices: set release_memory=False")
+
+    @property
+    def masked(self) -> bool:
+        """Sampling truncated or penalised: the engine returns masks and the trainer replays them."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0 or self.repetition_penalty != 1.0
 
 
 @dataclass
@@ -144,164 +171,278 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+@dataclass(frozen=True)
+class Mismatch:
+    """Trainer against engine logprobs of one step's tokens, as sums and maxima over the tokens (one
+    rank's, or every rank's after ``reduced()``): ``abs`` as the loss sees them (masked replay when
+    masks are on), ``unmasked`` as ``log_softmax(logits / T)`` gives them."""
+
+    abs_sum: float
+    count: int
+    unmasked_abs_sum: float
+    ratio_sum: float  # exp(trainer - engine), as the loss sees it
+    unmasked_ratio_sum: float
+    unmasked_out_of_band: int  # tokens whose unmasked ratio lies outside [0.9, 1.1]
+    abs_max: float
+    unmasked_abs_max: float
+
+    @classmethod
+    def of(cls, new_lp: list[torch.Tensor], unmasked_lp: list[torch.Tensor], engine_lp: list[torch.Tensor]) -> Mismatch:
+        diffs = torch.cat([(a.detach() - b).abs() for a, b in zip(new_lp, engine_lp)])
+        udiffs = torch.cat([a.detach() - b for a, b in zip(unmasked_lp, engine_lp)])
+        ratios = torch.cat([torch.exp(a.detach() - b) for a, b in zip(new_lp, engine_lp)])
+        return cls(abs_sum=float(diffs.sum()), count=diffs.numel(), unmasked_abs_sum=float(udiffs.abs().sum()),
+                   ratio_sum=float(ratios.sum()), unmasked_ratio_sum=float(udiffs.exp().sum()),
+                   unmasked_out_of_band=int(((udiffs.exp() - 1).abs() > 0.1).sum()),
+                   abs_max=float(diffs.max()), unmasked_abs_max=float(udiffs.abs().max()))
+
+    def reduced(self) -> Mismatch:
+        """Sums summed and maxima taken over every trainer rank (a collective; itself without a group)."""
+        if not dist.is_initialized():
+            return self
+        sums = torch.tensor([self.abs_sum, self.count, self.unmasked_abs_sum, self.ratio_sum, self.unmasked_ratio_sum,
+                             self.unmasked_out_of_band], dtype=torch.float64)
+        maxima = torch.tensor([self.abs_max, self.unmasked_abs_max], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        return Mismatch(float(sums[0]), int(sums[1]), float(sums[2]), float(sums[3]), float(sums[4]), int(sums[5]),
+                        float(maxima[0]), float(maxima[1]))
+
+    @property
+    def mean(self) -> float:
+        return self.abs_sum / self.count
+
+    @property
+    def unmasked_mean(self) -> float:
+        return self.unmasked_abs_sum / self.count
+
+    @property
+    def ratio_mean(self) -> float:
+        return self.ratio_sum / self.count
+
+    @property
+    def unmasked_ratio_mean(self) -> float:
+        return self.unmasked_ratio_sum / self.count
+
+    @property
+    def unmasked_out_of_band_fraction(self) -> float:
+        return self.unmasked_out_of_band / self.count
+
+
+def grpo_loss(cfg: GRPOConfig, new_lp: list[torch.Tensor], engine_lp: list[torch.Tensor], advantages: torch.Tensor,
+              ages: Optional[list[list[int]]] = None, unmasked_lp: Optional[list[torch.Tensor]] = None,
+              ref_lp: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, Mismatch]:
+    """The clipped policy-gradient loss over this rank's completions and their ``Mismatch``; no
+    engine, no trainer, no collective.
+
+    ``new_lp[i]`` the trainer's logprobs of completion i's tokens (with grad), ``engine_lp[i]`` the
+    engine's (the behaviour policy), ``advantages[i]`` its group-normalised advantage, ``ages[i]``
+    per token how many versions behind the trainer its weights were (``stale_policy`` acts past
+    ``max_staleness``), ``unmasked_lp`` the unmasked logprobs for the record (default ``new_lp``),
+    ``ref_lp`` a frozen reference's for the KL term (``kl_coef``)."""
+    losses = []
+    for i, (lp, old) in enumerate(zip(new_lp, engine_lp)):
+        ratio = torch.exp(lp - old)
+        a = advantages[i]
+        pg = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
+        if cfg.tis_cap is not None:
+            pg = pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap)
+        if ages is not None:
+            stale = torch.tensor([age > cfg.max_staleness for age in ages[i]], dtype=torch.bool)
+            if stale.any() and cfg.stale_policy == "drop":
+                pg = pg.masked_fill(stale, 0.0)
+            elif stale.any() and cfg.stale_policy == "tis":
+                pg = torch.where(stale, pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap or 2.0), pg)
+        losses.append(pg.mean())
+    loss = torch.stack(losses).mean()
+    if cfg.kl_coef and ref_lp is not None:
+        kl = torch.stack([(torch.exp(r - lp) - (r - lp) - 1).mean() for r, lp in zip(ref_lp, new_lp)]).mean()
+        loss = loss + cfg.kl_coef * kl
+    return loss, Mismatch.of(new_lp, unmasked_lp if unmasked_lp is not None else new_lp, engine_lp)
+
+
+def group_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """Rewards normalised within each prompt's ``n`` samples (prompt-major), flattened."""
+    grouped = rewards.view(-1, n)
+    return ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+
+
+@dataclass
+class _Rollout:
+    prompts: list[list[int]]
+    sampling: object  # SamplingParams
+    outputs: list  # this rank's share
+    seconds: float
+
+
+class _GRPORun:
+    """One ``run_grpo`` call: its state, and a method per part of a step."""
+
+    def __init__(self, cfg: GRPOConfig, ds_engine, rollout_engine, prompts, reward_fn, ref_model,
+                 tie_word_embeddings: bool, target: WeightTarget):
+        self.cfg, self.ds_engine, self.engine, self.prompts = cfg, ds_engine, rollout_engine, prompts
+        self.reward_fn, self.ref_model, self.tie = reward_fn, ref_model, tie_word_embeddings
+        self.target = target
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.events: list[str] = []  # replica failures and rejoins of the current step
+        self.seen_failures = 0
+
+    def rollout(self, step: int) -> _Rollout:
+        """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
+        from rollout import SamplingParams
+
+        cfg = self.cfg
+        pick = torch.randperm(len(self.prompts), generator=self.generator)[: cfg.prompts_per_step].tolist()
+        batch_prompts = [self.prompts[i] for i in pick]
+        sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
+                            top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+        t0 = time.perf_counter()
+        mine = _generate_share(self.engine, batch_prompts, sp, self.rank, self.world, masks=cfg.masked)
+        return _Rollout(batch_prompts, sp, mine, time.perf_counter() - t0)
+
+    def push(self, version: str):
+        """One push; a replica failing mid-push is dropped (named), the group rebuilt, the push redone."""
+        for attempt in range(8):
+            try:
+                return push_weights(self.ds_engine, self.target, version=version, bucket_bytes=self.cfg.bucket_bytes,
+                                    per_parameter=self.cfg.push_per_parameter, tie_word_embeddings=self.tie)
+            except ReplicaError as err:
+                self.events.append(f"push {version}: {err}")
+                logger.warning("weight push %s failed: %s; the rest carry on", version, err)
+                if attempt == 7 or not self.target.heal():  # nothing left to rebuild: give up
+                    raise
+        raise AssertionError("unreachable")
+
+    def release_engine_memory(self) -> int:
+        """Colocated: the engine's KV cache and weights freed while the trainer trains; bytes freed."""
+        if not self.cfg.release_memory:
+            return 0
+        return int(self.engine.release_memory_occupation(["kv_cache", "weights"]).detail["freed_bytes"])
+
+    def sync_weights(self, step: int) -> tuple[dict, Optional[bool]]:
+        """After a training step: the engine's weights storage back (if released) -> push the new
+        weights as version ``step-{step}`` -> read samples back (``verify_push``) -> the KV cache back.
+        Returns the push's phases and whether the samples matched (None: not checked)."""
+        cfg = self.cfg
+        if cfg.release_memory:
+            self.engine.resume_memory_occupation(["weights"])
+        phases, verified = {}, None
+        if cfg.push_weights:
+            pushed = self.push(f"step-{step}")
+            if not pushed.result.success:
+                raise RuntimeError(f"weight push failed at step {step}: {pushed.result.message}")
+            phases = pushed.phases
+            if cfg.verify_push:
+                verified = verify_pushed(pushed, self.engine)
+        if cfg.release_memory:
+            self.engine.resume_memory_occupation(["kv_cache"])
+        return phases, verified
+
+    def train(self, step: int, ro: _Rollout, outs: list, advantages: torch.Tensor) -> tuple[torch.Tensor, Mismatch]:
+        """One DeepSpeed step on this rank's slice of the samples (data parallel)."""
+        cfg = self.cfg
+        mine = list(range(self.rank, len(outs), self.world))
+        seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
+        plens = [len(outs[i].prompt_token_ids) for i in mine]
+        logits = completion_logits(self.ds_engine, seqs, plens)
+        unmasked_lp = [_token_logprobs(lg, outs[i].output_token_ids, cfg.temperature) for lg, i in zip(logits, mine)]
+        new_lp = [replay_logprobs(lg, outs[i].prompt_token_ids, outs[i].output_token_ids,
+                                  outs[i].output_token_sampling_mask, ro.sampling) for lg, i in zip(logits, mine)] \
+            if cfg.masked else unmasked_lp
+        engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
+        # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
+        ages = [[step - _version_step(v) for v in outs[i].output_weight_versions] for i in mine]
+        ref_lp = None
+        if cfg.kl_coef and self.ref_model is not None:
+            with torch.no_grad():
+                ref_lp = sequence_logprobs(self.ref_model, seqs, plens, cfg.temperature)
+        loss, mismatch = grpo_loss(cfg, new_lp, engine_lp, advantages[mine], ages, unmasked_lp, ref_lp)
+        self.ds_engine.backward(loss)
+        self.ds_engine.step()
+        return loss, mismatch
+
+    def step(self, step: int, ro: _Rollout, trainer_wait: float, t_step: float) -> StepLog:
+        """Rewards -> train -> sync of one step whose rollout ``ro`` is in; its log."""
+        outs = _gather_shares(self.engine, ro.outputs, len(ro.prompts), ro.sampling.n, self.world)
+        failures = self.engine.failures if isinstance(self.engine, ReplicaRouter) else []
+        self.events.extend(str(e) for e in failures[self.seen_failures:])
+        self.seen_failures = len(failures)
+        rewards = torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
+        released = self.release_engine_memory()
+        peak = rss_mb()
+        t1 = time.perf_counter()
+        loss, mismatch = self.train(step, ro, outs, group_advantages(rewards, self.cfg.n))
+        peak = max(peak, rss_mb())
+        train_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        phases, verified = self.sync_weights(step + 1)
+        sync_s = time.perf_counter() - t2
+        peak = max(peak, rss_mb())
+        mm = mismatch.reduced()
+        self.events.extend(self.target.take_events())
+        ages = [step - _version_step(v) for o in outs for v in o.output_weight_versions]
+        log = StepLog(step=step + 1, reward=float(rewards.mean()),
+                      rollout_tok_s=sum(len(o.output_token_ids) for o in outs) / ro.seconds,
+                      rollout_s=ro.seconds, train_s=train_s, sync_s=sync_s, mismatch_mean=mm.mean,
+                      mismatch_max=mm.abs_max, loss=float(loss.detach()), mismatch_unmasked_mean=mm.unmasked_mean,
+                      mismatch_unmasked_max=mm.unmasked_abs_max, ratio_mean=mm.ratio_mean,
+                      ratio_unmasked_mean=mm.unmasked_ratio_mean,
+                      ratio_unmasked_out_of_band=mm.unmasked_out_of_band_fraction, engine_released_bytes=released,
+                      rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
+                      max_sample_staleness=max(ages, default=0),
+                      num_mixed_version_samples=sum(1 for o in outs if len({_version_step(v) for v in
+                                                                           o.output_weight_versions}) > 1),
+                      trainer_wait_s=trainer_wait, replica_events=list(self.events),
+                      step_s=time.perf_counter() - t_step,
+                      num_serving_replicas=len(self.engine.replicas.serving())
+                      if isinstance(self.engine, ReplicaRouter) else 1)
+        self.events.clear()
+        return log
+
+    def run(self, log_fn: Optional[Callable[[StepLog], None]]) -> list[StepLog]:
+        cfg = self.cfg
+        logs: list[StepLog] = []
+        # asynchronous: up to max_staleness batches are generated ahead, each with the weights served when it starts
+        ahead = ThreadPoolExecutor(1) if cfg.max_staleness else None
+        queued = deque(ahead.submit(self.rollout, k) for k in range(min(cfg.max_staleness, cfg.steps))) \
+            if ahead else deque()
+        try:
+            for step in range(cfg.steps):
+                t_step = time.perf_counter()
+                if cfg.push_weights and self.target.heal():  # e.g. a replica came back: it gets the current weights
+                    self.events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
+                    self.push(f"step-{step}")
+                t_wait = time.perf_counter()
+                if ahead is not None:
+                    if step + cfg.max_staleness < cfg.steps:
+                        queued.append(ahead.submit(self.rollout, step + cfg.max_staleness))
+                    ro = queued.popleft().result()
+                else:
+                    ro = self.rollout(step)
+                log = self.step(step, ro, time.perf_counter() - t_wait, t_step)
+                logs.append(log)
+                if log_fn is not None and self.rank == 0:
+                    log_fn(log)
+        finally:
+            if ahead is not None:
+                ahead.shutdown(wait=True)
+        return logs
+
+
 def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]],
              reward_fn: Callable[[list[int], list[int]], float], ref_model=None,
              tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None,
              target: Optional[WeightTarget] = None) -> list[StepLog]:
     """``rollout_engine``: an in-process engine (colocated; the default target pushes into it) or a
     ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``DistributedTarget``)."""
-    from rollout import SamplingParams
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
     target = target or ColocatedTarget(rollout_engine)
-    logs: list[StepLog] = []
-    g = torch.Generator().manual_seed(cfg.seed)
-    masked = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0 or cfg.repetition_penalty != 1.0
-    if cfg.max_staleness and (cfg.release_memory or isinstance(target, ColocatedTarget)):
-        raise ValueError("asynchronous rollouts need their own devices: use a disaggregated target, no release")
-    if cfg.stale_policy not in ("drop", "keep", "tis"):
-        raise ValueError(f"stale_policy={cfg.stale_policy!r}: use drop, keep or tis")
-
-    def rollout(step: int):
-        """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
-        pick = torch.randperm(len(prompts), generator=g)[: cfg.prompts_per_step].tolist()
-        batch_prompts = [prompts[i] for i in pick]
-        sp = SamplingParams(n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                            seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
-                            top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
-        t0 = time.perf_counter()
-        mine = _generate_share(rollout_engine, batch_prompts, sp, rank, world, masks=masked)
-        return batch_prompts, sp, mine, time.perf_counter() - t0
-
-    events: list[str] = []  # replica failures and rejoins of the current step
-
-    def push(version: str):
-        """One push; a replica failing mid-push is dropped (named), the group rebuilt, the push redone."""
-        for attempt in range(8):
-            try:
-                return push_weights(ds_engine, target, version=version, bucket_bytes=cfg.bucket_bytes,
-                                    per_parameter=cfg.push_per_parameter, tie_word_embeddings=tie_word_embeddings)
-            except ReplicaError as err:
-                events.append(f"push {version}: {err}")
-                logger.warning("weight push %s failed: %s; the rest carry on", version, err)
-                if attempt == 7 or not target.heal():  # nothing left to rebuild: give up
-                    raise
-        raise AssertionError("unreachable")
-
-    # asynchronous: up to max_staleness batches are generated ahead, each with the weights served when it starts
-    ahead = ThreadPoolExecutor(1) if cfg.max_staleness else None
-    queued = deque(ahead.submit(rollout, k) for k in range(min(cfg.max_staleness, cfg.steps))) if ahead else deque()
-    seen_failures = 0
-    for step in range(cfg.steps):
-        t_step = time.perf_counter()
-        if cfg.push_weights and target.heal():  # e.g. a replica came back: it gets the current weights
-            events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
-            push(f"step-{step}")
-        t_wait = time.perf_counter()
-        if ahead is not None:
-            if step + cfg.max_staleness < cfg.steps:
-                queued.append(ahead.submit(rollout, step + cfg.max_staleness))
-            batch_prompts, sp, mine_outs, rollout_s = queued.popleft().result()
-        else:
-            batch_prompts, sp, mine_outs, rollout_s = rollout(step)
-        outs = _gather_shares(rollout_engine, mine_outs, len(batch_prompts), sp.n, world)
-        trainer_wait = time.perf_counter() - t_wait
-        events.extend(str(e) for e in getattr(rollout_engine, "failures", [])[seen_failures:])
-        seen_failures = len(getattr(rollout_engine, "failures", []))
-        n_tok = sum(len(o.output_token_ids) for o in outs)
-        # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
-        ages = [[step - _version_step(v) for v in o.output_weight_versions] for o in outs]
-        rewards = torch.tensor([reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
-        grouped = rewards.view(len(batch_prompts), cfg.n)
-        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
-        # ---- train (data parallel: each rank takes its slice of the samples)
-        released = 0
-        if cfg.release_memory:
-            released = rollout_engine.release_memory_occupation(["kv_cache", "weights"])["freed_bytes"]
-        peak = rss_mb()
-        t1 = time.perf_counter()
-        mine = list(range(rank, len(outs), world))
-        seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
-        plens = [len(outs[i].prompt_token_ids) for i in mine]
-        logits = completion_logits(ds_engine, seqs, plens)
-        unmasked_lp = [_token_logprobs(lg, outs[i].output_token_ids, cfg.temperature) for lg, i in zip(logits, mine)]
-        new_lp = [replay_logprobs(lg, outs[i].prompt_token_ids, outs[i].output_token_ids,
-                                  outs[i].output_token_sampling_mask, sp) for lg, i in zip(logits, mine)] \
-            if masked else unmasked_lp
-        engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
-        diffs = torch.cat([(a.detach() - b).abs() for a, b in zip(new_lp, engine_lp)])
-        udiffs = torch.cat([(a.detach() - b) for a, b in zip(unmasked_lp, engine_lp)])
-        ratios = torch.cat([torch.exp(a.detach() - b) for a, b in zip(new_lp, engine_lp)])
-        # sum, count, sum |unmasked|, sum ratio, sum unmasked ratio, unmasked out of band | max, max unmasked
-        stats = torch.tensor([float(diffs.sum()), float(diffs.numel()), float(udiffs.abs().sum()), float(ratios.sum()),
-                              float(udiffs.exp().sum()), float(((udiffs.exp() - 1).abs() > 0.1).sum()),
-                              float(diffs.max()), float(udiffs.abs().max())])
-        losses = []
-        for lp, old, i in zip(new_lp, engine_lp, mine):
-            ratio = torch.exp(lp - old)
-            a = adv[i]
-            pg = -torch.min(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
-            if cfg.tis_cap is not None:
-                pg = pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap)
-            stale = torch.tensor([age > cfg.max_staleness for age in ages[i]])
-            if stale.any() and cfg.stale_policy == "drop":
-                pg = pg.masked_fill(stale, 0.0)
-            elif stale.any() and cfg.stale_policy == "tis":
-                pg = torch.where(stale, pg * torch.exp(lp.detach() - old).clamp(max=cfg.tis_cap or 2.0), pg)
-            losses.append(pg.mean())
-        loss = torch.stack(losses).mean()
-        if cfg.kl_coef and ref_model is not None:
-            with torch.no_grad():
-                ref_lp = sequence_logprobs(ref_model, seqs, plens, cfg.temperature)
-            kl = torch.stack([(torch.exp(r - lp) - (r - lp) - 1).mean() for r, lp in zip(ref_lp, new_lp)]).mean()
-            loss = loss + cfg.kl_coef * kl
-        ds_engine.backward(loss)
-        ds_engine.step()
-        peak = max(peak, rss_mb())
-        train_s = time.perf_counter() - t1
-        # ---- sync
-        t2 = time.perf_counter()
-        if cfg.release_memory:
-            rollout_engine.resume_memory_occupation(["weights"])
-        phases, verified = {}, None
-        if cfg.push_weights:
-            pushed = push(f"step-{step + 1}")
-            if not pushed.result.success:
-                raise RuntimeError(f"weight push failed at step {step + 1}: {pushed.result.message}")
-            phases = pushed.phases
-            if cfg.verify_push:
-                verified = verify_pushed(pushed, rollout_engine)
-        elif cfg.release_memory:
-            raise ValueError("release_memory without push_weights would leave the engine without weights")
-        if cfg.release_memory:
-            rollout_engine.resume_memory_occupation(["kv_cache"])
-        sync_s = time.perf_counter() - t2
-        peak = max(peak, rss_mb())
-        if dist.is_initialized():
-            dist.all_reduce(stats[:6])
-            dist.all_reduce(stats[6:], op=dist.ReduceOp.MAX)
-        events.extend(target.take_events())
-        count = float(stats[1])
-        log = StepLog(step=step + 1, reward=float(rewards.mean()), rollout_tok_s=n_tok / rollout_s,
-                      rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
-                      mismatch_mean=float(stats[0]) / count, mismatch_max=float(stats[6]), loss=float(loss.detach()),
-                      mismatch_unmasked_mean=float(stats[2]) / count, mismatch_unmasked_max=float(stats[7]),
-                      ratio_mean=float(stats[3]) / count, ratio_unmasked_mean=float(stats[4]) / count,
-                      ratio_unmasked_out_of_band=float(stats[5]) / count,
-                      engine_released_bytes=released, rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
-                      max_sample_staleness=max((a for row in ages for a in row), default=0),
-                      num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
-                      trainer_wait_s=trainer_wait, replica_events=list(events), step_s=time.perf_counter() - t_step,
-                      num_serving_replicas=len(rollout_engine.replicas.serving()) if hasattr(
-                          rollout_engine, "replicas") else 1)
-        events.clear()
-        logs.append(log)
-        if log_fn is not None and rank == 0:
-            log_fn(log)
-    if ahead is not None:
-        ahead.shutdown(wait=True)
-    return logs
+    if cfg.max_staleness and isinstance(target, ColocatedTarget):
+        raise ValueError("asynchronous rollouts need their own devices: use a disaggregated target")
+    return _GRPORun(cfg, ds_engine, rollout_engine, prompts, reward_fn, ref_model, tie_word_embeddings,
+                    target).run(log_fn)
 
 
 def _version_step(version: str) -> int:

@@ -8,7 +8,9 @@ Subcommands, each writing JSON (machine, versions, config, raw numbers) and a PN
 - ``weight-sync``: every weight-update path against its raw transport;
 - ``rl-step``: effective samples/s of whole RL steps (rollout, long tail, pause, sync, cache refill);
 - ``limits``: this machine's ceilings at the model's decode shapes and the engine's decode step
-  against them.
+  against them;
+- ``server-load``: the HTTP server against the in-process engine, then while weights refresh;
+- ``fidelity``: the throughput cost of sampling masks and of the batch-invariant mode.
 
 ``rollout bench --compare A.json B.json`` prints every number of two results side by side.
 """

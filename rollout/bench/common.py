@@ -166,6 +166,21 @@ def add_model_flags(ap) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
 
 
+def add_output_flags(ap) -> None:
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--workdir", default=DEFAULT_WORKDIR, help="where named models are built")
+
+
+def random_prompts(path: str, count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of random ids (below 1000 and the model's vocabulary), lengths in [min_len, max_len)."""
+    from rollout.models import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, min(1000, vocab), (int(k),), generator=g).tolist()
+            for k in torch.randint(min_len, max_len, (count,), generator=g)]
+
+
 def save_figure(fig, path: str, legend_ax=None) -> None:
     import matplotlib.pyplot as plt
 

@@ -36,7 +36,7 @@ from rollout.bench.common import (
     timed,
     write_result,
 )
-from rollout.engine import run_on_own_thread
+from rollout.engine.engine import run_on_own_thread
 
 DEFAULT_BATCHES = (1, 8, 64, 256)
 
@@ -170,7 +170,7 @@ def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
     pool: decode only, no prefill, no scheduler. The table is written next to the results."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.batch import ModelWorkerBatch, SamplingInputs
+    from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 
     worker = engine.worker
     per_seq = -(-(context + 1) // worker.model_runner.block_size)
@@ -251,7 +251,7 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
                          "busy_neighbour": busy_neighbour_on},
               "weight_bytes": wbytes}
     with tqdm(total=len(shapes) + 1 + (len(batches) if engine else 0), desc=f"limits {label}") as bar:
-        # on a thread that ends: its OpenMP team must not outlive it (see rollout.engine.run_on_own_thread)
+        # on a thread that ends: its OpenMP team must not outlive it (see rollout.engine.engine.run_on_own_thread)
         mem = run_on_own_thread(lambda: memory_bandwidth(max(wbytes, 64 << 20), repeats, device))
         result["memory"] = mem
         result["weight_read_s"] = wbytes / (mem["read_gb_s"] * 1e9)

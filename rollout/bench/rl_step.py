@@ -38,7 +38,7 @@ from rollout.bench.common import (
     write_result,
 )
 from rollout.bench.throughput import WORKLOADS, Features, add_feature_flags, features_from, make_prompts
-from rollout.engine import run_on_own_thread
+from rollout.engine.engine import run_on_own_thread
 
 
 class _InFlight:
@@ -104,7 +104,7 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
         return [(n, by_name[n].to(tdtype)) for n in hf_parameter_order(path) if n in by_name]
 
     # The trainer's side runs on threads that end: a trainer thread that stays would hold an
-    # OpenMP team of its own and slow the engine's (see rollout.engine.run_on_own_thread).
+    # OpenMP team of its own and slow the engine's (see rollout.engine.engine.run_on_own_thread).
     named = run_on_own_thread(trainer_weights)
     kv_tokens = min(len(prompts) * w.n, max_num_seqs) * (max(map(len, prompts)) + w.max_new_tokens + 32)
     sp = SamplingParams(max_new_tokens=w.max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0, n=w.n, seed=0,

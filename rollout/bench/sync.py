@@ -70,6 +70,109 @@ def _shm_sender(handle_q, go_q, tensors, repeats):
     bucket.close()
 
 
+def _bench_tensor(engine, tensors, dtype: torch.dtype, repeats: int) -> dict:
+    """In-process tensors against a raw copy into memory laid out like the engine's own
+    (consecutive views of one flat buffer, pages already touched): the physical floor."""
+    flat = torch.zeros(sum(t.numel() for _, t in tensors), dtype=dtype)
+    dests, offset = [], 0
+    for _, t in tensors:
+        dests.append(flat[offset: offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    raw_fn = lambda: [d.copy_(t) for d, (_, t) in zip(dests, tensors)]  # noqa: E731
+    upd_fn = lambda: engine.update_weights_from_tensor(tensors, check_finite=False)  # noqa: E731
+    # Both run once first: the loop thread's OpenMP team then exists, as it does in any serving
+    # engine (a process whose only OpenMP user is one thread copies faster, but is not an engine).
+    raw_fn(), upd_fn()
+    raw = upd = float("inf")
+    for _ in range(4 * repeats):  # interleaved, so drift hits both alike (this machine's noise is ~20%)
+        raw, upd = min(raw, best(raw_fn, 1)), min(upd, best(upd_fn, 1))
+    engine.update_weights_from_tensor(tensors, check_finite=False)  # back to the real weights
+    upd_checked = best(lambda: engine.update_weights_from_tensor(tensors), repeats)
+    one = [tensors[-1]]
+    overhead = best(lambda: engine.update_weights_from_tensor(one, partial=True, check_finite=False), repeats * 3)
+    return {"raw_copy_s": raw, "update_s": upd, "update_finite_check_s": upd_checked,
+            "fraction_of_raw": raw / upd, "fixed_overhead_ms": 1e3 * overhead}
+
+
+def _bench_shared_memory(engine, tensors, repeats: int) -> dict:
+    """Shared-memory buckets written by another process, against a raw copy out of the same bucket."""
+    from weight_sync.shm import open_shared_bucket
+
+    ctx = mp.get_context("spawn")
+    handle_q, go_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_shm_sender, args=(handle_q, go_q, tensors, repeats))
+    proc.start()
+    dests = [torch.empty_like(t) for _, t in tensors]
+    shm_times, raw_shm = [], []
+    for _ in range(repeats):
+        go_q.put(1)
+        handle, write_s = handle_q.get(timeout=300)
+        opened = open_shared_bucket(handle)
+        t0 = time.perf_counter()
+        for d, (_, t) in zip(dests, opened.named_tensors):
+            d.copy_(t)
+        raw_shm.append(time.perf_counter() - t0)
+        opened.close()
+        t0 = time.perf_counter()
+        out = engine.update_weights_from_tensor(handle, check_finite=False)
+        shm_times.append(time.perf_counter() - t0)
+        assert out.success, out.message
+    go_q.put(1)
+    proc.join(60)
+    return {"raw_shm_copy_s": min(raw_shm), "update_s": min(shm_times), "sender_write_s": write_s,
+            "fraction_of_raw": min(raw_shm) / min(shm_times)}
+
+
+def _bench_distributed(engine, tensors, bucket_sizes: list[int], repeats: int, nbytes: int) -> dict:
+    """Over gloo with a separate sender, per bucket size and sender layout, against the sender's
+    raw broadcast of the same bytes."""
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats))
+    raw_bytes = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors)[1]
+    proc.start()
+    assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench", timeout_s=120).success
+    names = [n for n, _ in tensors]
+    dtypes = [str(t.dtype).replace("torch.", "") for _, t in tensors]
+    shapes = [list(t.shape) for _, t in tensors]
+    res = {}
+    for bucket in bucket_sizes:
+        for source in SENDER_LAYOUTS:
+            raw_b, upd_b = [], []
+            for _ in range(repeats + 2):
+                raw_b.append(engine.probe_weights_update_group("bench", raw_bytes))
+                t0 = time.perf_counter()
+                out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench",
+                                                             bucket_bytes=bucket, check_finite=False)
+                upd_b.append(time.perf_counter() - t0)
+                assert out.success, out.message
+                split = out.detail
+            res[f"{bucket >> 20}MiB {source}"] = {
+                "raw_broadcast_s": min(raw_b), "update_s": min(upd_b), "fraction_of_raw": min(raw_b) / min(upd_b),
+                "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s"),
+                "received_in_place_fraction": split.get("received_in_place_bytes", 0) / nbytes}
+    proc.join(120)
+    engine.destroy_weights_update_group("bench")
+    return res
+
+
+def _bench_disk(engine, path: str, repeats: int) -> dict:
+    """From the folder with a warm page cache, against reading its files."""
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    disk_bytes = sum(os.path.getsize(f) for f in files)
+    buf = bytearray(max(os.path.getsize(f) for f in files))
+
+    def read_all():
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(buf)
+    read_all()
+    raw_read = best(read_all, repeats)
+    disk = best(lambda: engine.update_weights_from_disk(path, check_finite=False), repeats)
+    disk_checked = best(lambda: engine.update_weights_from_disk(path), repeats)
+    return {"file_bytes": disk_bytes, "raw_read_s": raw_read, "update_s": disk,
+            "update_finite_check_s": disk_checked, "fraction_of_raw": raw_read / disk}
+
+
 def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_sizes: list[int]) -> dict:
     # in the model's own order, as a trainer sends its state_dict (the file lists names alphabetically)
     by_name = load_file(os.path.join(path, "model.safetensors"))
@@ -77,95 +180,10 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     res = {"model": name, "bytes": nbytes, "dtype": str(dtype)}
     with RolloutEngine(path, dtype=str(dtype).replace("torch.", ""), kv_cache_tokens=256) as engine:
-        # tensor, in-process. The raw copy writes the same bytes into memory laid out like the
-        # engine's own (consecutive views of one flat buffer, pages already touched): the physical floor.
-        flat = torch.zeros(sum(t.numel() for _, t in tensors), dtype=dtype)
-        dests, offset = [], 0
-        for _, t in tensors:
-            dests.append(flat[offset: offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        raw_fn = lambda: [d.copy_(t) for d, (_, t) in zip(dests, tensors)]  # noqa: E731
-        upd_fn = lambda: engine.update_weights_from_tensor(tensors, check_finite=False)  # noqa: E731
-        # Both run once first: the loop thread's OpenMP team then exists, as it does in any serving
-        # engine (a process whose only OpenMP user is one thread copies faster, but is not an engine).
-        raw_fn(), upd_fn()
-        raw = upd = float("inf")
-        for _ in range(4 * repeats):  # interleaved, so drift hits both alike (this machine's noise is ~20%)
-            raw, upd = min(raw, best(raw_fn, 1)), min(upd, best(upd_fn, 1))
-        engine.update_weights_from_tensor(tensors, check_finite=False)  # back to the real weights
-        upd_checked = best(lambda: engine.update_weights_from_tensor(tensors), repeats)
-        one = [tensors[-1]]
-        overhead = best(lambda: engine.update_weights_from_tensor(one, partial=True, check_finite=False), repeats * 3)
-        res["tensor"] = {"raw_copy_s": raw, "update_s": upd, "update_finite_check_s": upd_checked,
-                         "fraction_of_raw": raw / upd, "fixed_overhead_ms": 1e3 * overhead}
-        # shared memory from another process
-        ctx = mp.get_context("spawn")
-        handle_q, go_q = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=_shm_sender, args=(handle_q, go_q, tensors, repeats))
-        proc.start()
-        dests = [torch.empty_like(t) for _, t in tensors]
-        shm_times, raw_shm = [], []
-        from weight_sync.shm import open_shared_bucket
-
-        for _ in range(repeats):
-            go_q.put(1)
-            handle, write_s = handle_q.get(timeout=300)
-            opened = open_shared_bucket(handle)
-            t0 = time.perf_counter()
-            for d, (_, t) in zip(dests, opened.named_tensors):
-                d.copy_(t)
-            raw_shm.append(time.perf_counter() - t0)
-            opened.close()
-            t0 = time.perf_counter()
-            out = engine.update_weights_from_tensor(handle, check_finite=False)
-            shm_times.append(time.perf_counter() - t0)
-            assert out.success, out.message
-        go_q.put(1)
-        proc.join(60)
-        res["shared_memory"] = {"raw_shm_copy_s": min(raw_shm), "update_s": min(shm_times),
-                                "sender_write_s": write_s, "fraction_of_raw": min(raw_shm) / min(shm_times)}
-        # distributed over gloo with a separate sender
-        port = free_port()
-        proc = ctx.Process(target=_sender, args=(port, 2, tensors, bucket_sizes, repeats))
-        raw_bytes = layout((n, t.dtype, tuple(t.shape)) for n, t in tensors)[1]  # the sender's raw broadcast
-        proc.start()
-        assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench", timeout_s=120)["success"]
-        names = [n for n, _ in tensors]
-        dtypes = [str(t.dtype).replace("torch.", "") for _, t in tensors]
-        shapes = [list(t.shape) for _, t in tensors]
-        res["distributed"] = {}
-        for bucket in bucket_sizes:
-            for source in SENDER_LAYOUTS:
-                raw_b, upd_b = [], []
-                for _ in range(repeats + 2):
-                    raw_b.append(engine.probe_weights_update_group("bench", raw_bytes))
-                    t0 = time.perf_counter()
-                    out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench",
-                                                                 bucket_bytes=bucket, check_finite=False)
-                    upd_b.append(time.perf_counter() - t0)
-                    assert out.success, out.message
-                    split = out.detail
-                res["distributed"][f"{bucket >> 20}MiB {source}"] = {
-                    "raw_broadcast_s": min(raw_b), "update_s": min(upd_b), "fraction_of_raw": min(raw_b) / min(upd_b),
-                    "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s"),
-                    "received_in_place_fraction": split.get("received_in_place_bytes", 0) / nbytes}
-        proc.join(120)
-        engine.destroy_weights_update_group("bench")
-        # disk, warm page cache
-        files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
-        disk_bytes = sum(os.path.getsize(f) for f in files)
-        buf = bytearray(max(os.path.getsize(f) for f in files))
-
-        def read_all():
-            for f in files:
-                with open(f, "rb", buffering=0) as fh:
-                    fh.readinto(buf)
-        read_all()
-        raw_read = best(read_all, repeats)
-        disk = best(lambda: engine.update_weights_from_disk(path, check_finite=False), repeats)
-        disk_checked = best(lambda: engine.update_weights_from_disk(path), repeats)
-        res["disk"] = {"file_bytes": disk_bytes, "raw_read_s": raw_read, "update_s": disk,
-                       "update_finite_check_s": disk_checked, "fraction_of_raw": raw_read / disk}
+        res["tensor"] = _bench_tensor(engine, tensors, dtype, repeats)
+        res["shared_memory"] = _bench_shared_memory(engine, tensors, repeats)
+        res["distributed"] = _bench_distributed(engine, tensors, bucket_sizes, repeats, nbytes)
+        res["disk"] = _bench_disk(engine, path, repeats)
     return res
 
 

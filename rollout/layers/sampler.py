@@ -222,3 +222,56 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
             lp = torch.where(greedy, lp, torch.log_softmax(dist, dim=-1))
         out.top_logprobs, out.top_ids = lp.topk(min(info.top_logprobs_num, logits.shape[-1]), dim=-1)
     return out
+
+
+def sample_one_by_one(logits: torch.Tensor, sampling, to_info) -> SampleOutput:
+    """``sample`` one row at a time (the batch-invariant mode), the outputs stacked as one batch's.
+    ``sampling`` is the scheduler's ``SamplingInputs`` (``row(i)``, ``mask_rows``), ``to_info`` turns
+    one row of it into this module's ``SamplingBatchInfo``."""
+    outs = [sample(logits[i: i + 1], to_info(sampling.row(i))) for i in range(logits.shape[0])]
+
+    def cat(name):
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else torch.cat(parts)
+
+    masks = [m for o in outs for m in (o.masks or [])] if sampling.mask_rows is not None else None
+    sampling_lp = None
+    if sampling.mask_rows is not None:  # rows without a mask report their logprob (never read)
+        sampling_lp = torch.cat([o.sampling_logprobs if o.sampling_logprobs is not None else o.logprobs for o in outs])
+    return SampleOutput(cat("token_ids"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"), masks, sampling_lp)
+
+
+def score_processed(rows: torch.Tensor, targets: torch.Tensor, info: SamplingBatchInfo, raw: bool = False,
+                    top_n: int = 0):
+    """Replayed scoring: each given token's logprob as generation would have reported it (the
+    processed distribution; raw for greedy rows or with ``raw``), its logprob renormalised over the
+    kept set, and the kept sets -> (reported [N], top ids, top lps, sampling lps [N], masks).
+    ``rows`` [N, V] the logits that produced each target."""
+    x = apply_logit_processors(rows, info)
+    dist = processed_logits(rows, info, x)
+    greedy = info.temperatures <= 0
+    raw_lp = token_logprob(rows, targets)  # the formulas ``sample`` reports with, for equal bits
+    processed_lp = drawn_logprob(dist, targets, info)
+    picked = raw_lp if raw else torch.where(greedy, raw_lp, processed_lp)
+    argmax = x.argmax(dim=-1)
+    sampling_lp = torch.where(greedy, torch.where(targets == argmax, 0.0, float("-inf")), processed_lp)
+    masks = None
+    if info.mask_rows is not None:
+        masks, _ = sampling_masks(x, dist, argmax, sampling_lp, info)
+    top_ids = top_lp = None
+    if top_n > 0:
+        table = torch.log_softmax(rows, dim=-1)
+        if not raw:
+            table = torch.where(greedy.unsqueeze(1), table, torch.log_softmax(dist, dim=-1))
+        top_lp, top_ids = table.topk(min(top_n, table.shape[-1]), dim=-1)
+    return picked, top_ids, top_lp, sampling_lp, masks
+
+
+def temperature_logprobs(rows: torch.Tensor, temperatures: torch.Tensor, targets: torch.Tensor, top_n: int = 0):
+    """Logprob of each target under its row's logits / temperature -> ([N], top ids, top lps)."""
+    lp = torch.log_softmax(rows / temperatures.unsqueeze(1), dim=-1)
+    picked = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if top_n > 0:
+        top_lp, top_ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+        return picked, top_ids, top_lp
+    return picked, None, None

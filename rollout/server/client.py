@@ -8,9 +8,9 @@ from typing import Any, Optional, Union
 
 import httpx
 
-from rollout.messages import WeightResult
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
+from rollout.worker.messages import WeightResult
 
 
 class RolloutServerError(RuntimeError):

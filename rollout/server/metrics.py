@@ -11,8 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from rollout.messages import WeightResult
 from rollout.outputs import RolloutOutput
+from rollout.worker.messages import WeightResult
 
 
 class _EngineCollector:

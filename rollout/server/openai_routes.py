@@ -8,12 +8,15 @@ import time
 import uuid
 from typing import Any, Optional
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
+from rollout.server.auth import user
+from rollout.server.service import EngineService, service_of
 
 DEFAULT_CHAT_MAX_TOKENS = 128
+router = APIRouter()
 
 
 def _sampling(body, max_tokens: Optional[int]) -> dict[str, Any]:
@@ -51,122 +54,136 @@ def _usage(outs: list[RolloutOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def add_routes(app: FastAPI, engine, model_name: str, user, run_generate, stream_generate, metrics) -> None:
-    token_str = _Tokens(engine.tokenizer)
+def _index(o: RolloutOutput, n: int) -> int:
+    return o.prompt_index * n + o.sample_index
 
-    def index(o: RolloutOutput, n: int) -> int:
-        return o.prompt_index * n + o.sample_index
 
-    def completion_logprobs(o: RolloutOutput, start: int = 0) -> dict:
-        ids, lps = o.output_token_ids[start:], o.output_logprobs[start:]
-        tops = o.output_top_logprobs[start:] if o.output_top_logprobs else None
-        tokens = [token_str(t) for t in ids]
-        offsets, pos = [], 0
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
-        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [{token_str(t): lp for t, lp in top} for top in tops] if tops else None}
+def _completion_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict:
+    ids, lps = o.output_token_ids[start:], o.output_logprobs[start:]
+    tops = o.output_top_logprobs[start:] if o.output_top_logprobs else None
+    tokens = [token_str(t) for t in ids]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+            "top_logprobs": [{token_str(t): lp for t, lp in top} for top in tops] if tops else None}
 
-    def chat_logprobs(o: RolloutOutput, start: int = 0) -> dict:
-        tops = o.output_top_logprobs[start:] if o.output_top_logprobs else [[] for _ in o.output_token_ids[start:]]
-        content = []
-        for t, lp, top in zip(o.output_token_ids[start:], o.output_logprobs[start:], tops):
-            s = token_str(t)
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": list(token_str(i).encode())}
-                                             for i, v in top]})
-        return {"content": content}
 
-    def delta_tracker():
-        sent: dict[tuple[int, int], tuple[str, int]] = {}
+def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict:
+    tops = o.output_top_logprobs[start:] if o.output_top_logprobs else [[] for _ in o.output_token_ids[start:]]
+    content = []
+    for t, lp, top in zip(o.output_token_ids[start:], o.output_logprobs[start:], tops):
+        s = token_str(t)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": list(token_str(i).encode())}
+                                         for i, v in top]})
+    return {"content": content}
 
-        def delta(o: RolloutOutput) -> tuple[str, int]:
-            """(new text, index of the first new token) since this sample's last event. A trailing
-            replacement character may still become a multi-byte character: it is held back until
-            the next token (or the end), so sent text is never taken back."""
-            text, ntok = sent.get((o.prompt_index, o.sample_index), ("", 0))
-            now = o.text or ""
-            stable = now if o.finish_reason is not None else now.rstrip("\ufffd")
-            if not stable.startswith(text):
-                stable = text  # cannot happen with the hold-back; never resend
-            sent[(o.prompt_index, o.sample_index)] = (stable, len(o.output_token_ids))
-            return stable[len(text):], ntok
-        return delta
 
-    # ------------------------------------------------------------------ /v1/models
+class _Deltas:
+    """One streamed request's text sent so far, per sample."""
 
-    @app.get("/v1/models", dependencies=[Depends(user)])
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "rollout-worker"}]}
+    def __init__(self):
+        self.sent: dict[tuple[int, int], tuple[str, int]] = {}
 
-    # ------------------------------------------------------------------ /v1/completions
+    def __call__(self, o: RolloutOutput) -> tuple[str, int]:
+        """(new text, index of the first new token) since this sample's last event. A trailing
+        replacement character may still become a multi-byte character: it is held back until the
+        next token (or the end), so sent text is never taken back."""
+        text, ntok = self.sent.get((o.prompt_index, o.sample_index), ("", 0))
+        now = o.text or ""
+        stable = now if o.finish_reason is not None else now.rstrip("\ufffd")
+        if not stable.startswith(text):
+            stable = text  # cannot happen with the hold-back; never resend
+        self.sent[(o.prompt_index, o.sample_index)] = (stable, len(o.output_token_ids))
+        return stable[len(text):], ntok
 
-    @app.post("/v1/completions", dependencies=[Depends(user)])
-    async def completions(body: P.CompletionRequest, request: Request):
-        metrics.started(request.url.path)
-        prompt = body.prompt
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
-            source = dict(prompts=prompt)
-        else:
-            source = dict(input_ids=prompt)
-        want_lp = body.logprobs is not None
-        kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens), return_logprob=want_lp,
-                      top_logprobs_num=body.logprobs or 0)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            delta = delta_tracker()
 
-            def shape(o: RolloutOutput):
-                piece, first = delta(o)
-                yield {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                       "choices": [{"index": index(o, body.n), "text": piece, "finish_reason": o.finish_reason,
-                                    "logprobs": completion_logprobs(o, first) if want_lp else None}]}
-            return await stream_generate(request, kwargs, shape)
-        outs = await run_generate(request, kwargs)
-        choices = [{"index": index(o, body.n), "text": o.text or "", "finish_reason": o.finish_reason,
-                    "logprobs": completion_logprobs(o) if want_lp else None} for o in outs]
-        return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
+# ------------------------------------------------------------------ /v1/models
 
-    # ------------------------------------------------------------------ /v1/chat/completions
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(user)])
-    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
-        metrics.started(request.url.path)
-        messages = []
-        for m in body.messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: the text ones, joined
-                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            messages.append({"role": m.role, "content": content or ""})
-        try:
-            ids = engine.apply_chat_template(messages)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-        kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
-                      top_logprobs_num=body.top_logprobs or 0)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            delta = delta_tracker()
-            started: set[int] = set()
+@router.get("/v1/models", dependencies=[Depends(user)])
+async def models(svc: EngineService = Depends(service_of)):
+    return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
+                                        "owned_by": "rollout-worker"}]}
 
-            def shape(o: RolloutOutput):
-                piece, first = delta(o)
-                i = index(o, body.n)
-                d: dict[str, Any] = {"content": piece}
-                if i not in started:
-                    started.add(i)
-                    d["role"] = "assistant"
-                yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                       "choices": [{"index": i, "delta": d, "finish_reason": o.finish_reason,
-                                    "logprobs": chat_logprobs(o, first) if body.logprobs else None}]}
-            return await stream_generate(request, kwargs, shape)
-        outs = await run_generate(request, kwargs)
-        choices = [{"index": index(o, body.n), "message": {"role": "assistant", "content": o.text or ""},
-                    "finish_reason": o.finish_reason, "logprobs": chat_logprobs(o) if body.logprobs else None}
-                   for o in outs]
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
+
+# ------------------------------------------------------------------ /v1/completions
+
+
+@router.post("/v1/completions", dependencies=[Depends(user)])
+async def completions(body: P.CompletionRequest, request: Request, svc: EngineService = Depends(service_of)):
+    svc.metrics.started(request.url.path)
+    prompt = body.prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+        source = dict(prompts=prompt)
+    else:
+        source = dict(input_ids=prompt)
+    want_lp = body.logprobs is not None
+    kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens), return_logprob=want_lp,
+                  top_logprobs_num=body.logprobs or 0)
+    cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
+        svc.engine.tokenizer)
+    if body.stream:
+        delta = _Deltas()
+
+        def shape(o: RolloutOutput):
+            piece, first = delta(o)
+            yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": _index(o, body.n), "text": piece, "finish_reason": o.finish_reason,
+                                "logprobs": _completion_logprobs(token_str, o, first) if want_lp else None}]}
+        return await svc.stream(request, kwargs, shape)
+    outs = await svc.generate(request, kwargs)
+    choices = [{"index": _index(o, body.n), "text": o.text or "", "finish_reason": o.finish_reason,
+                "logprobs": _completion_logprobs(token_str, o) if want_lp else None} for o in outs]
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
+
+
+# ------------------------------------------------------------------ /v1/chat/completions
+
+
+def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
+    messages = []
+    for m in body.messages:
+        content = m.content
+        if isinstance(content, list):  # content parts: the text ones, joined
+            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        return svc.engine.apply_chat_template(messages)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(user)])
+async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc: EngineService = Depends(service_of)):
+    svc.metrics.started(request.url.path)
+    ids = _chat_ids(svc, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
+                  top_logprobs_num=body.top_logprobs or 0)
+    cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
+        svc.engine.tokenizer)
+    if body.stream:
+        delta = _Deltas()
+        started: set[int] = set()
+
+        def shape(o: RolloutOutput):
+            piece, first = delta(o)
+            i = _index(o, body.n)
+            d: dict[str, Any] = {"content": piece}
+            if i not in started:
+                started.add(i)
+                d["role"] = "assistant"
+            yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": i, "delta": d, "finish_reason": o.finish_reason,
+                                "logprobs": _chat_logprobs(token_str, o, first) if body.logprobs else None}]}
+        return await svc.stream(request, kwargs, shape)
+    outs = await svc.generate(request, kwargs)
+    choices = [{"index": _index(o, body.n), "message": {"role": "assistant", "content": o.text or ""},
+                "finish_reason": o.finish_reason, "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None}
+               for o in outs]
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}

@@ -1,7 +1,7 @@
 """A load driver for the rollout server: many concurrent ``/generate`` requests from one asyncio
 client (loopback only, bounded in count and time), optionally while a trainer-like thread refreshes
 the weights every few seconds; the same workload through the in-process engine for comparison.
-Used by ``benchmarks/server_load.py`` and the server's load test."""
+Used by ``rollout bench server-load`` and the server's load test."""
 
 from __future__ import annotations
 

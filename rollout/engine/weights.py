@@ -1,6 +1,6 @@
 """``EngineWeights``: the engine's side of every weight operation, owned by ``RolloutEngine``.
 
-The engine's public methods (SGLang's names) build a typed message (``rollout.messages``) and hand
+The engine's public methods (SGLang's names) build a typed message (``rollout.worker.messages``) and hand
 it here. This object decides *when* it runs on the engine loop — an update at a quiet point (by
 default once the running requests finish; new requests queue behind it; ``abort_all_requests``
 aborts them first; after ``pause_generation`` the pause is the quiet point), staging and reads at
@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from rollout.engine_loop import EngineLoop
-from rollout.messages import ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors, WeightResult
-from rollout.scheduler import Scheduler
-from rollout.tp_worker import BaseTpWorker
+from rollout.engine.loop import EngineLoop
+from rollout.scheduler.scheduler import Scheduler
+from rollout.worker.messages import ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors, WeightResult
+from rollout.worker.tp_worker import BaseTpWorker
 from weight_sync.cuda_ipc import CudaIpcBucket
 from weight_sync.shm import SharedMemoryBucket
 

@@ -2,7 +2,7 @@
 masks (top-k 50, top-p 0.9 sampling with and without ``return_sampling_mask``) and the
 batch-invariant mode (``deterministic=True``). Writes JSON to ``--out-dir``.
 
-    python benchmarks/fidelity.py --model smollm2 --prompts 16 --n 2 --max-new-tokens 32
+    rollout bench fidelity --model smollm2 --prompts 16 --n 2 --max-new-tokens 32
 """
 
 from __future__ import annotations
@@ -10,31 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import torch  # noqa: E402
-
-from rollout import RolloutEngine, SamplingParams  # noqa: E402
-from rollout.bench.common import build_model  # noqa: E402
+from rollout import RolloutEngine, SamplingParams
+from rollout.bench.common import add_model_flags, add_output_flags, build_model, random_prompts
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_flags(ap)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    add_output_flags(ap)
     args = ap.parse_args(argv)
     path = build_model(args.model, args.workdir)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (int(k),), generator=g).tolist()
-               for k in torch.randint(16, 48, (args.prompts,), generator=g)]
+    prompts = random_prompts(path, args.prompts, 16, 48)
     sp = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=-1,
                         seed=5, ignore_eos=True)
     res = {"model": args.model, "dtype": args.dtype, "prompts": args.prompts, "n": args.n,

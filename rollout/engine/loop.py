@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rollout.request import Request
-from rollout.scheduler import Scheduler
-from rollout.tp_group import TpWorkerError
+from rollout.scheduler.request import Request
+from rollout.scheduler.scheduler import Scheduler
+from rollout.worker.tp_group import TpWorkerError
 
 logger = logging.getLogger(__name__)
 

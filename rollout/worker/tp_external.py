@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from rollout.config import EngineConfig
 from rollout.layers.parallel_state import Communicator, TpState
-from rollout.messages import DoneMsg
-from rollout.tp_group import LeaderWorker, MessageHandler
-from rollout.tp_worker import TpModelWorker
+from rollout.worker.messages import DoneMsg
+from rollout.worker.tp_group import LeaderWorker, MessageHandler
+from rollout.worker.tp_worker import TpModelWorker
 
 
 class ExternalTp:

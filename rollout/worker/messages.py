@@ -11,10 +11,11 @@ process (TP=1, or every rank of an external launch, where each rank calls the AP
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rollout.batch import ModelWorkerBatch, SamplingInputs
+from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 
 # ---------------------------------------------------------------------------------------------
 # generation steps (rank 0 -> the other ranks)
@@ -201,8 +202,8 @@ class WeightResult:
 
     ``detail`` holds per-phase figures (``receive_s``, ``commit_s``, ``received_in_place_bytes``,
     ``freed_bytes``, ``recaptured``...); ``value`` what a read returns (values, a checksum,
-    seconds of a probe). Callers that index results like dicts (``result["success"]``) can: keys
-    are the fields, then ``detail``'s keys."""
+    seconds of a probe). Indexing a result like a dict (``result["success"]``: the fields, then
+    ``detail``'s keys) still works, with a ``DeprecationWarning``."""
 
     success: bool
     message: str
@@ -233,6 +234,8 @@ class WeightResult:
         return results[0]
 
     def __getitem__(self, key: str) -> Any:
+        warnings.warn(f"WeightResult[{key!r}] is deprecated: read the result's fields (.success, .message, "
+                      f".detail[...])", DeprecationWarning, stacklevel=2)
         if key in _FIELDS:
             return getattr(self, key)
         return self.detail[key]

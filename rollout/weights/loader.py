@@ -6,7 +6,7 @@ dtype, optionally finite) and coverage is checked *before the first copy*; then 
 ``weight_loader`` slices its shard and copies in place. Storage never moves.
 
 Items may be tensors or ``LazyTensor`` (a safetensors entry read only when copied, see
-``rollout.safetensors_io``), so a folder is validated from its headers and then streamed one tensor
+``rollout.weights.safetensors_io``), so a folder is validated from its headers and then streamed one tensor
 at a time.
 """
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
-from rollout.block_manager import BlockManager
 from rollout.config import EngineConfig
-from rollout.request import Request, SeqStatus, Sequence
 from rollout.sampling_params import SamplingParams
-from rollout.tp_worker import BaseTpWorker
+from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
+from rollout.scheduler.block_manager import BlockManager
+from rollout.scheduler.request import Request, SeqStatus, Sequence
+from rollout.worker.tp_worker import BaseTpWorker
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, worker: BaseTpWorker, eos_ids: tuple[int, ...], detokenizer=None):
         self.config = config
         self.worker = worker
-        runner = worker.model_runner
         self.block_size = config.block_size
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(worker.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_ids = tuple(eos_ids)
         self.detokenizer = detokenizer
         self.weight_version = config.weight_version

@@ -1,6 +1,6 @@
 """``RankWeights``: every weight operation on one TP rank, owned by that rank's ``TpModelWorker``.
 
-``handle(message)`` dispatches on the message's type (``rollout.messages``) and returns one
+``handle(message)`` dispatches on the message's type (``rollout.worker.messages``) and returns one
 ``WeightResult``. Every update is all-or-nothing across the TP group: each rank validates its part
 (names, shapes, dtypes, finiteness, coverage) without touching the model, then all ranks vote (a
 sum all-reduce of failures on the TP group); only a unanimous vote changes the weights (an
@@ -25,10 +25,12 @@ from typing import Optional
 
 import torch
 
+from rollout.executor.model_runner import ModelRunner
 from rollout.layers.linear import copy_slices
 from rollout.layers.parallel_state import TpState
-from rollout.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
-from rollout.messages import (
+from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
+from rollout.weights.safetensors_io import iter_safetensors
+from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
@@ -48,8 +50,6 @@ from rollout.messages import (
     WeightResult,
     WeightsChecksum,
 )
-from rollout.model_runner import ModelRunner
-from rollout.safetensors_io import iter_safetensors
 from weight_sync.checksum import checksum_named_tensors
 from weight_sync.distributed import WeightGroup, WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
 from weight_sync.layout import contiguous_run, dtype_from_name
@@ -143,7 +143,7 @@ class RankWeights:
         return float(failures.item()) == 0.0
 
     def _released_error(self) -> Optional[str]:
-        if self.runner.weights_released:
+        if self.runner.params.released:
             return "the weights are released: call resume_memory_occupation(['weights']) first"
         return None
 
@@ -255,14 +255,14 @@ class RankWeights:
                 error = str(exc)
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
-        where = None if msg.partial else runner.shadow_view
+        where = None if msg.partial else runner.params.shadow_view
         copy_slices([(t, name_map[n].slice) for n, t in txn.staged.items()], where=where)
         if msg.partial:
             for name in txn.in_shadow:
                 dst = name_map[name].slice.dst
-                dst.copy_(runner.shadow_view(dst))
+                dst.copy_(runner.params.shadow_view(dst))
         else:
-            runner.commit_shadow()
+            runner.params.commit_shadow()
         runner.after_weights_changed(complete=not msg.partial)
         nbytes = sum(d.itemsize * math.prod(shape) for d, shape in txn.in_shadow.values()) + sum(
             t.numel() * t.element_size() for t in txn.staged.values())
@@ -344,12 +344,12 @@ class RankWeights:
             if rejected is None:
                 self._shadow_taken("an update outside it")
                 if msg.partial:
-                    self.runner.prepare_shadow()
+                    self.runner.params.prepare_shadow()
             error, placed_bytes = self._receive_into_shadow(msg, specs, rejected, msg.check_finite)
         t_received = time.perf_counter()
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
-        self.runner.commit_shadow()
+        self.runner.params.commit_shadow()
         self.runner.after_weights_changed(complete=not msg.partial)
         nbytes = sum(d.itemsize * math.prod(s) for _, d, s in specs)
         return WeightResult.ok(f"loaded {len(specs)} tensors", num_bytes=nbytes, receive_s=t_received - t_start,
@@ -375,7 +375,7 @@ class RankWeights:
                 return None
             if contiguous_run([sl.dst for sl in slices], metas, total, tail_padding_ok=False) is None:
                 return None
-            return runner.shadow_bytes(slices[0].dst, total)
+            return runner.params.shadow_bytes(slices[0].dst, total)
 
         def write_bucket(named, placed: bool):
             nonlocal placed_bytes
@@ -387,7 +387,7 @@ class RankWeights:
                 placed_bytes += sum(v.numel() * v.element_size() for _, v in named)
                 return
             with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
-                copy_slices([(view, name_map[name].slice) for name, view in named], where=runner.shadow_view)
+                copy_slices([(view, name_map[name].slice) for name, view in named], where=runner.params.shadow_view)
 
         bucket_bytes = 1 if msg.load_format == "direct" else msg.bucket_bytes
         try:

@@ -3,7 +3,7 @@
 Rank 0 lives in the caller's process next to the scheduler; ``TpWorkerGroup`` spawns ranks
 1..N-1 and is, to the scheduler, just another ``BaseTpWorker``. Every step the scheduler's batch
 reaches the other ranks over a small typed control channel (one pipe per worker carrying the
-frozen dataclasses of ``rollout.messages``; a rank dispatches on the message's type); tensors move
+frozen dataclasses of ``rollout.worker.messages``; a rank dispatches on the message's type); tensors move
 only in the device group (gloo on CPU, NCCL on CUDA), a free-standing group with its own
 loopback-only rendezvous on a free port, so two engines on one host never collide and a caller's
 own ``torch.distributed`` job is left alone. A weight operation that fails on a rank (bad input)
@@ -28,12 +28,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
+from rollout.executor.model_runner import ModelRunner
 from rollout.layers.parallel_state import Communicator, TpState
-from rollout.messages import LOCAL_ONLY, WEIGHT_MESSAGES, SampleMsg, StepMsg, StopMsg, WeightResult, reply_timeout_s
-from rollout.model_runner import ModelRunner
-from rollout.tp_worker import BaseTpWorker, TpModelWorker
+from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.worker.messages import LOCAL_ONLY, WEIGHT_MESSAGES, SampleMsg, StepMsg, StopMsg, WeightResult, reply_timeout_s
+from rollout.worker.tp_worker import BaseTpWorker, TpModelWorker
 from weight_sync.process_group import listen_socket, new_process_group
 
 logger = logging.getLogger(__name__)

@@ -12,13 +12,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
+from rollout.executor.model_runner import ModelRunner
 from rollout.layers.parallel_state import TpState, tp_state_context
-from rollout.messages import WeightResult
-from rollout.model_runner import ModelRunner
 from rollout.models import ModelConfig
-from rollout.rank_weights import INPUT_ERRORS, RankWeights
+from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.weights.rank_weights import INPUT_ERRORS, RankWeights
+from rollout.worker.messages import WeightResult
 
 
 class BaseTpWorker(ABC):
@@ -28,12 +28,17 @@ class BaseTpWorker(ABC):
 
     @abstractmethod
     def run_weight_op(self, msg) -> WeightResult:
-        """Run a weight message (``rollout.messages``) on every rank of this engine; one result."""
+        """Run a weight message (``rollout.worker.messages``) on every rank of this engine; one result."""
 
     @property
     @abstractmethod
     def model_runner(self) -> ModelRunner:
         ...
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in this engine's KV pool (what the scheduler's block accounting hands out)."""
+        return self.model_runner.kv.num_blocks
 
 
 class TpModelWorker(BaseTpWorker):
@@ -85,7 +90,7 @@ class TpModelWorker(BaseTpWorker):
         runner = self._model_runner
         t0 = time.perf_counter()
         logits = runner.forward(batch, self._future_token_ids)
-        runner.copy_blocks(batch.block_copies)
+        runner.kv.copy_blocks(batch.block_copies)
         result = GenerationBatchResult()
         if batch.input_logprob_sampling is not None:  # replayed scoring in this batch
             (result.input_logprobs, result.input_top_ids, result.input_top_logprobs, result.input_sampling_logprobs,

@@ -3,7 +3,7 @@
 few seconds. Reports requests/s, tokens/s and p50/p99 latency; the server's cost is its tokens/s
 against the in-process engine's. Writes JSON and a PNG to ``--out-dir``.
 
-    python benchmarks/server_load.py --model smollm2 --requests 200 --max-new-tokens 64
+    rollout bench server-load --model smollm2 --requests 200 --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -16,34 +16,25 @@ import subprocess
 import sys
 import time
 
-sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-from rollout import RolloutEngine  # noqa: E402
-from rollout.bench.common import build_model  # noqa: E402
-from rollout.server import RolloutClient  # noqa: E402
-from rollout.tools.server_load import run_in_process_load, run_server_load  # noqa: E402
-from weight_sync.process_group import free_port  # noqa: E402
+from rollout import RolloutEngine
+from rollout.bench.common import add_model_flags, add_output_flags, build_model, random_prompts
+from rollout.server import RolloutClient
+from rollout.tools.server_load import run_in_process_load, run_server_load
+from weight_sync.process_group import free_port
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="smollm2, qwen2-0.5b-random, tiny, or a folder")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_flags(ap)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--refresh-every-s", type=float, default=3.0)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker"))
+    add_output_flags(ap)
     args = ap.parse_args(argv)
     path = build_model(args.model, args.workdir)
-    from rollout.models import ModelConfig
-
-    vocab = ModelConfig.from_pretrained(path).vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, min(1000, vocab), (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 64, (args.requests,), generator=g)]
+    prompts = random_prompts(path, args.requests, 16, 64)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
                 "ignore_eos": True, "seed": 1}
     engine_kw = dict(dtype=args.dtype, kv_cache_tokens=args.requests * (64 + args.max_new_tokens + 16))

@@ -19,13 +19,13 @@ from typing import Optional
 
 import torch
 
-from rollout.batch import SamplingInputs
 from rollout.config import EngineConfig
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.random import derive_seed
-from rollout.request import Request, Sequence
 from rollout.sampling_params import SamplingParams
+from rollout.scheduler.batch import SamplingInputs
+from rollout.scheduler.request import Request, Sequence
 
 PromptIds = list[int]
 MAX_N = 4096  # samples per prompt

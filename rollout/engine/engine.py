@@ -3,7 +3,7 @@
 The engine owns a background loop (``EngineLoop``) that owns the scheduler; ``generate``,
 ``async_generate`` and every control call are its clients. Input is validated in the caller's
 thread (``Admission``): a bad request raises there and never reaches the batch. Weight operations
-(SGLang's names) build a typed message (``rollout.messages``) and hand it to ``EngineWeights``,
+(SGLang's names) build a typed message (``rollout.worker.messages``) and hand it to ``EngineWeights``,
 which runs it on every TP rank at the right point of the loop and publishes what committed.
 """
 
@@ -19,11 +19,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rollout.admission import Admission, PromptIds
 from rollout.config import EngineConfig
-from rollout.engine_loop import EngineDeadError, EngineLoop
-from rollout.engine_weights import EngineWeights, check_memory_tags
-from rollout.messages import (
+from rollout.engine.admission import Admission, PromptIds
+from rollout.engine.loop import EngineDeadError, EngineLoop
+from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
+from rollout.engine.weights import EngineWeights, check_memory_tags
+from rollout.models import ModelConfig
+from rollout.outputs import RolloutOutput
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler.request import Request, Sequence
+from rollout.scheduler.scheduler import Scheduler
+from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
@@ -40,15 +46,9 @@ from rollout.messages import (
     WeightResult,
     WeightsChecksum,
 )
-from rollout.models import ModelConfig
-from rollout.outputs import RolloutOutput
-from rollout.request import Request, Sequence
-from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
-from rollout.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
-from rollout.tp_external import ExternalLeaderWorker, ExternalTp
-from rollout.tp_group import TpWorkerGroup
-from rollout.tp_worker import TpModelWorker
+from rollout.worker.tp_external import ExternalLeaderWorker, ExternalTp
+from rollout.worker.tp_group import TpWorkerGroup
+from rollout.worker.tp_worker import TpModelWorker
 from weight_sync.bucket import FlattenedTensorBucket
 from weight_sync.distributed import DEFAULT_BUCKET_BYTES
 

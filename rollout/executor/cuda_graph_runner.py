@@ -54,7 +54,7 @@ class CudaGraphRunner:
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"param:{n}": p for n, p in self.runner.model.named_parameters()}
-        tensors["kv_buffer"] = self.runner.kv_buffer
+        tensors["kv_buffer"] = self.runner.kv.buffer
         return tensors
 
     def needs_recapture(self) -> list[str]:
@@ -76,7 +76,7 @@ class CudaGraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         model = self.runner.model
-        hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv_caches, self._meta(bs))
+        hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)
 
     def free(self) -> None:
@@ -90,7 +90,7 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """(Re)capture every batch size; old graphs are freed first so memory never holds two sets."""
         self.free()
-        scratch = self.runner.scratch_block
+        scratch = self.runner.kv.scratch_block
         self.block_tables.fill_(scratch)
         self.slot_mapping.fill_(scratch * self.runner.block_size)
         self.ctx_lens.fill_(1)
@@ -127,7 +127,7 @@ class CudaGraphRunner:
         n = len(batch.q_lens)
         bs = next(b for b in self.batch_sizes if b >= n)
         bsz = self.runner.block_size
-        scratch = self.runner.scratch_block
+        scratch = self.runner.kv.scratch_block
         tables = torch.full((bs, self.max_blocks), scratch, dtype=torch.long)
         for i, t in enumerate(batch.block_tables):
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)

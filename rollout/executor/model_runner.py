@@ -1,46 +1,44 @@
-"""``ModelRunner``: tensor work only — build and load the model, own the KV pool, run the
-forward, sample, score prompt tokens.
+"""``ModelRunner``: build and load the model on one rank, run the forward, sample, score.
 
-Parameters live in one flat buffer per dtype (each parameter a view), and the KV cache in one
-buffer for all layers; storage never moves after construction, so later in-place updates keep
-every captured pointer valid and memory can be measured and released as whole buffers.
+The memory it works on is held by objects of their own: the parameters by ``ParameterStorage``
+(one flat buffer per dtype, the shadow for all-or-nothing updates, release/resume), the KV cache
+by ``KvPool`` (one buffer for all layers); the sampler's math lives in ``rollout.layers.sampler``.
+The runner keeps what ties them to the forward: the CPU kernels' weight copies (rebuilt lazily
+after every weight change), decode CUDA graphs, and the order of a release or resume.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
+from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, num_kv_blocks
+from rollout.executor.param_storage import ParameterStorage, return_free_heap_to_os
 from rollout.layers import cpu_build
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.cpu_capability import cpu_capability
 from rollout.layers.cpu_plan import GemmPlans, plan_gemms
 from rollout.layers.layernorm import RMSNorm
-from rollout.layers.linear import COPY_KERNELS, LOADER_HOOKS, PackedWeight, RowParallelLinear, pack_weight
+from rollout.layers.linear import COPY_KERNELS, PackedWeight, RowParallelLinear, pack_weight
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
     SamplingBatchInfo,
-    apply_logit_processors,
-    drawn_logprob,
-    processed_logits,
     sample,
-    sampling_masks,
-    token_logprob,
+    sample_one_by_one,
+    score_processed,
+    temperature_logprobs,
 )
-from rollout.loader import LoadReport, apply_load, plan_load, weight_name_map
 from rollout.models import ModelConfig, build_model
-from rollout.safetensors_io import iter_safetensors
-from weight_sync.layout import wire_order
+from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
+from rollout.weights.loader import LoadReport, apply_load, plan_load, weight_name_map
+from rollout.weights.safetensors_io import iter_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -75,22 +73,6 @@ def _input_ids(batch: ModelWorkerBatch, device: torch.device, future_token_ids: 
     return input_ids
 
 
-def _sample_rows(logits: torch.Tensor, sampling: SamplingInputs,
-                 to_info: Callable[[SamplingInputs], SamplingBatchInfo]) -> SampleOutput:
-    """``sample`` one row at a time (batch-invariant mode), outputs stacked as one batch's."""
-    outs = [sample(logits[i: i + 1], to_info(sampling.row(i))) for i in range(logits.shape[0])]
-
-    def cat(name):
-        parts = [getattr(o, name) for o in outs]
-        return None if parts[0] is None else torch.cat(parts)
-
-    masks = [m for o in outs for m in (o.masks or [])] if sampling.mask_rows is not None else None
-    sampling_lp = None
-    if sampling.mask_rows is not None:  # rows without a mask report their logprob (never read)
-        sampling_lp = torch.cat([o.sampling_logprobs if o.sampling_logprobs is not None else o.logprobs for o in outs])
-    return SampleOutput(cat("token_ids"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"), masks, sampling_lp)
-
-
 def _has_triton() -> bool:
     import importlib.util
 
@@ -108,46 +90,6 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
                       head_shape=tuple(model.lm_head.weight.shape), kernel=config.cpu_gemm_kernel)
 
 
-def _return_free_heap_to_os() -> None:
-    """glibc keeps freed mid-sized blocks in its heap (its mmap threshold grows as large blocks are
-    freed); ``malloc_trim`` hands the free pages back, so released memory leaves the process."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-
-
-def _flatten_parameters(model: nn.Module, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    """Replace every (meta) parameter by a view into one flat buffer per dtype.
-
-    Tied parameters stay tied (one view for both owners); loader attributes carry over.
-    """
-    named = list(dict(model.named_parameters()).items())
-    # laid out in wire order (biases last within each layer): buckets from a trainer then match
-    # this memory as they are (see weight_sync.bucket.wire_order)
-    unique = [named[i][1] for i in wire_order([n for n, _ in named])]
-    buffers: dict[torch.dtype, torch.Tensor] = {}
-    replacement: dict[int, nn.Parameter] = {}
-    for dtype in sorted({p.dtype for p in unique}, key=str):
-        group = [p for p in unique if p.dtype == dtype]
-        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
-        offset = 0
-        for p in group:
-            new = nn.Parameter(flat[offset: offset + p.numel()].view(p.shape), requires_grad=False)
-            for attr in LOADER_HOOKS:
-                if hasattr(p, attr):
-                    setattr(new, attr, getattr(p, attr))
-            replacement[id(p)] = new
-            offset += p.numel()
-        buffers[dtype] = flat
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = replacement[id(p)]
-    return buffers
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
@@ -157,7 +99,7 @@ class ModelRunner:
         self.block_size = config.block_size
         with torch.device("meta"):
             self.model = build_model(model_config, dtype)
-        self.param_buffers = _flatten_parameters(self.model, device)
+        self.params = ParameterStorage(self.model, device)
         for module in self.model.modules():
             if isinstance(module, RotaryEmbedding):  # derived tables: rebuild them for real
                 real = RotaryEmbedding(model_config.head_dim, max_model_len, model_config.rope_theta,
@@ -169,13 +111,11 @@ class ModelRunner:
         logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
         self.max_model_len = max_model_len
-        self.num_blocks = self._num_kv_blocks(max_model_len)
-        self.scratch_block = self.num_blocks  # one block past the pool: padding rows of CUDA graphs write here
-        attn = self.model.model.layers[0].self_attn
-        # One buffer for all layers: [layers, 2 (k, v), num_blocks + scratch, block_size, kv_heads, head_dim].
-        self.kv_buffer = torch.zeros(model_config.num_hidden_layers, 2, self.num_blocks + 1, self.block_size,
-                                     attn.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
-        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_hidden_layers)]
+        layers, kv_heads = model_config.num_hidden_layers, self.model.model.layers[0].self_attn.num_kv_heads
+        blocks = num_kv_blocks(config.kv_cache_tokens, self.block_size,
+                               kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype), device,
+                               config.kv_cache_memory_fraction, config.max_num_seqs * max_model_len)
+        self.kv = KvPool(layers, blocks, self.block_size, kv_heads, model_config.head_dim, dtype, device)
         # CPU: the in-place kernel (fp32 softmax and sums, one rounding) for every cache dtype
         cpu_kernels = device.type == "cpu" and cpu_build.kernels() is not None  # the C++ kernels built here
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (cpu_kernels and config.cpu_paged_attention)
@@ -198,13 +138,9 @@ class ModelRunner:
         if device.type == "cpu":
             logger.info("CPU %s; %s GEMMs by weight shape: %s; decode attention: %s", cpu_capability().describe(),
                         dtype, self.gemm_plans.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
-        self.kv_released = self.weights_released = False
-        self.weights_valid = True  # False after a release without backup, until a full update commits
-        self.weights_backup: Optional[dict] = None
-        self._shadow: Optional[dict[torch.dtype, torch.Tensor]] = None  # see _shadow_buffer
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
-            from rollout.cuda_graph_runner import CudaGraphRunner
+            from rollout.executor.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
             self.graph_runner.capture()
@@ -247,25 +183,7 @@ class ModelRunner:
 
     @property
     def max_total_num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def _kv_bytes_per_token(self) -> int:
-        attn = self.model.model.layers[0].self_attn
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.model_config.num_hidden_layers * attn.num_kv_heads * self.model_config.head_dim * elem
-
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        tokens = self.config.kv_cache_tokens
-        if tokens is None:
-            if self.device.type == "cuda":
-                free = torch.cuda.mem_get_info(self.device)[0]
-            else:
-                import psutil
-
-                free = psutil.virtual_memory().available
-            tokens = int(free * self.config.kv_cache_memory_fraction) // self._kv_bytes_per_token()
-            tokens = min(tokens, self.config.max_num_seqs * max_model_len)
-        return max(2, -(-tokens // self.block_size))
+        return self.kv.max_total_num_tokens
 
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -280,7 +198,7 @@ class ModelRunner:
             return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
         fb = ForwardBatch.init_new(batch, self, future_token_ids)
         fb.attn.use_paged_kernel = self.use_paged_kernel
-        hidden = self.model(fb.input_ids, fb.positions, self.kv_caches, fb.attn)
+        hidden = self.model(fb.input_ids, fb.positions, self.kv.caches, fb.attn)
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
 
     def _forward_token_by_token(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
@@ -297,7 +215,7 @@ class ModelRunner:
                 positions, meta = build_attention_metadata([table], [ctx - q + j + 1], [1], self.block_size,
                                                            self.device, self.model_config.sliding_window)
                 meta.use_paged_kernel = self.use_paged_kernel
-                hidden = self.model(input_ids[row: row + 1], positions, self.kv_caches, meta)
+                hidden = self.model(input_ids[row: row + 1], positions, self.kv.caches, meta)
                 if row in wanted:
                     logits[row] = self.model.compute_logits(hidden)
                 row += 1
@@ -307,7 +225,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
         if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
-            return _sample_rows(logits, sampling, self._sampling_info)
+            return sample_one_by_one(logits, sampling, self._sampling_info)
         return sample(logits, self._sampling_info(sampling))
 
     def _sampling_info(self, sampling: SamplingInputs) -> SamplingBatchInfo:
@@ -317,31 +235,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_processed(self, logits: torch.Tensor, batch: ModelWorkerBatch):
-        """Replayed scoring: each given token's logprob as generation would have reported it (the
-        processed distribution; raw for greedy rows or in raw mode), its logprob renormalised over
-        the kept set, and the kept sets -> (reported [N], top ids, top lps, sampling lps [N], masks)."""
+        """Replayed scoring of the batch's scored positions (``rollout.layers.sampler.score_processed``)."""
         idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
         targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
-        rows = logits.index_select(0, idx)
-        info = self._sampling_info(batch.input_logprob_sampling)
-        x = apply_logit_processors(rows, info)
-        dist = processed_logits(rows, info, x)
-        greedy = info.temperatures <= 0
-        raw_lp = token_logprob(rows, targets)  # the formulas ``sample`` reports with, for equal bits
-        processed_lp = drawn_logprob(dist, targets, info)
-        picked = raw_lp if self.config.logprob_mode == "raw" else torch.where(greedy, raw_lp, processed_lp)
-        argmax = x.argmax(dim=-1)
-        sampling_lp = torch.where(greedy, torch.where(targets == argmax, 0.0, float("-inf")), processed_lp)
-        masks = None
-        if info.mask_rows is not None:
-            masks, _ = sampling_masks(x, dist, argmax, sampling_lp, info)
-        top_ids = top_lp = None
-        if batch.input_top_logprobs_num > 0:
-            table = torch.log_softmax(rows, dim=-1)
-            if self.config.logprob_mode != "raw":
-                table = torch.where(greedy.unsqueeze(1), table, torch.log_softmax(dist, dim=-1))
-            top_lp, top_ids = table.topk(min(batch.input_top_logprobs_num, table.shape[-1]), dim=-1)
-        return picked, top_ids, top_lp, sampling_lp, masks
+        return score_processed(logits.index_select(0, idx), targets, self._sampling_info(batch.input_logprob_sampling),
+                               raw=self.config.logprob_mode == "raw", top_n=batch.input_top_logprobs_num)
 
     @torch.inference_mode()
     def compute_input_logprobs(self, logits: torch.Tensor, batch: ModelWorkerBatch):
@@ -349,56 +247,7 @@ class ModelRunner:
         idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
         temps = torch.tensor(batch.input_logprob_temps, dtype=torch.float32, device=self.device)
         targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
-        lp = torch.log_softmax(logits.index_select(0, idx) / temps.unsqueeze(1), dim=-1)
-        picked = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
-        if batch.input_top_logprobs_num > 0:
-            top_lp, top_ids = lp.topk(min(batch.input_top_logprobs_num, lp.shape[-1]), dim=-1)
-            return picked, top_ids, top_lp
-        return picked, None, None
-
-    @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        self.kv_buffer.index_copy_(2, dst, self.kv_buffer.index_select(2, src))
-
-    # ------------------------------------------------------------------ shadow weights
-
-    def _shadow_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """The shadow of the live buffer of ``dtype`` (all allocated on first use, kept until the
-        weights are released). It has the live buffers' layout; an update that can fail midway (a
-        process-group transfer) is written there and becomes live at ``commit_shadow``."""
-        if self._shadow is None:
-            self._shadow = {d: torch.empty_like(b) for d, b in self.param_buffers.items()}
-        return self._shadow[dtype]
-
-    def shadow_view(self, view: torch.Tensor) -> torch.Tensor:
-        """The region of the shadow that ``view`` (a view of a live parameter buffer) covers."""
-        return self._shadow_buffer(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
-
-    def shadow_bytes(self, view: torch.Tensor, nbytes: int) -> Optional[torch.Tensor]:
-        """``nbytes`` of the shadow as a byte view, from where ``view`` starts (None past its end)."""
-        buf = self._shadow_buffer(view.dtype).view(torch.uint8)
-        start = view.storage_offset() * view.element_size()
-        return buf[start: start + nbytes] if start + nbytes <= buf.numel() else None
-
-    def prepare_shadow(self) -> None:
-        """Make the shadow equal the live weights (before an update that covers only some)."""
-        for d, live in self.param_buffers.items():
-            self._shadow_buffer(d).copy_(live)
-
-    def commit_shadow(self) -> None:
-        """The shadow becomes the live weights. On CPU the two buffers trade their memory (no copy;
-        every parameter view follows its storage; the old weights become the next shadow). On
-        CUDA it is one device copy per buffer, so graph pointers never move."""
-        for d, live in self.param_buffers.items():
-            shadow = self._shadow_buffer(d)
-            if live.device.type == "cpu" and hasattr(live.untyped_storage(), "_swap_data_ptr_"):
-                live.untyped_storage()._swap_data_ptr_(shadow.untyped_storage())
-            else:
-                live.copy_(shadow)
+        return temperature_logprobs(logits.index_select(0, idx), temps, targets, batch.input_top_logprobs_num)
 
     # ------------------------------------------------------------------ memory release / resume
 
@@ -411,46 +260,29 @@ class ModelRunner:
         freed = 0
         if "cuda_graph" in tags and self.graph_runner is not None:
             self.graph_runner.free()
-        if "kv_cache" in tags and not self.kv_released:
-            freed += self.kv_nbytes()
-            self.kv_buffer.untyped_storage().resize_(0)
-            self.kv_released = True
-        if "weights" in tags and not self.weights_released:
-            self.weights_backup = {d: b.to("cpu", copy=True) for d, b in self.param_buffers.items()} \
-                if backup_weights else None
-            freed += self.weights_nbytes() + self.weight_copies_nbytes()  # the copies go with the weights
-            self._shadow = None
-            for buf in self.param_buffers.values():
-                buf.untyped_storage().resize_(0)
+        if "kv_cache" in tags:
+            freed += self.kv.release()
+        if "weights" in tags and not self.params.released:
+            freed += self.weight_copies_nbytes()  # the copies go with the weights
+            freed += self.params.release(backup=backup_weights)
             self._weights_changed()
-            self.weights_released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         elif freed:
-            _return_free_heap_to_os()  # the weight copies are many mid-sized allocations on the heap
+            return_free_heap_to_os()  # the weight copies are many mid-sized allocations on the heap
         return freed
 
     def resume_memory(self, tags) -> list[str]:
         """Regrow released buffers. Weights come back from their backup if one was kept; else they
-        hold nothing valid (``weights_valid`` is False) until a full update commits. Returns what
+        hold nothing valid (``params.valid`` is False) until a full update commits. Returns what
         moved (graphs were then recaptured)."""
-        if "weights" in tags and self.weights_released:
-            for dtype, buf in self.param_buffers.items():
-                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-                if self.weights_backup is not None:
-                    buf.copy_(self.weights_backup[dtype])
-                else:
-                    buf.zero_()
-            self.weights_valid = self.weights_backup is not None
-            self.weights_backup = None
+        if "weights" in tags and self.params.released:
+            self.params.resume()
             self._weights_changed()
-            self.weights_released = False
-        if "kv_cache" in tags and self.kv_released:
-            self.kv_buffer.untyped_storage().resize_(self.kv_buffer.numel() * self.kv_buffer.element_size())
-            self.kv_buffer.zero_()  # masked attention multiplies padding by 0: it must hold no NaN
-            self.kv_released = False
+        if "kv_cache" in tags:
+            self.kv.resume()
         moved = []
-        if self.graph_runner is not None and not self.kv_released and not self.weights_released:
+        if self.graph_runner is not None and not self.kv.released and not self.params.released:
             moved = self.graph_runner.needs_recapture()
             if moved or "cuda_graph" in tags or not self.graph_runner.graphs:
                 self.graph_runner.capture()
@@ -463,7 +295,7 @@ class ModelRunner:
         valid again (after a release without backup); graphs are recaptured only if storage moved
         (or when asked). Returns whether graphs were recaptured."""
         if complete:
-            self.weights_valid = True
+            self.params.valid = True
         self._weights_changed()
         if self.graph_runner is not None and (force_recapture or self.graph_runner.needs_recapture()):
             self.graph_runner.recapture()
@@ -476,11 +308,11 @@ class ModelRunner:
 
     def memory_error(self) -> Optional[str]:
         """Why this runner cannot run a forward now (memory released, weights invalid), or None."""
-        released = [t for t, r in (("weights", self.weights_released), ("kv_cache", self.kv_released)) if r]
+        released = [t for t, r in (("weights", self.params.released), ("kv_cache", self.kv.released)) if r]
         if released:
             return (f"engine memory is released ({', '.join(released)}): call resume_memory_occupation() "
                     f"before generating")
-        if not self.weights_valid:
+        if not self.params.valid:
             return ("weights were released without a backup: push a full weight update "
                     "(update_weights_from_tensor/disk/distributed) before generating")
         return None
@@ -489,10 +321,10 @@ class ModelRunner:
         return dict(self.model.named_parameters())
 
     def weights_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.param_buffers.values())
+        return self.params.nbytes()
 
     def kv_nbytes(self) -> int:
-        return self.kv_buffer.numel() * self.kv_buffer.element_size()
+        return self.kv.nbytes()
 
     def describe(self) -> Optional[str]:
         return (f"{self.model_config.architecture} {self.dtype} on {self.device}: "

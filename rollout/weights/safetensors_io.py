@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout.loader import LazyTensor, WeightLoadError
+from rollout.weights.loader import LazyTensor, WeightLoadError
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 ST_DTYPES = {"F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),

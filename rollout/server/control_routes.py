@@ -1,0 +1,167 @@
+"""The weight routes (SGLang's names), the control routes (pause, continue, abort, flush, memory
+release/resume) and the ops routes (health, model and server info, Prometheus metrics).
+
+Weight and control routes need the admin key when one is set; ``update_weights_from_disk`` reads
+only under ``allowed_weight_dirs`` (symlinks resolved first); tensor handles come only from clients
+on this host, as JSON (never a pickle)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from rollout.server import protocol as P
+from rollout.server.auth import admin, user
+from rollout.server.service import EngineService, result_json, service_of
+
+router = APIRouter()
+ADMIN = [Depends(admin)]
+USER = [Depends(user)]
+Svc = Depends(service_of)
+
+# ------------------------------------------------------------------ weights
+
+
+@router.post("/update_weights_from_disk", dependencies=ADMIN)
+async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineService = Svc):
+    svc.check_weight_path(body.model_path)
+    return await svc.weight_update(svc.engine.update_weights_from_disk, body.model_path, load_format=body.load_format,
+                                   flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                   recapture_cuda_graph=body.recapture_cuda_graph,
+                                   abort_all_requests=body.abort_all_requests)
+
+
+@router.post("/update_weights_from_tensor", dependencies=ADMIN)
+async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
+    if request.client is None or request.client.host not in ("127.0.0.1", "::1", "localhost"):
+        raise HTTPException(403, "tensor handles name memory on this host: only same-host clients may send them")
+    handle = body.serialized_named_tensors
+    if isinstance(handle, list):
+        if not handle:
+            raise HTTPException(400, "serialized_named_tensors is empty")
+        handle = handle[0]  # every rank of this engine opens the one bucket
+    return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
+                                   flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                   abort_all_requests=body.abort_all_requests, partial=body.partial,
+                                   transaction=body.transaction)
+
+
+@router.post("/init_weights_update_group", dependencies=ADMIN)
+async def init_weights_update_group(body: P.InitGroupRequest, svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.init_weights_update_group, body.master_address, body.master_port,
+                                      body.rank_offset, body.world_size, body.group_name, body.backend,
+                                      body.timeout_s))
+
+
+@router.post("/update_weights_from_distributed", dependencies=ADMIN)
+async def update_weights_from_distributed(body: P.UpdateFromDistributedRequest, svc: EngineService = Svc):
+    return await svc.weight_update(svc.engine.update_weights_from_distributed, body.names, body.dtypes, body.shapes,
+                                   body.group_name, flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                   load_format=body.load_format, bucket_bytes=body.bucket_bytes,
+                                   abort_all_requests=body.abort_all_requests, partial=body.partial,
+                                   transaction=body.transaction)
+
+
+@router.post("/destroy_weights_update_group", dependencies=ADMIN)
+async def destroy_weights_update_group(body: P.GroupNameRequest, svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.destroy_weights_update_group, body.group_name))
+
+
+@router.post("/begin_weight_update", dependencies=ADMIN)
+async def begin_weight_update(body: P.BeginUpdateRequest, svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.begin_weight_update, body.weight_version))
+
+
+@router.post("/commit_weight_update", dependencies=ADMIN)
+async def commit_weight_update(body: P.CommitUpdateRequest, svc: EngineService = Svc):
+    return await svc.weight_update(svc.engine.commit_weight_update, flush_cache=body.flush_cache,
+                                   partial=body.partial, abort_all_requests=body.abort_all_requests)
+
+
+@router.post("/abort_weight_update", dependencies=ADMIN)
+async def abort_weight_update(svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.abort_weight_update))
+
+
+@router.post("/get_weights_by_name", dependencies=ADMIN)
+async def get_weights_by_name(body: P.GetWeightsRequest, svc: EngineService = Svc):
+    return await svc.call(svc.engine.get_weights_by_name, body.name, body.truncate_size)
+
+
+@router.api_route("/get_weight_version", methods=["GET", "POST"], dependencies=USER)
+async def get_weight_version(svc: EngineService = Svc):
+    return {"weight_version": svc.engine.get_weight_version()}
+
+
+@router.post("/update_weight_version", dependencies=ADMIN)
+async def update_weight_version(body: P.VersionRequest, svc: EngineService = Svc):
+    await svc.call(svc.engine.update_weight_version, body.new_version)
+    return {"success": True, "message": "version updated", "weight_version": svc.engine.get_weight_version()}
+
+
+# ------------------------------------------------------------------ control
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ADMIN)
+async def flush_cache(svc: EngineService = Svc):
+    await svc.call(svc.engine.flush_cache)
+    return {"success": True, "message": "prefix cache flushed"}
+
+
+@router.post("/pause_generation", dependencies=ADMIN)
+async def pause_generation(body: P.PauseRequest, svc: EngineService = Svc):
+    await svc.call(svc.engine.pause_generation, body.mode)
+    return {"success": True, "message": f"generation paused ({body.mode})"}
+
+
+@router.post("/continue_generation", dependencies=ADMIN)
+async def continue_generation(svc: EngineService = Svc):
+    await svc.call(svc.engine.continue_generation)
+    return {"success": True, "message": "generation continues"}
+
+
+@router.post("/abort_request", dependencies=ADMIN)
+async def abort_request(body: P.AbortRequest, svc: EngineService = Svc):
+    await svc.call(svc.engine.abort_request, body.rid, body.abort_all)
+    return {"success": True, "message": "abort requested"}
+
+
+@router.post("/release_memory_occupation", dependencies=ADMIN)
+async def release_memory_occupation(body: P.ReleaseRequest, svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.release_memory_occupation, body.tags, body.backup_weights))
+
+
+@router.post("/resume_memory_occupation", dependencies=ADMIN)
+async def resume_memory_occupation(body: P.MemoryRequest, svc: EngineService = Svc):
+    return result_json(await svc.call(svc.engine.resume_memory_occupation, body.tags))
+
+
+# ------------------------------------------------------------------ ops
+
+
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/get_model_info", dependencies=USER)
+async def get_model_info(svc: EngineService = Svc):
+    return svc.model_info()
+
+
+@router.get("/get_server_info", dependencies=USER)
+async def get_server_info(svc: EngineService = Svc):
+    return await svc.server_info()
+
+
+@router.get("/metrics", dependencies=USER)
+async def prometheus_metrics(svc: EngineService = Svc):
+    body, content_type = await asyncio.to_thread(svc.metrics.render)
+    return Response(body, media_type=content_type)
+
+
+@router.get("/", response_class=PlainTextResponse)
+async def root():
+    return "rollout-worker server: see /docs for the routes\n"

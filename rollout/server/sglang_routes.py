@@ -1,0 +1,72 @@
+"""SGLang's generation routes: ``/generate`` (whole or streamed, SGLang's output shape plus our
+per-token weight versions) and ``/health_generate``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from rollout.outputs import RolloutOutput
+from rollout.server import protocol as P
+from rollout.server.auth import user
+from rollout.server.service import EngineService, service_of
+
+router = APIRouter()
+
+
+def _finish(o: RolloutOutput) -> Optional[dict]:
+    if o.finish_reason is None:
+        return None
+    out: dict[str, Any] = {"type": o.finish_reason}
+    if o.matched_stop is not None:
+        out["matched"] = o.matched_stop
+    return out
+
+
+def sglang_item(o: RolloutOutput, return_logprob: bool) -> dict:
+    """One sample as SGLang's ``/generate`` shapes it, plus our per-token weight versions."""
+    meta: dict[str, Any] = {
+        "id": o.rid, "prompt_index": o.prompt_index, "sample_index": o.sample_index, "finish_reason": _finish(o),
+        "prompt_tokens": len(o.prompt_token_ids), "completion_tokens": len(o.output_token_ids),
+        "cached_tokens": o.num_cached_tokens, "weight_version": o.weight_version,
+        "output_weight_versions": o.output_weight_versions, "e2e_latency": o.latency_s,
+    }
+    if return_logprob:
+        meta["logprob_mode"] = o.logprob_mode
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.output_logprobs, o.output_token_ids)]
+        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in o.output_top_logprobs]
+        start = len(o.prompt_token_ids) - len(o.input_logprobs)
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.input_logprobs, o.prompt_token_ids[start:])]
+        meta["input_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in o.input_top_logprobs]
+    if o.output_token_sampling_mask:  # SGLang's names
+        meta["output_token_sampling_mask"] = o.output_token_sampling_mask
+        meta["output_token_sampling_logprobs"] = o.output_token_sampling_logprobs
+    return {"text": o.text, "output_ids": o.output_token_ids, "meta_info": meta}
+
+
+@router.post("/generate", dependencies=[Depends(user)])
+async def generate(body: P.GenerateRequest, request: Request, svc: EngineService = Depends(service_of)):
+    svc.metrics.started(request.url.path)
+    if (body.text is None) == (body.input_ids is None):
+        raise HTTPException(400, "pass exactly one of text or input_ids")
+    kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
+                  return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+                  logprob_start_len=body.logprob_start_len, rid=body.rid,
+                  return_sampling_mask=body.return_sampling_mask)
+    if body.stream:
+        return await svc.stream(request, kwargs, lambda o: [sglang_item(o, body.return_logprob)])
+    outs = await svc.generate(request, kwargs)
+    items = [sglang_item(o, body.return_logprob) for o in outs]
+    single = isinstance(body.text, str) or (body.input_ids is not None and body.input_ids
+                                            and isinstance(body.input_ids[0], int))
+    return items[0] if single and len(items) == 1 else items
+
+
+@router.get("/health_generate", dependencies=[Depends(user)])
+async def health_generate(request: Request, svc: EngineService = Depends(service_of)):
+    kwargs = dict(input_ids=[[0]], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                  return_logprob=False, rid=f"health-{uuid.uuid4().hex[:8]}")
+    outs = await svc.generate(request, kwargs)
+    return {"status": "ok", "output_ids": outs[0].output_token_ids}

@@ -1,0 +1,13 @@
+"""worker/: one process per tensor-parallel rank, after SGLang's ``TpModelWorker``.
+
+- ``tp_worker.py``: ``BaseTpWorker`` (what the scheduler drives), ``TpModelWorker`` (a batch -> a
+  forward, sampling now or delayed for the overlap scheduler);
+- ``tp_group.py``: spawned ranks over pipes (``TpWorkerGroup``), the leader that sends each step,
+  a non-leader's message handler, failure detection;
+- ``tp_external.py``: external launch (torchrun / DeepSpeed ranks) over a broadcast;
+- ``messages.py``: every message between ranks (step, sample, stop, one frozen dataclass per weight
+  operation) and the one ``WeightResult``.
+
+May import: the top-level modules, ``scheduler/``'s ``batch.py``, ``executor/``, ``weights/`` and
+``layers/``.
+"""

@@ -1,0 +1,135 @@
+"""What both GRPO examples share (``examples/grpo_colocated.py``, ``examples/grpo_disaggregated.py``):
+their common flags, the model folder by name, the trainer (DeepSpeed over the launcher's ranks),
+the loop's config from the flags and the step logger (a table on stdout, wandb offline without a
+key, the reward curve)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from trainer_bridge.ds_setup import ds_config, setup_deepspeed_env
+
+
+def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags both GRPO examples take (each adds its own in a group of its own)."""
+    ap.add_argument("--model", default="tiny", help="'tiny' (built locally), 'smollm2', or a Hugging Face folder")
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--max-new-tokens", type=int, default=6)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--top-k", type=int, default=-1, help="sampling truncation (masks are then returned and replayed)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--tis-cap", type=float, default=None)
+    ap.add_argument("--no-push", action="store_true", help="control run: never push weights to the engine")
+    ap.add_argument("--push-per-parameter", action="store_true",
+                    help="gather and push one parameter at a time (the slow baseline) instead of buckets")
+    ap.add_argument("--bucket-mb", type=int, default=64, help="push bucket size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="rl_runs/grpo")
+    ap.add_argument("--no-wandb", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return ap
+
+
+def model_path(name: str, seed: int) -> str:
+    if name == "smollm2":
+        from rollout.tools.smollm2 import smollm2_path
+
+        return smollm2_path()
+    if name != "tiny":
+        return name
+    from rollout.tools.tiny import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-{seed}")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        make_tiny_model(path + ".tmp", "llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, with_tokenizer=True)
+        os.replace(path + ".tmp", path) if not os.path.exists(path) else None
+    return path
+
+
+def build_trainer(args, on_model_folder=None):
+    """DeepSpeed over the launcher's ranks: (ds_engine, model folder, tied embeddings, rank, world).
+    ``on_model_folder(path, rank)``, if given, runs as soon as the folder exists, before the trainer's
+    model is loaded (what starts there overlaps the loading)."""
+    setup_deepspeed_env()
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.manual_seed(args.seed)
+    if rank == 0:  # one process builds the tiny model; the others wait for it
+        path = model_path(args.model, args.seed)
+    dist.barrier()
+    path = model_path(args.model, args.seed)
+    if on_model_folder is not None:
+        on_model_folder(path, rank)
+
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tied = bool(policy.config.tie_word_embeddings)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    ds_engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
+                                         config=ds_config(args.zero_stage, args.lr, dtype == torch.bfloat16, world))
+    return ds_engine, path, tied, rank, world
+
+
+def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy: str = "keep"):
+    """The loop's config from the shared flags (checked as it is built); ``release_memory`` and the
+    staleness options are the caller's (colocated: ``--no-release``; disaggregated: ``--max-staleness``)."""
+    from trainer_bridge.grpo import GRPOConfig
+
+    return GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
+                      kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
+                      top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                      repetition_penalty=args.repetition_penalty,
+                      release_memory=release_memory and not args.no_push, seed=args.seed,
+                      out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
+                      bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy)
+
+
+def step_logger(args, rank: int):
+    """(log one step, finish the run): a table on stdout, wandb (offline without a key), the curve."""
+    from trainer_bridge.grpo import write_logs
+
+    run = None
+    if rank == 0 and not args.no_wandb:
+        import wandb
+
+        run = wandb.init(project="rollout-worker-grpo", config=vars(args), dir=tempfile.gettempdir(),
+                         mode=os.environ.get("WANDB_MODE", "offline"))
+    if rank == 0:
+        print(f"{'step':>4} {'reward':>7} {'tok/s':>7} {'rollout s':>9} {'train s':>7} {'sync s':>6} "
+              f"{'|dlogp| mean':>12} {'max':>9} {'unmasked max':>12} {'released MB':>11}", flush=True)
+
+    def log(x):
+        print(f"{x.step:>4} {x.reward:>7.3f} {x.rollout_tok_s:>7.0f} {x.rollout_s:>9.3f} {x.train_s:>7.3f} "
+              f"{x.sync_s:>6.3f} {x.mismatch_mean:>12.2e} {x.mismatch_max:>9.2e} {x.mismatch_unmasked_max:>12.2e} "
+              f"{x.engine_released_bytes / 2**20:>11.1f}", flush=True)
+        if run is not None:
+            run.log({k: v for k, v in vars(x).items() if isinstance(v, (int, float))}, step=x.step)
+
+    def finish(logs) -> None:
+        if rank == 0:
+            png = write_logs(logs, args.out_dir)
+            print(f"reward curve: {png}")
+            if run is not None:
+                run.finish()
+
+    return log, finish
