@@ -25,6 +25,7 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check rollout weight_sync trainer_bridge tests benchmarks scripts examples
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q --durations=25 tests
 
 # The benchmark suite on both models (long: see benchmarks/README.md for each command alone).

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from trainer_bridge.targets import WeightTarget
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,12 +80,12 @@ def two_replicas(llama_path):
         p.wait(30)
 
 
-class _KillOnBucket:
+class _KillOnBucket(WeightTarget):
     """A target that kills a replica's process after handing over ``after`` buckets (mid-push)."""
 
     def __init__(self, target, proc, after: int):
         self.target, self.proc, self.after, self.seen = target, proc, after, 0
-        self.dtype, self.device = target.dtype, target.device
+        self.dtype, self.device, self.buffers = target.dtype, target.device, target.buffers
 
     def begin(self, version):
         self.target.begin(version)

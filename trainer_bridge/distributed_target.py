@@ -26,13 +26,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from rollout.worker.messages import WeightResult
-from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe, is_healthy
+from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
+from trainer_bridge.serving import WeightReplica
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool
 from weight_sync.distributed import WeightUpdateSender
@@ -42,12 +44,14 @@ logger = logging.getLogger(__name__)
 
 
 class _Call(threading.Thread):
-    """A call that blocks until our broadcasts arrive (or a background send): run beside them."""
+    """A call that blocks until our broadcasts arrive (or a background send): run beside them;
+    ``label`` names it in a timeout."""
 
-    def __init__(self, fn, *args, **kwargs):
+    def __init__(self, label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any):
         super().__init__(daemon=True)
-        self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.result = self.error = None
+        self.label, self.fn, self.args, self.kwargs = label, fn, args, kwargs
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
         self.start()
 
     def run(self) -> None:
@@ -59,7 +63,7 @@ class _Call(threading.Thread):
     def get(self, timeout_s: float):
         self.join(timeout_s)
         if self.is_alive():
-            raise TimeoutError(f"{getattr(self.fn, '__name__', 'call')} did not return within {timeout_s}s")
+            raise TimeoutError(f"{self.label} did not return within {timeout_s}s")
         if self.error is not None:
             raise self.error
         return self.result
@@ -104,7 +108,9 @@ class DistributedTarget(WeightTarget):
         if self.sender is not None:  # the old group: closed here, destroyed on the replicas still answering
             self.sender.close()
             self.sender = None
-            self._each("destroy_weights_update_group", self.group, among=[m for m in self.members if m in members])
+            group = self.group
+            self._each("destroy_weights_update_group", lambda r: r.destroy_weights_update_group(group),
+                       among=[m for m in self.members if m in members])
         self._failed = {}  # from here on: who could not join the new group
         self.members = []
         if not members:
@@ -123,8 +129,9 @@ class DistributedTarget(WeightTarget):
         offsets, off = {}, 1
         for i in members:
             offsets[i], off = off, off + sizes[i]
-        joins = {i: _Call(self.replicas.replicas[i].init_weights_update_group, self.master_address, port,
-                          offsets[i], world, self.group, self.backend, self.timeout_s) for i in members}
+        joins = {i: _Call("init_weights_update_group", self.replicas.replicas[i].init_weights_update_group,
+                          self.master_address, port, offsets[i], world, self.group, self.backend, self.timeout_s)
+                 for i in members}
         try:
             self.sender = WeightUpdateSender(self.master_address, port, world, self.group, self.backend,
                                              self.timeout_s)
@@ -143,17 +150,17 @@ class DistributedTarget(WeightTarget):
             self._broken = True
         self.members = members
 
-    def _each(self, fn_name: str, *args, among: Optional[list[int]] = None, **kwargs) -> dict[int, object]:
-        """Call every member (or ``among``) at once; a replica that raises or does not answer lands in
-        ``_failed`` (a refusal comes back as its failed ``WeightResult``)."""
-        calls = {i: _Call(getattr(self.replicas.replicas[i], fn_name), *args, **kwargs)
-                 for i in (self.members if among is None else among)}
+    def _each(self, label: str, call: Callable[[WeightReplica], Any],
+              among: Optional[list[int]] = None) -> dict[int, Any]:
+        """``call(replica)`` on every member (or ``among``) at once; a replica that raises or does not
+        answer lands in ``_failed`` (a refusal comes back as its failed ``WeightResult``)."""
+        calls = {i: _Call(label, call, self.replicas.replicas[i]) for i in (self.members if among is None else among)}
         out = {}
-        for i, call in calls.items():
+        for i, running in calls.items():
             try:
-                out[i] = call.get(self.timeout_s + 10)
+                out[i] = running.get(self.timeout_s + 10)
             except Exception as exc:  # noqa: BLE001 - the replica is named in the push's error
-                self._failed[i] = f"{fn_name}: {type(exc).__name__}: {exc}"
+                self._failed[i] = f"{label}: {type(exc).__name__}: {exc}"
         return out
 
     def _share(self, payload):
@@ -176,7 +183,7 @@ class DistributedTarget(WeightTarget):
     def _find_dead(self) -> None:
         """After a group failure: which members are gone (they fail their health check)?"""
         for i in self.members:
-            if i not in self._failed and not is_healthy(self.replicas.replicas[i]):
+            if i not in self._failed and not self.replicas.healthy(i):
                 self._failed[i] = "stopped answering during the push"
 
     # ------------------------------------------------------------------ one push
@@ -189,7 +196,7 @@ class DistributedTarget(WeightTarget):
             self._failed = {i: "not in a working weight group (heal() rebuilds it)"
                             for i in range(len(self.replicas)) if i not in self.members or self._broken}
             return
-        for i, result in self._each("begin_weight_update", version).items():
+        for i, result in self._each("begin_weight_update", lambda r: r.begin_weight_update(version)).items():
             if not result.success:
                 self._rejected = f"replica {i}: {result.message}"
 
@@ -200,7 +207,7 @@ class DistributedTarget(WeightTarget):
         if not self.is_sender or self._failed or self._rejected or self._broken:
             return
         if self._wire is None:
-            self._wire = _Call(self._drain)
+            self._wire = _Call("the wire thread", self._drain)
         self._queue.put(named_tensors)
 
     def _drain(self) -> None:
@@ -212,9 +219,11 @@ class DistributedTarget(WeightTarget):
     def _send(self, named_tensors) -> None:
         names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) + (64 << 10)
-        staged = {i: _Call(self.replicas.replicas[i].update_weights_from_distributed, names, dtypes, shapes,
-                           self.group, bucket_bytes=nbytes, transaction=True) for i in self.members}
+        staged = {i: _Call("update_weights_from_distributed", self.replicas.replicas[i].update_weights_from_distributed,
+                           names, dtypes, shapes, self.group, bucket_bytes=nbytes, transaction=True)
+                  for i in self.members}
         try:
+            assert self.sender is not None  # a bucket is queued only while the group stands
             self.sender.send(named_tensors, bucket_bytes=nbytes)  # one broadcast reaches every replica
         except Exception as exc:  # noqa: BLE001 - a peer is gone: find out which
             logger.warning("weight group %r: %s", self.group, exc)
@@ -223,7 +232,7 @@ class DistributedTarget(WeightTarget):
             try:
                 result = call.get(self.timeout_s + 10)
                 if not result.success:
-                    if "weight update group" in result.message:  # its receive failed: the group broke
+                    if result.error_kind == WeightResult.GROUP:  # its receive failed: the group broke
                         self._broken = True
                     else:
                         self._rejected = f"replica {i} rejected a bucket: {result.message}"
@@ -256,12 +265,13 @@ class DistributedTarget(WeightTarget):
                 self._find_dead()
             if not (self._failed or self._rejected or self._broken):
                 if self.partial_rollouts:
-                    self._each("pause_generation", "in_place")
+                    self._each("pause_generation", lambda r: r.pause_generation("in_place"))
                 try:
-                    results = self._each("commit_weight_update")
+                    results = self._each("commit_weight_update", lambda r: r.commit_weight_update())
                 finally:
                     if self.partial_rollouts:
-                        self._each("continue_generation", among=[m for m in self.members if m not in self._failed])
+                        self._each("continue_generation", lambda r: r.continue_generation(),
+                                   among=[m for m in self.members if m not in self._failed])
                 bad = [r for r in results.values() if not r.success]
                 if not self._failed:
                     for i in self.members:
@@ -269,7 +279,8 @@ class DistributedTarget(WeightTarget):
                     payload = ("result", bad[0] if bad else results[self.members[0]])
             if payload is None:
                 survivors = [m for m in self.members if m not in self._failed]
-                self._each("abort_weight_update", among=survivors)  # they keep the weights they had
+                self._each("abort_weight_update", lambda r: r.abort_weight_update(),
+                           among=survivors)  # they keep the weights they had
                 if self._failed:
                     for i in self._failed:
                         self.replicas.mark(i, False)
@@ -279,7 +290,7 @@ class DistributedTarget(WeightTarget):
                     payload = ("error", ReplicaError(-1, self.group, "the weight group broke but every replica "
                                                      "answers its health check", replicas=[]))
                 else:
-                    payload = ("result", WeightResult.fail(self._rejected))
+                    payload = ("result", WeightResult.fail(self._rejected or "a replica refused the push"))
         kind, value = self._share(payload)
         if kind == "error":
             raise value
@@ -294,7 +305,7 @@ class DistributedTarget(WeightTarget):
         does not serve."""
         repush = False
         if self.is_sender:
-            healthy = [i for i in range(len(self.replicas)) if is_healthy(self.replicas.replicas[i])]
+            healthy = [i for i in range(len(self.replicas)) if self.replicas.healthy(i)]
             for i in range(len(self.replicas)):
                 if i not in healthy:
                     self.replicas.mark(i, False)
@@ -329,6 +340,7 @@ class DistributedTarget(WeightTarget):
 
     def close(self) -> None:
         if self.sender is not None:
-            self._each("destroy_weights_update_group", self.group)
+            group = self.group
+            self._each("destroy_weights_update_group", lambda r: r.destroy_weights_update_group(group))
             self.sender.close()
             self.sender = None

@@ -6,6 +6,7 @@ import importlib
 import os
 import sys
 import warnings
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ def setup_deepspeed_env(skip_shm_build: bool = True) -> None:
     if skip_shm_build and not torch.cuda.is_available():
         importlib.import_module("deepspeed.comm.torch")
         # sys.modules, not attribute access: ``deepspeed.comm.torch`` as an attribute is the real torch
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        setattr(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None)  # noqa: B010
     for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     if "MASTER_PORT" not in os.environ:
@@ -34,7 +35,7 @@ def setup_deepspeed_env(skip_shm_build: bool = True) -> None:
 
 
 def ds_config(zero_stage: int, lr: float, bf16: bool, world_size: int) -> dict:
-    cfg = {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,

@@ -20,16 +20,19 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, push_weights
+from rollout.engine.engine import RolloutEngine
+from rollout.outputs import RolloutOutput
+from rollout.sampling_params import SamplingParams
+from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
-from trainer_bridge.router import ReplicaRouter
+from trainer_bridge.serving import RolloutService
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
 
 logger = logging.getLogger(__name__)
@@ -64,9 +67,11 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
-        for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "bucket_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)}: must be >= 1")
+        counts = {"steps": self.steps, "prompts_per_step": self.prompts_per_step, "n": self.n,
+                  "max_new_tokens": self.max_new_tokens, "bucket_bytes": self.bucket_bytes}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"GRPOConfig.{name}={value}: must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"GRPOConfig.temperature={self.temperature}: must be > 0 (the loss divides by it)")
         if not 0 <= self.clip_eps < 1:
@@ -117,7 +122,8 @@ class StepLog:
     num_serving_replicas: int = 1  # replicas holding the step's weights at its end
 
 
-def _generate_share(engine, prompts, sp, rank: int, world: int, masks: bool = False):
+def _generate_share(engine: RolloutService, prompts: list[list[int]], sp: SamplingParams, rank: int, world: int,
+                    masks: bool = False) -> list[RolloutOutput]:
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
     engine (or a router) of its own and generates its share of the prompts."""
     if engine.tp_size > 1 or world == 1:
@@ -125,11 +131,12 @@ def _generate_share(engine, prompts, sp, rank: int, world: int, masks: bool = Fa
     return engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
 
 
-def _gather_shares(engine, mine, num_prompts: int, n: int, world: int):
+def _gather_shares(engine: RolloutService, mine: list[RolloutOutput], num_prompts: int, n: int,
+                   world: int) -> list[RolloutOutput]:
     """Every rank's share back into one prompt-major list (a collective: main thread only)."""
     if engine.tp_size > 1 or world == 1:
         return mine
-    parts = [None] * world
+    parts: list[Any] = [None] * world
     dist.all_gather_object(parts, mine)
     return [o for i in range(num_prompts) for o in parts[i % world][(i // world) * n: (i // world + 1) * n]]
 
@@ -156,7 +163,7 @@ def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temp
             for lg, s, p in zip(completion_logits(model, seqs, prompt_lens), seqs, prompt_lens)]
 
 
-def verify_pushed(stats, rollout_engine) -> bool:
+def verify_pushed(stats: PushStats, rollout_engine: RolloutService) -> bool:
     """The engine now holds what was pushed: the first values of the first, middle and last
     parameters (recorded by ``push_weights`` while they were gathered, in the engine's dtype)
     read back from the engine (every serving replica, through a router) are exactly equal."""
@@ -270,16 +277,17 @@ def group_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
 @dataclass
 class _Rollout:
     prompts: list[list[int]]
-    sampling: object  # SamplingParams
-    outputs: list  # this rank's share
+    sampling: SamplingParams
+    outputs: list[RolloutOutput]  # this rank's share
     seconds: float
 
 
 class _GRPORun:
     """One ``run_grpo`` call: its state, and a method per part of a step."""
 
-    def __init__(self, cfg: GRPOConfig, ds_engine, rollout_engine, prompts, reward_fn, ref_model,
-                 tie_word_embeddings: bool, target: WeightTarget):
+    def __init__(self, cfg: GRPOConfig, ds_engine, rollout_engine: RolloutService, prompts: list[list[int]],
+                 reward_fn: Callable[[list[int], list[int]], float], ref_model, tie_word_embeddings: bool,
+                 target: WeightTarget):
         self.cfg, self.ds_engine, self.engine, self.prompts = cfg, ds_engine, rollout_engine, prompts
         self.reward_fn, self.ref_model, self.tie = reward_fn, ref_model, tie_word_embeddings
         self.target = target
@@ -287,12 +295,9 @@ class _GRPORun:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.events: list[str] = []  # replica failures and rejoins of the current step
-        self.seen_failures = 0
 
     def rollout(self, step: int) -> _Rollout:
         """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
-        from rollout import SamplingParams
-
         cfg = self.cfg
         pick = torch.randperm(len(self.prompts), generator=self.generator)[: cfg.prompts_per_step].tolist()
         batch_prompts = [self.prompts[i] for i in pick]
@@ -367,9 +372,7 @@ class _GRPORun:
     def step(self, step: int, ro: _Rollout, trainer_wait: float, t_step: float) -> StepLog:
         """Rewards -> train -> sync of one step whose rollout ``ro`` is in; its log."""
         outs = _gather_shares(self.engine, ro.outputs, len(ro.prompts), ro.sampling.n, self.world)
-        failures = self.engine.failures if isinstance(self.engine, ReplicaRouter) else []
-        self.events.extend(str(e) for e in failures[self.seen_failures:])
-        self.seen_failures = len(failures)
+        self.events.extend(self.engine.take_replica_failures())
         rewards = torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
         released = self.release_engine_memory()
         peak = rss_mb()
@@ -397,8 +400,7 @@ class _GRPORun:
                                                                            o.output_weight_versions}) > 1),
                       trainer_wait_s=trainer_wait, replica_events=list(self.events),
                       step_s=time.perf_counter() - t_step,
-                      num_serving_replicas=len(self.engine.replicas.serving())
-                      if isinstance(self.engine, ReplicaRouter) else 1)
+                      num_serving_replicas=self.engine.serving_replicas())
         self.events.clear()
         return log
 
@@ -432,13 +434,17 @@ class _GRPORun:
         return logs
 
 
-def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine, prompts: list[list[int]],
+def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine: RolloutService, prompts: list[list[int]],
              reward_fn: Callable[[list[int], list[int]], float], ref_model=None,
              tie_word_embeddings: bool = False, log_fn: Optional[Callable[[StepLog], None]] = None,
              target: Optional[WeightTarget] = None) -> list[StepLog]:
     """``rollout_engine``: an in-process engine (colocated; the default target pushes into it) or a
     ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``DistributedTarget``)."""
-    target = target or ColocatedTarget(rollout_engine)
+    if target is None:
+        if not isinstance(rollout_engine, RolloutEngine):
+            raise ValueError("run_grpo: a rollout service other than an in-process engine needs its target "
+                             "(a DistributedTarget over its replicas)")
+        target = ColocatedTarget(rollout_engine)
     if cfg.max_staleness and isinstance(target, ColocatedTarget):
         raise ValueError("asynchronous rollouts need their own devices: use a disaggregated target")
     return _GRPORun(cfg, ds_engine, rollout_engine, prompts, reward_fn, ref_model, tie_word_embeddings,

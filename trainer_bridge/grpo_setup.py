@@ -6,8 +6,10 @@ key, the reward curve)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
+from typing import Literal, cast
 
 from trainer_bridge.ds_setup import ds_config, setup_deepspeed_env
 
@@ -80,7 +82,7 @@ def build_trainer(args, on_model_folder=None):
 
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, args.dtype)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tied = bool(policy.config.tie_word_embeddings)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -112,8 +114,11 @@ def step_logger(args, rank: int):
     if rank == 0 and not args.no_wandb:
         import wandb
 
+        mode = os.environ.get("WANDB_MODE", "offline")
+        if mode not in ("online", "offline", "disabled", "shared"):
+            raise ValueError(f"WANDB_MODE={mode!r}: use online, offline, disabled or shared")
         run = wandb.init(project="rollout-worker-grpo", config=vars(args), dir=tempfile.gettempdir(),
-                         mode=os.environ.get("WANDB_MODE", "offline"))
+                         mode=cast(Literal["online", "offline", "disabled", "shared"], mode))
     if rank == 0:
         print(f"{'step':>4} {'reward':>7} {'tok/s':>7} {'rollout s':>9} {'train s':>7} {'sync s':>6} "
               f"{'|dlogp| mean':>12} {'max':>9} {'unmasked max':>12} {'released MB':>11}", flush=True)
@@ -123,7 +128,7 @@ def step_logger(args, rank: int):
               f"{x.sync_s:>6.3f} {x.mismatch_mean:>12.2e} {x.mismatch_max:>9.2e} {x.mismatch_unmasked_max:>12.2e} "
               f"{x.engine_released_bytes / 2**20:>11.1f}", flush=True)
         if run is not None:
-            run.log({k: v for k, v in vars(x).items() if isinstance(v, (int, float))}, step=x.step)
+            run.log({k: v for k, v in dataclasses.asdict(x).items() if isinstance(v, (int, float))}, step=x.step)
 
     def finish(logs) -> None:
         if rank == 0:

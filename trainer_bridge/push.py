@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,7 +50,10 @@ class PushStats:
 
 
 def _is_zero3(param) -> bool:
-    return hasattr(param, "ds_id") and hasattr(param, "ds_status")
+    """A ZeRO-3 partitioned parameter (DeepSpeed's own test: the one place that asks)."""
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    return bool(is_zero_param(param))
 
 
 def _full_numel(param) -> int:
@@ -57,11 +61,13 @@ def _full_numel(param) -> int:
 
 
 def param_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int,
-                  tied: set[str] = frozenset()) -> list[list[tuple[str, torch.nn.Parameter]]]:
+                  tied: AbstractSet[str] = frozenset()) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """The push's buckets: (hf_name, parameter) in model order, cut at ``bucket_bytes`` of full
     tensors in ``dtype`` (a parameter larger than that is a bucket of its own)."""
     item = torch.empty((), dtype=dtype).element_size()
-    buckets, bucket, size = [], [], 0
+    buckets: list[list[tuple[str, torch.nn.Parameter]]] = []
+    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
     for name, p in module.named_parameters():
         name = to_hf_name(name)
         if name in tied:
@@ -130,6 +136,7 @@ def gather_into(bucket: list, group, dtype: torch.dtype, alloc, stats: PushStats
         if here:
             region = flat.buffer[m.offset: m.offset + size * src.itemsize].view(src)
         else:
+            assert scratch is not None  # sized for every region not gathered in place
             region, at = scratch[at: at + size], at + size
         regions.append(region)
         works.append(dist.all_gather_into_tensor(region, part, group=group, async_op=True))
@@ -145,7 +152,7 @@ def gather_into(bucket: list, group, dtype: torch.dtype, alloc, stats: PushStats
 
 
 def gathered_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, stats: PushStats,
-                     tied: set[str] = frozenset(), pool: Optional[BucketPool] = None, direct: bool = True):
+                     tied: AbstractSet[str] = frozenset(), pool: Optional[BucketPool] = None, direct: bool = True):
     """Yield buckets of (hf_name, full tensor in ``dtype``); every trainer rank must iterate.
     ``direct``: ZeRO-3 buckets gathered straight from their partitions (``gather_into``) rather than
     through DeepSpeed's ``GatheredParameters``."""
@@ -189,15 +196,22 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats, pool: Opti
     return out
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The policy inside a DeepSpeed engine (which wraps it), or the model itself."""
+    from deepspeed import DeepSpeedEngine
+
+    return model.module if isinstance(model, DeepSpeedEngine) else model
+
+
 def push_weights(model: torch.nn.Module, target: WeightTarget, version: str,
                  bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES,
                  per_parameter: bool = False, tie_word_embeddings: bool = False) -> PushStats:
     """One transaction: gather (bucketed, or one parameter at a time) -> hand to target -> commit."""
     stats = PushStats()
     target.begin(version)
-    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    module = _unwrapped(model)
     tied = {"lm_head.weight"} if tie_word_embeddings else set()
-    pool = getattr(target, "buffers", None)
+    pool = target.buffers
     # per parameter: the baseline most integrations use, one GatheredParameters + hand-off per parameter
     for bucket in gathered_buckets(module, target.dtype, 1 if per_parameter else bucket_bytes, stats, tied, pool,
                                    direct=not per_parameter):

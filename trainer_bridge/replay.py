@@ -11,7 +11,7 @@ importance ratio is then off by the kept mass on every token (truncated-support 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -31,13 +31,14 @@ def replay_logprobs(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         raise ValueError(f"{T} logits rows, {len(output_ids)} output tokens and "
                          f"{None if masks is None else len(masks)} masks must agree")
     p = params.resolved({})
-    if p.temperature <= 0:
+    temperature = float(p.temperature if p.temperature is not None else 1.0)  # resolved: never None
+    if temperature <= 0:
         return logits.new_zeros(T)
     rows = _processor_rows(prompt_ids, output_ids, p)
     info = rows.to_device(V, logits.device)
     from rollout.layers.sampler import apply_logit_processors
 
-    x = apply_logit_processors(logits.float(), info) / p.temperature
+    x = apply_logit_processors(logits.float(), info) / temperature
     if masks is not None:
         keep = torch.zeros(T, V, dtype=torch.bool, device=logits.device)
         for t, m in enumerate(masks):
@@ -49,25 +50,45 @@ def replay_logprobs(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
 def _processor_rows(prompt_ids: list[int], output_ids: list[int], p: SamplingParams) -> SamplingInputs:
     """One sampling row per output position with the history the engine saw when it sampled there."""
     T = len(output_ids)
-    rows = SamplingInputs(temperatures=[p.temperature] * T, uniforms=[0.0] * T)
-    bias = ([], [], [])
+    rows = SamplingInputs(temperatures=[float(p.temperature if p.temperature is not None else 1.0)] * T,
+                          uniforms=[0.0] * T)
+    bias = _Sparse()
     for t in range(T):
         for tok, val in (p.logit_bias or {}).items():
-            bias[0].append(t), bias[1].append(tok), bias[2].append(val)
-    rows.bias = bias if bias[0] else None
+            bias.add(t, tok, val)
+    rows.bias = bias.triple()
     if p.repetition_penalty != 1.0:
-        rep = ([], [], [])
+        penalty = float(cast(float, p.repetition_penalty))  # resolved: set
+        rep = _Sparse()
         seen = set(prompt_ids)
         for t in range(T):
-            rep[0].extend([t] * len(seen)), rep[1].extend(seen), rep[2].extend([p.repetition_penalty] * len(seen))
+            for tok in seen:
+                rep.add(t, tok, penalty)
             seen.add(output_ids[t])
-        rows.repetition = rep
+        rows.repetition = rep.triple(keep_empty=True)
     if p.frequency_penalty or p.presence_penalty:
-        add = ([], [], [])
+        add = _Sparse()
         counts: dict[int, int] = {}
         for t in range(T):
             for tok, c in counts.items():
-                add[0].append(t), add[1].append(tok), add[2].append(p.frequency_penalty * c + p.presence_penalty)
+                add.add(t, tok, p.frequency_penalty * c + p.presence_penalty)
             counts[output_ids[t]] = counts.get(output_ids[t], 0) + 1
-        rows.additive_penalty = add if add[0] else None
+        rows.additive_penalty = add.triple()
     return rows
+
+
+class _Sparse:
+    """(rows, token ids, values) of a per-position sparse processor, as ``SamplingInputs`` holds them."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.ids: list[int] = []
+        self.values: list[float] = []
+
+    def add(self, row: int, token: int, value: float) -> None:
+        self.rows.append(row)
+        self.ids.append(token)
+        self.values.append(value)
+
+    def triple(self, keep_empty: bool = False) -> Optional[tuple[list[int], list[int], list[float]]]:
+        return (self.rows, self.ids, self.values) if self.rows or keep_empty else None

@@ -1,7 +1,7 @@
 """``ReplicaSet``: the engine replicas one trainer drives, and which of them serve the current weights.
 
-A replica is anything with the engine's verbs: a ``RolloutClient`` (a server by URL) or an
-in-process ``RolloutEngine`` (whose TP ranks may live in other processes). The router sends
+A replica is a ``WeightReplica`` (``trainer_bridge.serving``): a ``RolloutClient`` (a server by URL)
+or an in-process ``RolloutEngine`` (whose TP ranks may live in other processes). The router sends
 prompts only to replicas that are *up*; the weight target marks a replica *down* when it fails
 (named in a ``ReplicaError``) and *up* again once it has rejoined the weight-update group and
 received the current weights. One set is shared by a trainer rank's router and target.
@@ -10,11 +10,12 @@ received the current weights. One set is shared by a trainer rank's router and t
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union, cast
 
 import torch
 
-from weight_sync.layout import dtype_from_name
+from trainer_bridge.serving import WeightReplica
 
 
 class ReplicaError(RuntimeError):
@@ -26,38 +27,31 @@ class ReplicaError(RuntimeError):
         self.replicas = replicas if replicas is not None else [replica]
 
 
-def describe(replica) -> tuple[torch.dtype, int]:
-    """(dtype, TP size) of a server (asked over HTTP) or of an in-process engine."""
-    if hasattr(replica, "get_server_info"):
-        info = replica.get_server_info()
-        return dtype_from_name(info["dtype"]), int(info["tp_size"])
-    return replica.dtype, replica.tp_size
-
-
-def address(replica) -> str:
-    return getattr(replica, "base_url", None) or f"in-process engine {id(replica):#x}"
-
-
-def is_healthy(replica) -> bool:
-    """A server answers ``/health``. An in-process engine shares our process: it counts as healthy,
-    and its failures surface as errors of its calls (which name it all the same)."""
-    return bool(replica.health()) if hasattr(replica, "health") else True
+def describe(replica: WeightReplica) -> tuple[torch.dtype, int]:
+    """(dtype, ranks in a weight-update group) of a replica: a server (asked over HTTP once) or an
+    in-process engine."""
+    return replica.dtype, replica.group_ranks
 
 
 class ReplicaSet:
-    def __init__(self, replicas):
-        replicas = list(replicas) if isinstance(replicas, (list, tuple)) else [replicas]
-        if not replicas:
+    def __init__(self, replicas: Union[WeightReplica, Sequence[WeightReplica]]):
+        listed = list(replicas) if isinstance(replicas, (list, tuple)) else [cast(WeightReplica, replicas)]
+        if not listed:
             raise ValueError("at least one replica is needed")
-        self.replicas = replicas
-        self.up = [True] * len(replicas)
+        self.replicas = listed
+        self.up = [True] * len(listed)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.replicas)
 
     def url(self, i: int) -> str:
-        return address(self.replicas[i])
+        return self.replicas[i].address
+
+    def healthy(self, i: int) -> bool:
+        """A server answers ``/health``; an in-process engine's loop still runs (its failures
+        surface as errors of its calls, which name it all the same)."""
+        return bool(self.replicas[i].health())
 
     def serving(self) -> list[int]:
         with self._lock:

@@ -10,13 +10,19 @@ once it has rejoined and holds the current weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import torch
 
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
+from rollout.worker.messages import WeightResult
 from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
+from trainer_bridge.serving import WeightReplica
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +30,41 @@ __all__ = ["ReplicaError", "ReplicaRouter"]
 
 
 class ReplicaRouter:
-    tp_size = 1  # generation is driven from each trainer rank on its own
+    """A ``RolloutService`` (``trainer_bridge.serving``) over several replicas."""
 
-    def __init__(self, replicas):
+    def __init__(self, replicas: Union[ReplicaSet, WeightReplica, Sequence[WeightReplica]]):
         self.replicas = replicas if isinstance(replicas, ReplicaSet) else ReplicaSet(replicas)
         self.outstanding = [0] * len(self.replicas)
         self.sessions: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.dtype = describe(self.replicas.replicas[0])[0]
+        self._dtype = describe(self.replicas.replicas[0])[0]
         self.failures: list[ReplicaError] = []  # every replica failure seen, in order
+        self._reported = 0  # failures already handed out by take_replica_failures
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def tp_size(self) -> int:
+        """1: each trainer rank routes its own share of the prompts."""
+        return 1
+
+    @property
+    def address(self) -> str:
+        return f"router over {', '.join(self.replicas.url(i) for i in range(len(self.replicas)))}"
+
+    def serving_replicas(self) -> int:
+        return len(self.replicas.serving())
+
+    def take_replica_failures(self) -> list[str]:
+        with self._lock:
+            new, self._reported = self.failures[self._reported:], len(self.failures)
+        return [str(e) for e in new]
+
+    def health(self) -> bool:
+        """Some replica serves the current weights and answers."""
+        return any(self.replicas.healthy(i) for i in self.replicas.serving())
 
     def pick(self, cost: int, session_id: Optional[str] = None) -> int:
         live = self.replicas.require_serving()
@@ -46,7 +78,7 @@ class ReplicaRouter:
             return i
 
     def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
-                 session_ids: Optional[list[str]] = None, **kw) -> list[RolloutOutput]:
+                 session_ids: Optional[list[str]] = None, **kw: Any) -> list[RolloutOutput]:
         """Like ``RolloutEngine.generate``: prompt-major outputs, samples of a prompt together."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(
             sampling_params)
@@ -93,6 +125,27 @@ class ReplicaRouter:
             if values[i] != values[live[0]]:
                 raise ReplicaError(i, self.replicas.url(i), ValueError(f"{name} differs from replica {live[0]}"))
         return values[live[0]]
+
+    def _on_serving(self, label: str, call: Callable[[WeightReplica], WeightResult]) -> WeightResult:
+        """``call`` on every serving replica: the first failure (naming its replica), else one result
+        whose ``freed_bytes`` (if any) is the replicas' sum."""
+        results = {i: call(self.replicas.replicas[i]) for i in self.replicas.require_serving()}
+        for i, r in results.items():
+            if not r.success:
+                return WeightResult.fail(f"{label} on replica {i} ({self.replicas.url(i)}): {r.message}")
+        first = next(iter(results.values()))
+        if "freed_bytes" in first.detail:
+            total = sum(int(r.detail["freed_bytes"]) for r in results.values())
+            return dataclasses.replace(first, detail={**first.detail, "freed_bytes": total})
+        return first
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None,
+                                  backup_weights: bool = False) -> WeightResult:
+        return self._on_serving("release_memory_occupation",
+                                lambda r: r.release_memory_occupation(tags, backup_weights))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> WeightResult:
+        return self._on_serving("resume_memory_occupation", lambda r: r.resume_memory_occupation(tags))
 
     def get_weight_versions(self) -> list[Optional[str]]:
         """Every replica's version (None for one that is down)."""

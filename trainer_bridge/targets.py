@@ -5,14 +5,23 @@ adds a target."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
 
+from rollout.engine.engine import RolloutEngine
+from rollout.worker.messages import WeightResult
 from weight_sync.bucket import BucketPool
 
 
 class WeightTarget(ABC):
-    """One transaction per push: ``begin(version)`` -> ``add(bucket)``* -> ``commit()``."""
+    """One transaction per push: ``begin(version)`` -> ``add(bucket)``* -> ``commit()``.
+
+    ``dtype``: what buckets are cast to (the engines' weights'); ``buffers``: a pool the push packs
+    into, reused from push to push (None: a fresh buffer per bucket)."""
+
+    dtype: torch.dtype
+    buffers: Optional[BucketPool] = None
 
     @abstractmethod
     def begin(self, version: str) -> None: ...
@@ -21,7 +30,7 @@ class WeightTarget(ABC):
     def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None: ...
 
     @abstractmethod
-    def commit(self):
+    def commit(self) -> WeightResult:
         """Apply everything added, all-or-nothing; returns the engine's ``WeightResult``."""
 
     def heal(self) -> bool:
@@ -39,13 +48,13 @@ class ColocatedTarget(WeightTarget):
     rank). Buckets hold full tensors already cast to the engine's dtype; each engine rank slices
     its own shard at commit, with no extra communication. Every trainer rank pushes (SPMD)."""
 
-    def __init__(self, engine, flush_cache: bool = True):
+    def __init__(self, engine: RolloutEngine, flush_cache: bool = True):
         self.engine = engine
         self.flush_cache = flush_cache
         self.dtype = engine.dtype
         self.device = engine.device
         self._pending: list[tuple[str, torch.Tensor]] = []
-        self._version = None
+        self._version: Optional[str] = None
         self.buffers = BucketPool()  # push_weights packs into these, reused from push to push
 
     def begin(self, version: str) -> None:
@@ -54,7 +63,7 @@ class ColocatedTarget(WeightTarget):
     def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._pending.extend(named_tensors)
 
-    def commit(self):
+    def commit(self) -> WeightResult:
         pending, self._pending = self._pending, []
         return self.engine.update_weights_from_tensor(pending, weight_version=self._version,
                                                       flush_cache=self.flush_cache)

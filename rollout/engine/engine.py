@@ -141,6 +141,32 @@ class RolloutEngine:
     def device(self) -> torch.device:
         return self.worker.model_runner.device
 
+    @property
+    def group_ranks(self) -> int:
+        """The ranks this engine joins a weight-update group with (its TP ranks)."""
+        return self.config.tp_size
+
+    @property
+    def address(self) -> str:
+        """How a trainer's errors name this engine."""
+        return f"in-process engine {id(self):#x}"
+
+    def serving_replicas(self) -> int:
+        """Replicas serving behind this engine: itself (a router over several says how many)."""
+        return 1
+
+    def take_replica_failures(self) -> list[str]:
+        """Replica failures since the last call: none for one engine (its own errors raise)."""
+        return []
+
+    def health(self) -> bool:
+        """Whether the engine loop still runs (an in-process engine's ``/health``)."""
+        try:
+            self._loop.check_alive()
+        except EngineDeadError:
+            return False
+        return True
+
     def memory_nbytes(self) -> dict[str, int]:
         """Bytes this rank's engine holds as whole buffers: {"weights": ..., "weight_copies": ... (the
         packed / fp32 copies the CPU GEMM kernels read), "kv_cache": ...}."""

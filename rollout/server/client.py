@@ -7,10 +7,12 @@ import time
 from typing import Any, Optional, Union
 
 import httpx
+import torch
 
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.worker.messages import WeightResult
+from weight_sync.layout import dtype_from_name
 
 
 class RolloutServerError(RuntimeError):
@@ -58,6 +60,7 @@ class RolloutClient:
         self.base_url = base_url.rstrip("/")
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._server_info: Optional[dict] = None  # dtype and TP size, asked once
 
     def _headers(self, admin: bool) -> dict:
         key = (self.admin_api_key or self.api_key) if admin else (self.api_key or self.admin_api_key)
@@ -81,7 +84,8 @@ class RolloutClient:
         if "success" not in data:
             self._json(r)  # an auth or body error: raise it
         return WeightResult(bool(data["success"]), str(data.get("message", "")), data.get("weight_version"),
-                            float(data.get("seconds", 0.0)), int(data.get("num_bytes", 0)), data.get("detail") or {})
+                            float(data.get("seconds", 0.0)), int(data.get("num_bytes", 0)), data.get("detail") or {},
+                            error_kind=data.get("error_kind"))
 
     # ------------------------------------------------------------------ generation
 
@@ -166,6 +170,37 @@ class RolloutClient:
         return self._weight("/resume_memory_occupation", {"tags": tags})
 
     # ------------------------------------------------------------------ ops
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The server's weights' dtype (asked once)."""
+        return dtype_from_name(self._info()["dtype"])
+
+    @property
+    def tp_size(self) -> int:
+        """1: each trainer rank drives a server on its own, whatever the server's TP size
+        (``group_ranks`` is that)."""
+        return 1
+
+    @property
+    def group_ranks(self) -> int:
+        """The server's ranks that join a weight-update group (its engine's TP size)."""
+        return int(self._info()["tp_size"])
+
+    @property
+    def address(self) -> str:
+        return self.base_url
+
+    def _info(self) -> dict:
+        if self._server_info is None:
+            self._server_info = self.get_server_info()
+        return self._server_info
+
+    def serving_replicas(self) -> int:
+        return 1
+
+    def take_replica_failures(self) -> list[str]:
+        return []
 
     def health(self) -> bool:
         try:

@@ -294,6 +294,11 @@ class RankWeights:
         except (ValueError, TypeError) as exc:
             return str(exc), []
 
+    def _group_kind(self, group_name: str) -> Optional[str]:
+        """``WeightResult.GROUP`` when this rank has no such group (never joined, or torn down after a
+        failure): the sender must rebuild it, not fix its request."""
+        return None if group_name in self.update_groups else WeightResult.GROUP
+
     def _group_failed(self, group_name: str, exc: WeightGroupError) -> str:
         self.update_groups.pop(group_name, None)  # tear down only this group; re-initialising it works
         return f"{exc}; the group was torn down, re-initialise it"
@@ -307,7 +312,7 @@ class RankWeights:
         if error is not None:  # nothing can be received without the group and specs
             if txn is not None:
                 txn.error = txn.error or error
-            return WeightResult.fail(error)
+            return WeightResult.fail(error, kind=self._group_kind(msg.group_name))
         rejected = self._released_error()
         if txn is None:
             rejected = "no open transaction: call begin_weight_update first"
@@ -316,11 +321,11 @@ class RankWeights:
                 self._check_new(txn, [(n, torch.empty(shape, dtype=d, device="meta")) for n, d, shape in specs])
             except (WeightLoadError, ValueError) as exc:
                 rejected = str(exc)
-        rejected, _ = self._receive_into_shadow(msg, specs, rejected, check_finite=True)
+        rejected, _, kind = self._receive_into_shadow(msg, specs, rejected, check_finite=True)
         if rejected is not None:
             if txn is not None:
                 txn.error = txn.error or rejected
-            return WeightResult.fail(rejected)
+            return WeightResult.fail(rejected, kind=kind)
         txn.in_shadow.update((n, (d, tuple(shape))) for n, d, shape in specs)
         return WeightResult.ok(f"received {len(specs)} tensors ({len(txn.staged) + len(txn.in_shadow)} in the "
                                "transaction)")
@@ -332,7 +337,7 @@ class RankWeights:
         on the wire; a unanimous vote makes the shadow live."""
         t_start = time.perf_counter()
         error, specs = self._specs(msg)
-        placed_bytes = 0
+        placed_bytes, kind = 0, self._group_kind(msg.group_name)
         if error is None:
             rejected = self._released_error()
             if rejected is None:
@@ -345,10 +350,10 @@ class RankWeights:
                 self._shadow_taken("an update outside it")
                 if msg.partial:
                     self.runner.params.prepare_shadow()
-            error, placed_bytes = self._receive_into_shadow(msg, specs, rejected, msg.check_finite)
+            error, placed_bytes, kind = self._receive_into_shadow(msg, specs, rejected, msg.check_finite)
         t_received = time.perf_counter()
         if not self._vote(error is None):
-            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+            return WeightResult.fail(error or REJECTED_ELSEWHERE, kind=kind)
         self.runner.params.commit_shadow()
         self.runner.after_weights_changed(complete=not msg.partial)
         nbytes = sum(d.itemsize * math.prod(s) for _, d, s in specs)
@@ -356,10 +361,11 @@ class RankWeights:
                                commit_s=time.perf_counter() - t_received, received_in_place_bytes=placed_bytes)
 
     def _receive_into_shadow(self, msg, specs: list, rejected: Optional[str],
-                             check_finite: bool) -> tuple[Optional[str], int]:
+                             check_finite: bool) -> tuple[Optional[str], int, Optional[str]]:
         """Receive every bucket; write it into the shadow weights unless the update is already
         ``rejected`` (then it is only drained, so the sender still completes).
-        Returns (error, bytes received in place)."""
+        Returns (error, bytes received in place, the failure's kind: ``WeightResult.GROUP`` when the
+        group itself broke, else None)."""
         runner = self.runner
         name_map = runner.name_map
         nonfinite: list[str] = []
@@ -394,10 +400,10 @@ class RankWeights:
             receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device, msg.group_name,
                             write_bucket, pool=self.receive_pool, place=place)
         except WeightGroupError as exc:
-            return self._group_failed(msg.group_name, exc), 0
+            return self._group_failed(msg.group_name, exc), 0, WeightResult.GROUP
         if rejected is None and nonfinite:
             rejected = rejection_message([f"{n}: contains NaN or Inf values" for n in nonfinite])
-        return rejected, placed_bytes
+        return rejected, placed_bytes, None
 
     def _probe(self, msg: ProbeUpdateGroup) -> WeightResult:
         group = self.update_groups.get(msg.group_name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 
@@ -212,14 +212,19 @@ class WeightResult:
     num_bytes: int = 0
     detail: dict = field(default_factory=dict)
     value: Any = None
+    # what failed, where a caller must tell it apart: GROUP (the weight-update group broke: rebuild
+    # it); None for a refusal of the input (fix the request) or success
+    error_kind: Optional[str] = None
+
+    GROUP: ClassVar[str] = "group"
 
     @staticmethod
     def ok(message: str, num_bytes: int = 0, value: Any = None, **detail) -> WeightResult:
         return WeightResult(True, message, num_bytes=num_bytes, detail=detail, value=value)
 
     @staticmethod
-    def fail(message: str, **detail) -> WeightResult:
-        return WeightResult(False, message, detail=detail)
+    def fail(message: str, kind: Optional[str] = None, **detail) -> WeightResult:
+        return WeightResult(False, message, detail=detail, error_kind=kind)
 
     def published(self, weight_version: str, seconds: float) -> WeightResult:
         """This result as the engine reports it: with the version now published and the wall time."""
