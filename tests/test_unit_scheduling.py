@@ -4,11 +4,10 @@ returns a fixed next token per row); everything else is the real scheduler and b
 from __future__ import annotations
 
 import pytest
-import torch
+from fakes import FakeWorker
 
 from rollout.config import EngineConfig
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch
 from rollout.scheduler.block_manager import BlockManager
 from rollout.scheduler.request import Request, SeqStatus
 from rollout.scheduler.scheduler import Scheduler
@@ -70,22 +69,6 @@ def test_disabled_prefix_cache_never_registers():
 
 # ---------------------------------------------------------------------------------------------
 # scheduler with a fake worker
-
-
-class FakeWorker:
-    """Returns token ``next_token`` for every sample row; records every batch it was given."""
-
-    def __init__(self, num_blocks: int, next_token: int = 7, context_len: int = 1000):
-        self.num_kv_blocks = num_blocks
-        self.context_len = context_len
-        self.next_token = next_token
-        self.batches: list[ModelWorkerBatch] = []
-
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        self.batches.append(batch)
-        n = len(batch.sample_logits_idx)
-        return GenerationBatchResult(next_token_ids=torch.full((n,), self.next_token),
-                                     next_token_logprobs=torch.full((n,), -0.5))
 
 
 def make(num_blocks=64, block_size=4, **kw):

@@ -3,46 +3,16 @@ answer like servers, and typed failure kinds on ``WeightResult``."""
 
 import pytest
 import torch
+from fakes import FakeReplica
 
-from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.worker.messages import WeightResult
 from trainer_bridge.grpo import GRPOConfig, run_grpo
 from trainer_bridge.router import ReplicaRouter
 
 
-class Replica:
-    """Answers generate with one token per sample (its own id), release/resume with freed bytes;
-    ``broken`` makes every call raise, as a server that went away."""
-
-    def __init__(self, name: str, freed: int, broken: bool = False):
-        self.address, self.freed, self.broken = name, freed, broken
-        self.dtype, self.tp_size, self.group_ranks = torch.bfloat16, 1, 1
-
-    def _check(self):
-        if self.broken:
-            raise ConnectionError(f"{self.address} is gone")
-
-    def generate(self, input_ids, sampling_params, **kw):
-        self._check()
-        return [RolloutOutput(rid=f"{self.address}-{i}-{j}", prompt_index=i, sample_index=j, prompt_token_ids=p,
-                              output_token_ids=[len(self.address)], output_logprobs=[-0.1])
-                for i, p in enumerate(input_ids) for j in range(sampling_params.n)]
-
-    def release_memory_occupation(self, tags=None, backup_weights=False):
-        self._check()
-        return WeightResult.ok("released", freed_bytes=self.freed)
-
-    def resume_memory_occupation(self, tags=None):
-        self._check()
-        return WeightResult.ok("resumed")
-
-    def health(self):
-        return not self.broken
-
-
 def test_the_router_is_a_rollout_service_over_its_replicas():
-    a, b = Replica("a", 100), Replica("bb", 20)
+    a, b = FakeReplica("a", 100), FakeReplica("bb", 20)
     router = ReplicaRouter([a, b])
     assert router.dtype == torch.bfloat16 and router.tp_size == 1 and router.serving_replicas() == 2
     assert router.release_memory_occupation(["kv_cache"]).detail["freed_bytes"] == 120  # both replicas'
@@ -59,18 +29,18 @@ def test_the_router_is_a_rollout_service_over_its_replicas():
 
 
 def test_a_replica_refusing_a_release_is_named_in_the_routers_result():
-    class Refuses(Replica):
+    class Refuses(FakeReplica):
         def release_memory_occupation(self, tags=None, backup_weights=False):
             return WeightResult.fail("memory is pinned")
 
-    router = ReplicaRouter([Replica("a", 1), Refuses("b", 1)])
+    router = ReplicaRouter([FakeReplica("a", 1), Refuses("b", 1)])
     out = router.release_memory_occupation()
     assert not out.success and "replica 1 (b)" in out.message and "memory is pinned" in out.message
 
 
 def test_run_grpo_without_a_target_needs_an_in_process_engine():
     with pytest.raises(ValueError, match="needs its target"):
-        run_grpo(GRPOConfig(release_memory=False, steps=1), None, ReplicaRouter([Replica("a", 1)]), [[1]],
+        run_grpo(GRPOConfig(release_memory=False, steps=1), None, ReplicaRouter([FakeReplica("a", 1)]), [[1]],
                  lambda p, c: 0.0)
 
 
