@@ -30,12 +30,12 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there", DeprecationWarning,
-                      stacklevel=2)
-        return importlib.import_module(MOVED[spec.name])
+        return importlib.import_module(MOVED[spec.name])  # it runs here, once, under its new name
 
-    def exec_module(self, module) -> None:  # the new module ran when it was imported
-        pass
+    def exec_module(self, module) -> None:
+        """Bound under the old name too: say where it lives now."""
+        old = next(name for name, new in MOVED.items() if new == module.__name__)
+        warnings.warn(f"{old} moved to {module.__name__}; import it from there", DeprecationWarning, stacklevel=2)
 
 
 def install() -> None:

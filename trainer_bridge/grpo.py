@@ -346,8 +346,10 @@ class _GRPORun:
             self.engine.resume_memory_occupation(["kv_cache"])
         return phases, verified
 
-    def train(self, step: int, ro: _Rollout, outs: list, advantages: torch.Tensor) -> tuple[torch.Tensor, Mismatch]:
-        """One DeepSpeed step on this rank's slice of the samples (data parallel)."""
+    def train(self, ro: _Rollout, outs: list, advantages: torch.Tensor,
+              ages: list[list[int]]) -> tuple[torch.Tensor, Mismatch]:
+        """One DeepSpeed step on this rank's slice of the samples (data parallel); ``ages[i]`` per
+        token of sample i, how many versions behind the trainer its weights were."""
         cfg = self.cfg
         mine = list(range(self.rank, len(outs), self.world))
         seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
@@ -358,13 +360,12 @@ class _GRPORun:
                                   outs[i].output_token_sampling_mask, ro.sampling) for lg, i in zip(logits, mine)] \
             if cfg.masked else unmasked_lp
         engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
-        # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
-        ages = [[step - _version_step(v) for v in outs[i].output_weight_versions] for i in mine]
         ref_lp = None
         if cfg.kl_coef and self.ref_model is not None:
             with torch.no_grad():
                 ref_lp = sequence_logprobs(self.ref_model, seqs, plens, cfg.temperature)
-        loss, mismatch = grpo_loss(cfg, new_lp, engine_lp, advantages[mine], ages, unmasked_lp, ref_lp)
+        loss, mismatch = grpo_loss(cfg, new_lp, engine_lp, advantages[mine], [ages[i] for i in mine], unmasked_lp,
+                                   ref_lp)
         self.ds_engine.backward(loss)
         self.ds_engine.step()
         return loss, mismatch
@@ -374,10 +375,12 @@ class _GRPORun:
         outs = _gather_shares(self.engine, ro.outputs, len(ro.prompts), ro.sampling.n, self.world)
         self.events.extend(self.engine.take_replica_failures())
         rewards = torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
+        # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
+        ages = [[step - _version_step(v) for v in o.output_weight_versions] for o in outs]
         released = self.release_engine_memory()
         peak = rss_mb()
         t1 = time.perf_counter()
-        loss, mismatch = self.train(step, ro, outs, group_advantages(rewards, self.cfg.n))
+        loss, mismatch = self.train(ro, outs, group_advantages(rewards, self.cfg.n), ages)
         peak = max(peak, rss_mb())
         train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -386,7 +389,6 @@ class _GRPORun:
         peak = max(peak, rss_mb())
         mm = mismatch.reduced()
         self.events.extend(self.target.take_events())
-        ages = [step - _version_step(v) for o in outs for v in o.output_weight_versions]
         log = StepLog(step=step + 1, reward=float(rewards.mean()),
                       rollout_tok_s=sum(len(o.output_token_ids) for o in outs) / ro.seconds,
                       rollout_s=ro.seconds, train_s=train_s, sync_s=sync_s, mismatch_mean=mm.mean,
@@ -395,9 +397,8 @@ class _GRPORun:
                       ratio_unmasked_mean=mm.unmasked_ratio_mean,
                       ratio_unmasked_out_of_band=mm.unmasked_out_of_band_fraction, engine_released_bytes=released,
                       rss_peak_mb=peak, sync_phases=phases, push_verified=verified,
-                      max_sample_staleness=max(ages, default=0),
-                      num_mixed_version_samples=sum(1 for o in outs if len({_version_step(v) for v in
-                                                                           o.output_weight_versions}) > 1),
+                      max_sample_staleness=max((a for row in ages for a in row), default=0),
+                      num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
                       trainer_wait_s=trainer_wait, replica_events=list(self.events),
                       step_s=time.perf_counter() - t_step,
                       num_serving_replicas=self.engine.serving_replicas())

@@ -16,7 +16,7 @@ from typing import Optional, cast
 import torch
 
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler.batch import SamplingInputs
+from rollout.scheduler.batch import SamplingInputs, SparseRows
 
 
 def replay_logprobs(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
@@ -52,22 +52,21 @@ def _processor_rows(prompt_ids: list[int], output_ids: list[int], p: SamplingPar
     T = len(output_ids)
     rows = SamplingInputs(temperatures=[float(p.temperature if p.temperature is not None else 1.0)] * T,
                           uniforms=[0.0] * T)
-    bias = _Sparse()
+    bias = SparseRows()
     for t in range(T):
         for tok, val in (p.logit_bias or {}).items():
             bias.add(t, tok, val)
     rows.bias = bias.triple()
     if p.repetition_penalty != 1.0:
         penalty = float(cast(float, p.repetition_penalty))  # resolved: set
-        rep = _Sparse()
+        rep = SparseRows()
         seen = set(prompt_ids)
         for t in range(T):
-            for tok in seen:
-                rep.add(t, tok, penalty)
+            rep.extend(t, seen, penalty)
             seen.add(output_ids[t])
-        rows.repetition = rep.triple(keep_empty=True)
+        rows.repetition = rep.triple()
     if p.frequency_penalty or p.presence_penalty:
-        add = _Sparse()
+        add = SparseRows()
         counts: dict[int, int] = {}
         for t in range(T):
             for tok, c in counts.items():
@@ -76,19 +75,3 @@ def _processor_rows(prompt_ids: list[int], output_ids: list[int], p: SamplingPar
         rows.additive_penalty = add.triple()
     return rows
 
-
-class _Sparse:
-    """(rows, token ids, values) of a per-position sparse processor, as ``SamplingInputs`` holds them."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.ids: list[int] = []
-        self.values: list[float] = []
-
-    def add(self, row: int, token: int, value: float) -> None:
-        self.rows.append(row)
-        self.ids.append(token)
-        self.values.append(value)
-
-    def triple(self, keep_empty: bool = False) -> Optional[tuple[list[int], list[int], list[float]]]:
-        return (self.rows, self.ids, self.values) if self.rows or keep_empty else None

@@ -37,6 +37,33 @@ class ScoredPosition:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+class SparseRows:
+    """(rows, token ids, values) of a per-row sparse logit processor (bias, penalties), built entry
+    by entry, as ``SamplingInputs`` holds them; ``triple()`` is None when nothing was added."""
+
+    __slots__ = ("rows", "ids", "values")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.ids: list[int] = []
+        self.values: list[float] = []
+
+    def add(self, row: int, token: int, value: float) -> None:
+        self.rows.append(row)
+        self.ids.append(token)
+        self.values.append(value)
+
+    def extend(self, row: int, tokens, value: float) -> None:
+        """``tokens`` (a collection) of ``row``, all with ``value``."""
+        n = len(tokens)
+        self.rows.extend([row] * n)
+        self.ids.extend(tokens)
+        self.values.extend([value] * n)
+
+    def triple(self) -> Optional[tuple[list[int], list[int], list[float]]]:
+        return (self.rows, self.ids, self.values) if self.rows else None
+
+
 @dataclass
 class SamplingInputs:
     temperatures: list[float]
@@ -73,29 +100,29 @@ class SamplingInputs:
             info.top_ps = [p.top_p for p in params]
         if any(p.min_p > 0 for p in params):
             info.min_ps = [p.min_p for p in params]
-        bias, allowed, rep, add, banned = ([], [], []), ([], []), ([], [], []), ([], [], []), ([], [])
+        bias, rep, add = SparseRows(), SparseRows(), SparseRows()
+        allowed: tuple[list[int], list[list[int]]] = ([], [])
+        banned: tuple[list[int], list[int]] = ([], [])
         for row, (s, p) in enumerate(zip(seqs, params)):
             for tok, val in (p.logit_bias or {}).items():
-                bias[0].append(row), bias[1].append(tok), bias[2].append(val)
+                bias.add(row, tok, val)
             if p.allowed_token_ids:
                 allowed[0].append(row), allowed[1].append(list(p.allowed_token_ids))
             if p.repetition_penalty != 1.0:
-                seen = set(s.token_ids)
-                rep[0].extend([row] * len(seen)), rep[1].extend(seen), rep[2].extend([p.repetition_penalty] * len(seen))
+                rep.extend(row, set(s.token_ids), p.repetition_penalty)
             if p.frequency_penalty or p.presence_penalty:
                 counts: dict[int, int] = {}
                 for t in s.output_ids:
                     counts[t] = counts.get(t, 0) + 1
                 for tok, c in counts.items():
-                    add[0].append(row), add[1].append(tok)
-                    add[2].append(p.frequency_penalty * c + p.presence_penalty)
+                    add.add(row, tok, p.frequency_penalty * c + p.presence_penalty)
             if s.num_output_tokens < p.min_new_tokens:
                 stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
                 banned[0].extend([row] * len(stops)), banned[1].extend(stops)
-        info.bias = bias if bias[0] else None
+        info.bias = bias.triple()
         info.allowed = allowed if allowed[0] else None
-        info.repetition = rep if rep[0] else None
-        info.additive_penalty = add if add[0] else None
+        info.repetition = rep.triple()
+        info.additive_penalty = add.triple()
         info.banned = banned if banned[0] else None
         return info
 

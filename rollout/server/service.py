@@ -150,11 +150,15 @@ class EngineService:
 
     # ------------------------------------------------------------------ what the info routes say
 
+    @property
+    def dtype_name(self) -> str:
+        return str(self.engine.dtype).replace("torch.", "")
+
     def model_info(self) -> dict:
         engine, mc = self.engine, self.engine.model_config
         return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.tokenizer_path
                 or engine.config.model_path, "served_model_name": self.model_name, "architecture": mc.architecture,
-                "is_generation": True, "vocab_size": mc.vocab_size, "dtype": str(engine.dtype).replace("torch.", ""),
+                "is_generation": True, "vocab_size": mc.vocab_size, "dtype": self.dtype_name,
                 "tp_size": engine.tp_size, "weight_version": engine.get_weight_version()}
 
     async def server_info(self) -> dict:
@@ -162,7 +166,7 @@ class EngineService:
         stats = await self.call(engine.get_stats)
         return {"engine_config": dataclasses.asdict(engine.config), "served_model_name": self.model_name,
                 "stats": stats, "weight_version": engine.get_weight_version(),
-                "dtype": str(engine.dtype).replace("torch.", ""), "tp_size": engine.tp_size,
+                "dtype": self.dtype_name, "tp_size": engine.tp_size,
                 "max_body_bytes": config.max_body_bytes, "request_timeout_s": config.request_timeout_s,
                 "auth": config.api_key is not None, "admin_auth": config.admin_api_key is not None,
                 "allowed_weight_dirs": self.allowed_dirs, "cpu": engine.cpu_kernels()}
