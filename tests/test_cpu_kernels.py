@@ -181,6 +181,27 @@ def test_tiled_gemm_is_fp32_accumulation_rounded_once_and_batch_invariant(dtype)
         cpu_gemm.tiled_linear(x[:, :-1], panels, n, b)
 
 
+@pytest.mark.parametrize("kernel", ["tiled", "fp32", "onednn"])
+def test_a_gemm_of_no_rows_reads_no_copy_whatever_the_plan_names_for_it(kernel):
+    """A prefill chunk none of whose positions needs logits runs the LM head over 0 rows. Copies are
+    built for the forward's row counts only, so a plan whose kernel at few rows reads a copy (seen on
+    an AMD EPYC with AVX-512 bf16: SmolLM2's fp32 head, tiled up to 7 rows and oneDNN from 8) must not
+    be asked for one there: the result is the empty product, from the weight itself."""
+    from rollout.layers.cpu_plan import GemmPlan
+    from rollout.layers.linear import PackedWeight, pack_weight, packed_linear
+
+    w = torch.randn(48, 32, dtype=torch.float32)
+    plan = GemmPlan(((7, kernel), (1 << 62, "linear")))
+    packed = PackedWeight(plan)  # as refresh_packed_weights(16) leaves it: nothing the plan needs at 16 rows
+    y = packed_linear(torch.randn(0, 32), w, None, packed)
+    assert y.shape == (0, 48) and packed.nbytes() == 0
+    with pytest.raises(AssertionError, match="refresh_packed_weights was not called"):
+        packed_linear(torch.randn(3, 32), w, None, packed)  # a real forward still insists on its copy
+    pack_weight(w, None, plan, {kernel}, into=packed)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(packed_linear(x, w, None, packed), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rms_norm_rounds_where_the_torch_path_rounds(dtype):
     """The C++ RMSNorm against the torch path it replaces: the same values up to the order of the

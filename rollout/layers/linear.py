@@ -71,9 +71,11 @@ def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPl
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   packed: Optional[PackedWeight]) -> torch.Tensor:
     """``F.linear``, through the kernel the plan names for this many rows."""
-    if packed is None:
-        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    # no rows (a prefill chunk none of whose positions needs logits): nothing to compute, and the plan's
+    # kernel for 0 rows may read a copy that no forward of this size asked refresh_packed_weights for
+    if packed is None or rows.shape[0] == 0:
+        return F.linear(x, weight, bias)
     kernel = packed.plan.kernel_for(rows.shape[0])
     if kernel == "linear":
         return F.linear(x, weight, bias)
