@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,39 +54,28 @@ def parse(argv=None):
     return (argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS}), argparse.Namespace(**args))
 
 
-def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> tuple[list, list[str]]:
-    """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU."""
-    from rollout.openmp import child_env
-    from weight_sync.process_group import free_port
+def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> list:
+    """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU (not waited for)."""
+    from rollout.server import launch_server
 
-    env = child_env(num_threads=1)  # bounded OpenMP spin, one thread: cores are shared
-    procs, urls = [], []
-    for _ in range(n):
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve",
-                                       "--model-path", path, "--port", str(port), "--dtype", dtype, "--tp-size",
-                                       str(tp), "--kv-cache-tokens", "4096", "--seed", str(seed),
-                                       "--no-use-generation-config"], env=env))
-        urls.append(f"http://127.0.0.1:{port}")
-    return procs, urls
+    return [launch_server(path, "--dtype", dtype, "--tp-size", str(tp), "--kv-cache-tokens", "4096", "--seed",
+                          str(seed), "--no-use-generation-config", num_threads=1, ready_timeout_s=None)
+            for _ in range(n)]
 
 
 def main(argv=None) -> list:
     own, args = parse(argv)
-    procs: list = []  # the local replicas rank 0 starts, and their URLs
-    local_urls: list[str] = []
+    servers: list = []  # the local replicas rank 0 starts
 
     def start_local_replicas(path: str, rank: int) -> None:  # they come up while the trainer loads
         if not own.engine_url and rank == 0:
-            started, started_urls = start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed)
-            procs.extend(started)
-            local_urls.extend(started_urls)
+            servers.extend(start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed))
 
     try:
         ds_engine, path, tied, rank, world = build_trainer(args, on_model_folder=start_local_replicas)
     except BaseException:
-        for p in procs:
-            p.terminate()
+        for s in servers:
+            s.stop()
         raise
     import torch.distributed as dist
     from parity_task import parity_task
@@ -96,10 +84,11 @@ def main(argv=None) -> list:
     from rollout.server import RolloutClient
     from trainer_bridge import DistributedTarget, ReplicaRouter, ReplicaSet
     from trainer_bridge.grpo import run_grpo
+    from trainer_bridge.serving import RolloutService
 
     urls = own.engine_url
     if not urls:  # rank 0 started the local replicas; every trainer rank reaches them by URL
-        box = [local_urls]
+        box = [[s.url for s in servers]]
         dist.broadcast_object_list(box)
         urls = box[0]
     clients = [RolloutClient(u) for u in urls]
@@ -107,24 +96,25 @@ def main(argv=None) -> list:
         for c in clients:
             c.wait_ready(300)
         replicas = ReplicaSet(clients)  # which replicas serve the current weights, shared by router and target
-        router = ReplicaRouter(replicas)  # each trainer rank routes its share of the prompts
+        # each trainer rank routes its share of the prompts; one server is a rollout service by itself
+        service: RolloutService = ReplicaRouter(replicas) if len(clients) > 1 else clients[0]
         target = DistributedTarget(replicas, master_address=own.master_address, group_name="grpo",
                                    partial_rollouts=own.partial_rollouts, timeout_s=own.group_timeout)
         prompts, reward = parity_task(ModelConfig.from_pretrained(path).vocab_size)
         log, finish = step_logger(args, rank)
         cfg = grpo_config(args, release_memory=False, max_staleness=own.max_staleness, stale_policy=own.stale_policy)
-        logs = run_grpo(cfg, ds_engine, router, prompts, reward,
+        logs = run_grpo(cfg, ds_engine, service, prompts, reward,
                         tie_word_embeddings=tied, log_fn=log, target=target)
         finish(logs)
         if rank == 0:
-            print("replica versions:", router.get_weight_versions(), flush=True)
+            print(f"rollout service: {type(service).__name__}; replica versions:",
+                  ReplicaRouter(replicas).get_weight_versions(), flush=True)
         target.close()
     finally:
         for c in clients:
             c.close()
-        for p in procs:
-            p.terminate()
-            p.wait(30)
+        for s in servers:
+            s.stop()
     dist.barrier()
     return logs
 

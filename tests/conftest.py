@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 
@@ -31,6 +32,80 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_path(model_dir):
     return model_dir("llama-default", "llama")
+
+
+ENGINE_DEFAULTS = {"dtype": "float32", "kv_cache_tokens": 1024}
+
+
+class Made:
+    """``made(*args, **kw)`` makes a thing with ``make`` and keeps it; ``close_all()`` closes every one
+    with ``close``, last made first (a fixture's teardown)."""
+
+    def __init__(self, make, close):
+        self._make, self._close = make, close
+        self.made: list = []
+
+    def __call__(self, *args, **kw):
+        thing = self._make(*args, **kw)
+        self.made.append(thing)
+        return thing
+
+    def close_all(self) -> None:
+        while self.made:
+            self._close(self.made.pop())
+
+
+def _engines() -> Made:
+    """``engines(path, **kw)``: a ``RolloutEngine`` with ``ENGINE_DEFAULTS`` (``kw`` overrides them)."""
+    from rollout import RolloutEngine
+
+    return Made(lambda path, **kw: RolloutEngine(path, **{**ENGINE_DEFAULTS, **kw}), lambda e: e.shutdown())
+
+
+def _servers(log_dir) -> Made:
+    """``servers(path, *args, **kw)``: ``rollout serve`` from ``launch_server`` (waited for unless
+    ``ready_timeout_s=None``), its output in a log beside the test's files (quoted if it fails to start)."""
+    from rollout.server import launch_server
+
+    count = itertools.count()
+
+    def make(path: str, *args: str, **kw):
+        kw.setdefault("log_path", str(log_dir / f"serve-{next(count)}.log"))
+        return launch_server(path, *args, **kw)
+
+    return Made(make, lambda server: server.stop())
+
+
+@pytest.fixture
+def make_engine():
+    """Engines for one test, shut down after it."""
+    made = _engines()
+    yield made
+    made.close_all()
+
+
+@pytest.fixture(scope="module")
+def module_engines():
+    """Engines shared by a module's tests, shut down when the module ends."""
+    made = _engines()
+    yield made
+    made.close_all()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    """Servers for one test, stopped after it."""
+    made = _servers(tmp_path)
+    yield made
+    made.close_all()
+
+
+@pytest.fixture(scope="module")
+def module_servers(tmp_path_factory):
+    """Servers shared by a module's tests, stopped when the module ends."""
+    made = _servers(tmp_path_factory.mktemp("servers"))
+    yield made
+    made.close_all()
 
 
 def pytest_addoption(parser):

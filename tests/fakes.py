@@ -1,14 +1,18 @@
-"""Public fakes for tests that need no engine: a worker for the scheduler (``FakeWorker``) and a
-replica for the router and the trainer side (``FakeReplica``: answers like a server). Everything
-around them is the real code."""
+"""Public fakes for tests that need no engine: a worker for the scheduler (``FakeWorker``), a
+replica for the router and the trainer side (``FakeReplica``: answers like a server) and a weight
+target for pushes (``FakeTarget``: keeps what it is pushed). Everything around them is the real code."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from rollout.outputs import RolloutOutput
 from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch
 from rollout.worker.messages import WeightResult
+from trainer_bridge.targets import WeightTarget
+from weight_sync.bucket import BucketPool
 
 
 class FakeWorker:
@@ -55,3 +59,35 @@ class FakeReplica:
 
     def health(self):
         return not self.broken
+
+
+class FakeTarget(WeightTarget):
+    """A weight target that keeps what it is pushed: every transaction's buckets as handed over
+    (``transactions``: version, [[(name, dtype, shape)] per bucket]), and on commit, all-or-nothing,
+    the values into ``weights`` (name -> fp32 copy) under ``version``. ``refuse`` makes commit fail
+    as an engine that rejects the update would, leaving ``weights`` and ``version`` as they were."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, refuse: Optional[str] = None, pooled: bool = False):
+        self.dtype, self.refuse = dtype, refuse
+        self.buffers = BucketPool() if pooled else None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.version = "default"
+        self.transactions: list[tuple[str, list[list[tuple[str, torch.dtype, tuple]]]]] = []
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def begin(self, version: str) -> None:
+        self.transactions.append((version, []))
+        self._pending = {}
+
+    def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.transactions[-1][1].append([(n, t.dtype, tuple(t.shape)) for n, t in named_tensors])
+        for name, t in named_tensors:  # copied now: a pooled buffer is reused by the next push
+            self._pending[name] = t.detach().float().clone()
+
+    def commit(self) -> WeightResult:
+        pending, self._pending = self._pending, {}
+        if self.refuse:
+            return WeightResult.fail(self.refuse)
+        self.weights.update(pending)
+        self.version = self.transactions[-1][0]
+        return WeightResult.ok(f"loaded {len(pending)} tensors").published(self.version, 0.0)

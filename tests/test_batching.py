@@ -7,9 +7,8 @@ from rollout import RolloutEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path):
-    with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=4096, use_generation_config=False) as e:
-        yield e
+def engine(llama_path, module_engines):
+    return module_engines(llama_path, kv_cache_tokens=4096, use_generation_config=False)
 
 
 def sp(**kw):

@@ -16,14 +16,14 @@ from trainer_bridge.targets import WeightTarget
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(tmp_path, *extra, steps: int):
+def run_example(tmp_path, *extra, steps: int, replicas: int = 2):
     from weight_sync.process_group import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                           str(free_port()), os.path.join(ROOT, "examples", "grpo_disaggregated.py"), "--replicas", "2",
-                           "--steps", str(steps), "--out-dir", str(out), "--no-wandb", *extra],
+                           str(free_port()), os.path.join(ROOT, "examples", "grpo_disaggregated.py"), "--replicas",
+                           str(replicas), "--steps", str(steps), "--out-dir", str(out), "--no-wandb", *extra],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.load(open(out / "steps.json")), proc.stdout
@@ -35,7 +35,7 @@ def test_disaggregated_grpo_learns_and_both_replicas_serve_each_push(tmp_path):
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
     assert all(x["mismatch_max"] < 1e-4 for x in logs)  # fp32, staleness 0
     assert all(x["push_verified"] for x in logs)  # read back from every replica, equal to the trainer's
-    assert "replica versions: ['step-20', 'step-20']" in stdout
+    assert "rollout service: ReplicaRouter; replica versions: ['step-20', 'step-20']" in stdout
 
 
 def test_disaggregated_control_without_pushes_stays_flat(tmp_path):
@@ -47,44 +47,39 @@ def test_disaggregated_control_without_pushes_stays_flat(tmp_path):
     assert all(x["sync_phases"] == {} and x["push_verified"] is None for x in logs)
 
 
-def test_asynchronous_rollouts_with_staleness_one_still_learn(tmp_path):
+def test_asynchronous_rollouts_with_staleness_one_still_learn_from_one_bare_server(tmp_path):
     """The rollout of step k+1 runs while step k trains: every token is exactly one version behind the
-    trainer (never more), and the run still learns."""
-    logs, stdout = run_example(tmp_path, "--max-staleness", "1", steps=20)
+    trainer (never more), and the run still learns. One replica: the loop drives its ``RolloutClient``
+    directly (no router), through the same ``RolloutService`` seam."""
+    logs, stdout = run_example(tmp_path, "--max-staleness", "1", steps=20, replicas=1)
     assert [x["max_sample_staleness"] for x in logs] == [0] + [1] * 19
     rewards = [x["reward"] for x in logs]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
     assert all(x["push_verified"] for x in logs)
+    assert "rollout service: RolloutClient; replica versions: ['step-20']" in stdout
 
 
 # ---------------------------------------------------------------------------------------------- failures
 
-def _serve(path: str, port: int) -> subprocess.Popen:
-    from rollout.openmp import child_env
-
-    env = child_env(num_threads=1)  # bounded OpenMP spin, one thread: cores are shared
-    return subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path",
-                             path, "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "2048",
-                             "--no-use-generation-config"], env=env)
-
-
 @pytest.fixture()
-def two_replicas(llama_path):
+def two_replicas(llama_path, make_server):
+    """Two servers on the tiny model (not waited for), and ``serve(i)`` to start replica ``i`` again at its port."""
     from weight_sync.process_group import free_port
 
     ports = [free_port(), free_port()]
-    procs = [_serve(llama_path, p) for p in ports]
-    yield llama_path, ports, procs
-    for p in procs:
-        p.kill()
-        p.wait(30)
+
+    def serve(i: int):  # one thread each: cores are shared (launch_server bounds the OpenMP spin)
+        return make_server(llama_path, "--dtype", "float32", "--kv-cache-tokens", "2048", "--no-use-generation-config",
+                           port=ports[i], num_threads=1, ready_timeout_s=None)
+
+    return llama_path, ports, [serve(0), serve(1)], serve
 
 
 class _KillOnBucket(WeightTarget):
     """A target that kills a replica's process after handing over ``after`` buckets (mid-push)."""
 
-    def __init__(self, target, proc, after: int):
-        self.target, self.proc, self.after, self.seen = target, proc, after, 0
+    def __init__(self, target, server, after: int):
+        self.target, self.server, self.after, self.seen = target, server, after, 0
         self.dtype, self.device, self.buffers = target.dtype, target.device, target.buffers
 
     def begin(self, version):
@@ -94,8 +89,7 @@ class _KillOnBucket(WeightTarget):
         self.target.add(bucket)
         self.seen += 1
         if self.seen == self.after:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.server.kill()
 
     def commit(self):
         return self.target.commit()
@@ -111,13 +105,10 @@ def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.server import RolloutClient
     from trainer_bridge import DistributedTarget, ReplicaError, ReplicaRouter, ReplicaSet, push_weights
 
-    path, ports, procs = two_replicas
-    clients = [RolloutClient(f"http://127.0.0.1:{p}", timeout_s=60) for p in ports]
-    for c in clients:
-        c.wait_ready(120)
+    path, ports, servers, serve = two_replicas
+    clients = [s.wait_ready(120).client(timeout_s=60) for s in servers]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
@@ -129,7 +120,7 @@ def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two
     timeout = 8
     t0 = time.monotonic()
     with pytest.raises(ReplicaError) as err:
-        push_weights(model, _KillOnBucket(target, procs[1], after=2), version="v1", bucket_bytes=16 << 10)
+        push_weights(model, _KillOnBucket(target, servers[1], after=2), version="v1", bucket_bytes=16 << 10)
     assert time.monotonic() - t0 < 3 * timeout + 20
     assert err.value.replicas == [1] and f"127.0.0.1:{ports[1]}" in str(err.value)
     assert replicas.serving() == [0]
@@ -148,8 +139,7 @@ def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two
     assert result.success, result.message
     assert router.get_weight_versions() == ["v1", None]
 
-    procs[1] = _serve(path, ports[1])  # restarted at its URL, with the weights it was launched with
-    clients[1].wait_ready(120)
+    servers[1] = serve(1).wait_ready(120)  # restarted at its URL, with the weights it was launched with
     assert target.heal() is True and sorted(target.members) == [0, 1]
     assert replicas.serving() == [0]  # it serves only once it holds the current weights
     result = push_weights(model, target, version="v1", bucket_bytes=16 << 10).result
@@ -168,7 +158,7 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     once (it takes a while to come up); every step still trains on a full batch, the loss of replica 1
     is named in the step log, it rejoins when it answers again, and the run ends with both replicas
     serving the last step's weights."""
-    path, ports, procs = two_replicas
+    path, ports, servers, serve = two_replicas
     from weight_sync.process_group import free_port
 
     out = tmp_path / "run"
@@ -183,10 +173,9 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     lines = []
     for line in run.stdout:
         lines.append(line)
-        if line.split()[:1] == ["2"] and procs[1].poll() is None:
-            procs[1].kill()
-            procs[1].wait(30)
-            procs[1] = _serve(path, ports[1])
+        if line.split()[:1] == ["2"] and servers[1].proc.poll() is None:
+            servers[1].kill()
+            servers[1] = serve(1)
     assert run.wait(300) == 0, "".join(lines)[-4000:]
     logs = json.load(open(out / "steps.json"))
     events = [e for x in logs for e in x["replica_events"]]

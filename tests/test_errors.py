@@ -13,9 +13,8 @@ from rollout import RolloutEngine, SamplingParams, WeightLoadError
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path):
-    with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=256, max_model_len=200) as e:
-        yield e
+def engine(llama_path, module_engines):
+    return module_engines(llama_path, kv_cache_tokens=256, max_model_len=200)
 
 
 def _copy(src, dst):

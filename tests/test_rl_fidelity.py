@@ -23,9 +23,8 @@ def model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    with RolloutEngine(model, dtype="float32", kv_cache_tokens=2048) as e:
-        yield e
+def engine(model, module_engines):
+    return module_engines(model, kv_cache_tokens=2048)
 
 
 def trainer_logits(path, o) -> torch.Tensor:

@@ -18,8 +18,7 @@ from helpers import random_prompts
 from safetensors.torch import load_file
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.server import RolloutClient, RolloutServerError
-from weight_sync.process_group import free_port
+from rollout.server import RolloutServerError
 
 GEN_KEY, ADMIN_KEY = "gen-key", "admin-key"
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -50,27 +49,12 @@ def refs(models):
 
 
 @pytest.fixture(scope="module")
-def server(models):
-    port = free_port()
-    cmd = [sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path", models[0],
-           "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", GEN_KEY,
-           "--admin-api-key", ADMIN_KEY, "--allowed-weight-dirs", models[2], "--max-body-mb", "1",
-           "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    client = RolloutClient(url, api_key=GEN_KEY, admin_api_key=ADMIN_KEY)
-    try:
-        client.wait_ready(120)
-    except TimeoutError:
-        proc.kill()
-        raise AssertionError(proc.stdout.read()) from None
-    yield url, client
-    client.close()
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def server(models, module_servers):
+    proc = module_servers(models[0], "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", GEN_KEY,
+                          "--admin-api-key", ADMIN_KEY, "--allowed-weight-dirs", models[2], "--max-body-mb", "1",
+                          "--served-model-name", "tiny")
+    with proc.client(api_key=GEN_KEY, admin_api_key=ADMIN_KEY) as client:
+        yield proc.url, client
 
 
 def _a_copy(models) -> str:
@@ -404,17 +388,12 @@ def test_weight_refresh_example_against_the_server(server, models):
     assert client.update_weights_from_disk(_a_copy(models), weight_version="default").success
 
 
-def test_requests_behind_a_pause_are_aborted_at_their_timeout(models):
+def test_requests_behind_a_pause_are_aborted_at_their_timeout(models, make_server):
     """A short --request-timeout-s: requests queued while generation is paused (as behind an update's
     quiet point) are answered 504 in time, streamed or not, and leave nothing running."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path",
-                             models[0], "--port", str(port), "--dtype", "float32", "--kv-cache-tokens", "2048",
-                             "--request-timeout-s", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    client = RolloutClient(url)
-    try:
-        client.wait_ready(120)
+    proc = make_server(models[0], "--dtype", "float32", "--kv-cache-tokens", "2048", "--request-timeout-s", "2")
+    with proc.client() as client:
+        url = proc.url
         client.pause_generation("abort")
         t0 = time.monotonic()
         r = httpx.post(f"{url}/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY}, timeout=30)
@@ -428,10 +407,6 @@ def test_requests_behind_a_pause_are_aborted_at_their_timeout(models):
         stats = client.get_server_info()["stats"]
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
         assert len(client.generate(input_ids=PROMPTS, sampling_params=GREEDY)) == len(PROMPTS)
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_a_partial_rollout_push_lands_mid_request(server, models):

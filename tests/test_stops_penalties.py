@@ -4,13 +4,12 @@ import pytest
 import torch
 from helpers import hf_greedy, random_prompts
 
-from rollout import RolloutEngine, SamplingParams
+from rollout import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path):
-    with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=2048, use_generation_config=False) as e:
-        yield e
+def engine(llama_path, module_engines):
+    return module_engines(llama_path, kv_cache_tokens=2048, use_generation_config=False)
 
 
 def greedy(**kw):

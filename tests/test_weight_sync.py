@@ -31,8 +31,8 @@ def weights(model_dir):
 @pytest.fixture(scope="module")
 def fresh_b(weights):
     with RolloutEngine(weights[1], dtype="float32", kv_cache_tokens=512) as e:
-        yield (e.generate(input_ids=PROMPTS, sampling_params=SP), e.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED),
-               e.get_weights_checksum())
+        return (e.generate(input_ids=PROMPTS, sampling_params=SP),
+                e.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED), e.get_weights_checksum())
 
 
 def _sender(handle_q, done_q, tensors):
@@ -59,37 +59,36 @@ def _update(engine, path, weights, b_path):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_update_paths_match_fresh_engine(weights, fresh_b, tp):
+def test_update_paths_match_fresh_engine(weights, fresh_b, tp, make_engine):
     a, b, tensors = weights
     greedy_b, sampled_b, checksum_b = fresh_b
-    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
-        old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
-        assert old[0].num_cached_tokens == 0 and old[0].weight_version == "default"
-        for i, path in enumerate(("disk", "tensor", "shm")):
-            if i:  # back to A first, so every path really changes the weights
-                assert engine.update_weights_from_disk(a, weight_version="v0").success
-                assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == \
-                    old[0].output_token_ids
-            result = _update(engine, path, tensors, b)
-            assert result.success, result.message
-            assert result.weight_version == engine.get_weight_version() == "v1"
-            greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
-            sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
-            assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in greedy_b], path
-            assert [o.output_token_ids for o in sampled] == [o.output_token_ids for o in sampled_b], path
-            for x, y in zip(sampled, sampled_b):
-                assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
-            # the cached 37-token prompt was recomputed under the new weights, not served from old KV
-            assert greedy[0].num_cached_tokens == 0 and greedy[0].weight_version == "v1"
-            name = "model.layers.1.self_attn.k_proj.weight"
-            assert engine.get_weights_by_name(name, 10) == pytest.approx(dict(tensors)[name].flatten()[:10].tolist())
-            assert engine.get_weights_checksum() == checksum_b == checksum_named_tensors(tensors, torch.float32)
+    engine = make_engine(a, kv_cache_tokens=512, tp_size=tp)
+    old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    assert old[0].num_cached_tokens == 0 and old[0].weight_version == "default"
+    for i, path in enumerate(("disk", "tensor", "shm")):
+        if i:  # back to A first, so every path really changes the weights
+            assert engine.update_weights_from_disk(a, weight_version="v0").success
+            assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == \
+                old[0].output_token_ids
+        result = _update(engine, path, tensors, b)
+        assert result.success, result.message
+        assert result.weight_version == engine.get_weight_version() == "v1"
+        greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+        sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
+        assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in greedy_b], path
+        assert [o.output_token_ids for o in sampled] == [o.output_token_ids for o in sampled_b], path
+        for x, y in zip(sampled, sampled_b):
+            assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+        # the cached 37-token prompt was recomputed under the new weights, not served from old KV
+        assert greedy[0].num_cached_tokens == 0 and greedy[0].weight_version == "v1"
+        name = "model.layers.1.self_attn.k_proj.weight"
+        assert engine.get_weights_by_name(name, 10) == pytest.approx(dict(tensors)[name].flatten()[:10].tolist())
+        assert engine.get_weights_checksum() == checksum_b == checksum_named_tensors(tensors, torch.float32)
 
 
 @pytest.fixture(scope="module")
-def engine_a(weights):
-    with RolloutEngine(weights[0], dtype="float32", kv_cache_tokens=512) as e:
-        yield e
+def engine_a(weights, module_engines):
+    return module_engines(weights[0], kv_cache_tokens=512)
 
 
 def _damage(tensors, kind):
@@ -146,9 +145,9 @@ def test_bad_tensor_updates_leave_weights(engine_a, weights, kind, match):
     assert engine_a.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
 
 
-def test_finite_check_can_be_switched_off(model_dir, weights):
-    with RolloutEngine(weights[0], dtype="float32", kv_cache_tokens=256) as e:
-        assert e.update_weights_from_tensor(_damage(weights[2], "nan"), check_finite=False).success
+def test_finite_check_can_be_switched_off(model_dir, weights, make_engine):
+    e = make_engine(weights[0], kv_cache_tokens=256)
+    assert e.update_weights_from_tensor(_damage(weights[2], "nan"), check_finite=False).success
 
 
 @pytest.mark.parametrize("damage", ["header", "offsets", "truncated"])
@@ -173,74 +172,74 @@ def test_bad_safetensors_files_leave_weights(engine_a, weights, tmp_path, damage
     assert engine_a.get_weights_checksum() == checksum
 
 
-def test_update_waits_for_running_requests_or_aborts_them(model_dir, weights):
+def test_update_waits_for_running_requests_or_aborts_them(model_dir, weights, make_engine):
     path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
     sp = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
-    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
-        for abort in (False, True):
-            box = {}
-            started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
-            t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
-            t.start()
-            while e.get_stats()["num_decode_tokens"] < started + 5:
-                time.sleep(0.01)
-            version = f"after-{abort}"
-            result = e.update_weights_from_tensor(weights[2], weight_version=version, abort_all_requests=abort)
-            t.join(60)
-            out = box["out"][0]
-            assert result.success
-            if abort:
-                assert out.finish_reason == "abort" and len(out.output_token_ids) < 1500
-            else:  # the update waited: every token of the running request came from the old weights
-                assert out.finish_reason == "length" and set(out.output_weight_versions) == {"default"}
-            assert e.generate(input_ids=[5, 6, 7], sampling_params=SP)[0].weight_version == version
-            e.update_weights_from_disk(path, weight_version="default")
-
-
-def test_pause_in_place_gives_per_token_versions(model_dir, weights):
-    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
-    sp = SamplingParams(max_new_tokens=600, temperature=0, ignore_eos=True)
-    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
+    e = make_engine(path, kv_cache_tokens=4096)
+    for abort in (False, True):
         box = {}
+        started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
         t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
         t.start()
-        while e.get_stats()["num_decode_tokens"] < 5:
+        while e.get_stats()["num_decode_tokens"] < started + 5:
             time.sleep(0.01)
-        e.pause_generation(mode="in_place")
-        assert e.update_weights_from_tensor(weights[2], weight_version="v1").success
+        version = f"after-{abort}"
+        result = e.update_weights_from_tensor(weights[2], weight_version=version, abort_all_requests=abort)
+        t.join(60)
+        out = box["out"][0]
+        assert result.success
+        if abort:
+            assert out.finish_reason == "abort" and len(out.output_token_ids) < 1500
+        else:  # the update waited: every token of the running request came from the old weights
+            assert out.finish_reason == "length" and set(out.output_weight_versions) == {"default"}
+        assert e.generate(input_ids=[5, 6, 7], sampling_params=SP)[0].weight_version == version
+        e.update_weights_from_disk(path, weight_version="default")
+
+
+def test_pause_in_place_gives_per_token_versions(model_dir, weights, make_engine):
+    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
+    sp = SamplingParams(max_new_tokens=600, temperature=0, ignore_eos=True)
+    e = make_engine(path, kv_cache_tokens=4096)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7], sampling_params=sp)))
+    t.start()
+    while e.get_stats()["num_decode_tokens"] < 5:
+        time.sleep(0.01)
+    e.pause_generation(mode="in_place")
+    assert e.update_weights_from_tensor(weights[2], weight_version="v1").success
+    e.continue_generation()
+    t.join(60)
+    out = box["out"][0]
+    versions = out.output_weight_versions
+    assert out.finish_reason == "length" and len(versions) == 600
+    switch = versions.index("v1")
+    assert 0 < switch and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"v1"}
+    assert out.weight_version == "v1"
+
+
+def test_pause_retract_and_abort(model_dir, make_engine):
+    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
+    sp = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    e = make_engine(path, kv_cache_tokens=4096)
+    ref = e.generate(input_ids=[5, 6, 7], sampling_params=sp)[0]
+    for mode in ("retract", "abort"):
+        box = {}
+        started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
+        t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7],
+                                                                               sampling_params=sp)))
+        t.start()
+        while e.get_stats()["num_decode_tokens"] < started + 5:
+            time.sleep(0.01)
+        e.pause_generation(mode=mode)
+        stats = e.get_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] or mode == "abort"
         e.continue_generation()
         t.join(60)
         out = box["out"][0]
-        versions = out.output_weight_versions
-        assert out.finish_reason == "length" and len(versions) == 600
-        switch = versions.index("v1")
-        assert 0 < switch and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"v1"}
-        assert out.weight_version == "v1"
-
-
-def test_pause_retract_and_abort(model_dir):
-    path = model_dir("sync-long", "llama", seed=1, max_position_embeddings=4096)
-    sp = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
-    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096) as e:
-        ref = e.generate(input_ids=[5, 6, 7], sampling_params=sp)[0]
-        for mode in ("retract", "abort"):
-            box = {}
-            started = e.get_stats()["num_decode_tokens"]  # cumulative: wait for this request's own tokens
-            t = threading.Thread(target=lambda: box.setdefault("out", e.generate(input_ids=[5, 6, 7],
-                                                                                   sampling_params=sp)))
-            t.start()
-            while e.get_stats()["num_decode_tokens"] < started + 5:
-                time.sleep(0.01)
-            e.pause_generation(mode=mode)
-            stats = e.get_stats()
-            assert stats["num_free_blocks"] == stats["num_blocks"] or mode == "abort"
-            e.continue_generation()
-            t.join(60)
-            out = box["out"][0]
-            if mode == "retract":  # recomputed after the pause: the very same tokens
-                assert out.output_token_ids == ref.output_token_ids and out.num_preemptions == 1
-            else:
-                assert out.finish_reason == "abort" and len(out.output_logprobs) == len(out.output_token_ids)
+        if mode == "retract":  # recomputed after the pause: the very same tokens
+            assert out.output_token_ids == ref.output_token_ids and out.num_preemptions == 1
+        else:
+            assert out.finish_reason == "abort" and len(out.output_logprobs) == len(out.output_token_ids)
 
 
 def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket, flat=False):
@@ -268,7 +267,7 @@ def _dist_sender(port, world, tensors, bucket_bytes, die_after_first_bucket, fla
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
+def test_distributed_update_with_separate_sender(weights, fresh_b, tp, make_engine):
     from weight_sync.distributed import WeightUpdateSender
     from weight_sync.process_group import free_port
 
@@ -278,42 +277,42 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp):
         tensors = [(n, by_name[n]) for n in hf_parameter_order(b) if n in by_name]
     names, dtypes, shapes = WeightUpdateSender.describe(tensors)
     ctx = mp.get_context("spawn")
-    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
-        before = engine.generate(input_ids=PROMPTS, sampling_params=SP)
-        checksum_a = engine.get_weights_checksum()
-        def update(die: bool):
-            port = free_port()
-            flat = tp == 2  # TP=1: the sender packs separate tensors; TP=2: it sends from a flat bucket
-            proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, die, flat))
-            proc.start()
-            assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
-            result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
-                                                            bucket_bytes=64 << 10)
-            proc.join(30)
-            assert die or proc.exitcode == 0
-            return result
+    engine = make_engine(a, kv_cache_tokens=512, tp_size=tp)
+    before = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    checksum_a = engine.get_weights_checksum()
+    def update(die: bool):
+        port = free_port()
+        flat = tp == 2  # TP=1: the sender packs separate tensors; TP=2: it sends from a flat bucket
+        proc = ctx.Process(target=_dist_sender, args=(port, 1 + tp, tensors, 64 << 10, die, flat))
+        proc.start()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
+        result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
+                                                        bucket_bytes=64 << 10)
+        proc.join(30)
+        assert die or proc.exitcode == 0
+        return result
 
-        # 1. a sender that dies after its first bucket: the update fails, A stays, the group is torn down
-        result = update(die=True)
-        assert not result.success and "'g'" in result.message and "bucket 2/" in result.message
-        assert engine.get_weight_version() == "default" and engine.get_weights_checksum() == checksum_a
-        assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
-        # 2. re-initialising the group works, and a complete transfer commits B
-        result = update(die=False)
-        assert result.success, result.message
-        assert engine.get_weights_checksum() == fresh_b[2]
-        if tp == 1:
-            total = sum(t.numel() * t.element_size() for _, t in tensors)
-            assert result.detail["received_in_place_bytes"] > 0.8 * total
-        greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
-        assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in fresh_b[0]]
-        sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
-        for x, y in zip(sampled, fresh_b[1]):
-            assert x.output_token_ids == y.output_token_ids
-            assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
-        name = "model.embed_tokens.weight"
-        assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(tensors)[name].flatten()[:8].tolist())
-        assert engine.destroy_weights_update_group("g")["success"]
+    # 1. a sender that dies after its first bucket: the update fails, A stays, the group is torn down
+    result = update(die=True)
+    assert not result.success and "'g'" in result.message and "bucket 2/" in result.message
+    assert engine.get_weight_version() == "default" and engine.get_weights_checksum() == checksum_a
+    assert engine.generate(input_ids=PROMPTS, sampling_params=SP)[0].output_token_ids == before[0].output_token_ids
+    # 2. re-initialising the group works, and a complete transfer commits B
+    result = update(die=False)
+    assert result.success, result.message
+    assert engine.get_weights_checksum() == fresh_b[2]
+    if tp == 1:
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        assert result.detail["received_in_place_bytes"] > 0.8 * total
+    greedy = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    assert [o.output_token_ids for o in greedy] == [o.output_token_ids for o in fresh_b[0]]
+    sampled = engine.generate(input_ids=PROMPTS, sampling_params=SP_SAMPLED)
+    for x, y in zip(sampled, fresh_b[1]):
+        assert x.output_token_ids == y.output_token_ids
+        assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+    name = "model.embed_tokens.weight"
+    assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(tensors)[name].flatten()[:8].tolist())
+    assert engine.destroy_weights_update_group("g")["success"]
 
 
 def _rounds_sender(port, world, rounds, bucket_bytes):
@@ -324,7 +323,7 @@ def _rounds_sender(port, world, rounds, bucket_bytes):
         sender.send(tensors, bucket_bytes=bucket_bytes)
 
 
-def test_distributed_rejections_drain_and_later_updates_land(weights):
+def test_distributed_rejections_drain_and_later_updates_land(weights, make_engine):
     """A rejected transfer (NaN; a wrong dtype) is still drained, so the group keeps working; a
     partial update changes only its tensors; full updates in a row (the shadow swaps back and
     forth) each land exactly."""
@@ -344,57 +343,57 @@ def test_distributed_rejections_drain_and_later_updates_land(weights):
     port = free_port()
     proc = ctx.Process(target=_rounds_sender, args=(port, 3, rounds, 32 << 10))
     proc.start()
-    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=2) as engine:
-        checksum_a = engine.get_weights_checksum()
-        assert engine.init_weights_update_group("127.0.0.1", port, 1, 3, "r", timeout_s=30)["success"]
+    engine = make_engine(a, kv_cache_tokens=512, tp_size=2)
+    checksum_a = engine.get_weights_checksum()
+    assert engine.init_weights_update_group("127.0.0.1", port, 1, 3, "r", timeout_s=30)["success"]
 
-        def update(named, **kw):
-            names, dtypes, shapes = WeightUpdateSender.describe(named)
-            return engine.update_weights_from_distributed(names, dtypes, shapes, "r", bucket_bytes=32 << 10, **kw)
+    def update(named, **kw):
+        names, dtypes, shapes = WeightUpdateSender.describe(named)
+        return engine.update_weights_from_distributed(names, dtypes, shapes, "r", bucket_bytes=32 << 10, **kw)
 
-        out = update(nan)
-        assert not out.success and "NaN" in out.message and engine.get_weights_checksum() == checksum_a
-        out = update(wrong_dtype)
-        assert not out.success and "dtype" in out.message and engine.get_weights_checksum() == checksum_a
-        assert update(tensors_b).success
-        checksum_b = checksum_named_tensors(tensors_b, torch.float32)
-        assert engine.get_weights_checksum() == checksum_b
-        assert update(part, partial=True).success  # layer 0 from A, the rest stays B
-        for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_a),
-                          ("model.layers.1.mlp.down_proj.weight", tensors_b)):
-            assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
-        assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
-        assert update(tensors_b).success and engine.get_weights_checksum() == checksum_b
-        # the buffers that traded memory still release and resume like any other
-        engine.release_memory_occupation(backup_weights=True)
-        engine.resume_memory_occupation()
-        assert engine.get_weights_checksum() == checksum_b
-        # a transaction whose buckets arrive over the group in two calls: staged, then one commit
-        assert engine.begin_weight_update(weight_version="ta")["success"]
-        assert update(tensors_a[:half], transaction=True)["success"]
-        assert engine.get_weights_checksum() == checksum_b  # staged only
-        assert update(tensors_a[half:], transaction=True)["success"]
-        result = engine.commit_weight_update()
-        assert result.success and result.weight_version == "ta" and engine.get_weights_checksum() == checksum_a
-        # a bucket with a NaN is refused as it arrives (checked while the sender gathers the next);
-        # the transaction cannot commit
-        assert engine.begin_weight_update(weight_version="bad")["success"]
-        out = update(nan, transaction=True)
-        assert not out.success and "NaN" in out.message
-        assert not engine.commit_weight_update().success and engine.get_weights_checksum() == checksum_a
-        # a partial transaction received into the shadow: only its tensors change
-        assert engine.begin_weight_update(weight_version="tp")["success"]
-        assert update(part_b, transaction=True)["success"]
-        assert engine.commit_weight_update(partial=True).success
-        for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_b),
-                          ("model.layers.1.mlp.down_proj.weight", tensors_a)):
-            assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
-        # an update outside an open transaction takes the shadow: what the transaction received is void
-        assert engine.begin_weight_update(weight_version="void")["success"]
-        assert update(tensors_b[:half], transaction=True)["success"]
-        assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
-        out = engine.commit_weight_update()
-        assert not out.success and "begin it again" in out.message and engine.get_weights_checksum() == checksum_a
+    out = update(nan)
+    assert not out.success and "NaN" in out.message and engine.get_weights_checksum() == checksum_a
+    out = update(wrong_dtype)
+    assert not out.success and "dtype" in out.message and engine.get_weights_checksum() == checksum_a
+    assert update(tensors_b).success
+    checksum_b = checksum_named_tensors(tensors_b, torch.float32)
+    assert engine.get_weights_checksum() == checksum_b
+    assert update(part, partial=True).success  # layer 0 from A, the rest stays B
+    for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_a),
+                      ("model.layers.1.mlp.down_proj.weight", tensors_b)):
+        assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
+    assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
+    assert update(tensors_b).success and engine.get_weights_checksum() == checksum_b
+    # the buffers that traded memory still release and resume like any other
+    engine.release_memory_occupation(backup_weights=True)
+    engine.resume_memory_occupation()
+    assert engine.get_weights_checksum() == checksum_b
+    # a transaction whose buckets arrive over the group in two calls: staged, then one commit
+    assert engine.begin_weight_update(weight_version="ta")["success"]
+    assert update(tensors_a[:half], transaction=True)["success"]
+    assert engine.get_weights_checksum() == checksum_b  # staged only
+    assert update(tensors_a[half:], transaction=True)["success"]
+    result = engine.commit_weight_update()
+    assert result.success and result.weight_version == "ta" and engine.get_weights_checksum() == checksum_a
+    # a bucket with a NaN is refused as it arrives (checked while the sender gathers the next);
+    # the transaction cannot commit
+    assert engine.begin_weight_update(weight_version="bad")["success"]
+    out = update(nan, transaction=True)
+    assert not out.success and "NaN" in out.message
+    assert not engine.commit_weight_update().success and engine.get_weights_checksum() == checksum_a
+    # a partial transaction received into the shadow: only its tensors change
+    assert engine.begin_weight_update(weight_version="tp")["success"]
+    assert update(part_b, transaction=True)["success"]
+    assert engine.commit_weight_update(partial=True).success
+    for name, src in (("model.layers.0.mlp.down_proj.weight", tensors_b),
+                      ("model.layers.1.mlp.down_proj.weight", tensors_a)):
+        assert engine.get_weights_by_name(name, 8) == pytest.approx(dict(src)[name].flatten()[:8].tolist())
+    # an update outside an open transaction takes the shadow: what the transaction received is void
+    assert engine.begin_weight_update(weight_version="void")["success"]
+    assert update(tensors_b[:half], transaction=True)["success"]
+    assert update(tensors_a).success and engine.get_weights_checksum() == checksum_a
+    out = engine.commit_weight_update()
+    assert not out.success and "begin it again" in out.message and engine.get_weights_checksum() == checksum_a
     proc.join(30)
     assert proc.exitcode == 0
 
@@ -410,35 +409,35 @@ def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_multi_call_transaction(weights, fresh_b, tp):
+def test_multi_call_transaction(weights, fresh_b, tp, make_engine):
     a, b, tensors = weights
     third = len(tensors) // 3
     buckets = [tensors[:third], tensors[third: 2 * third], tensors[2 * third:]]
-    with RolloutEngine(a, dtype="float32", kv_cache_tokens=512, tp_size=tp) as engine:
-        old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
-        checksum_a = engine.get_weights_checksum()
-        assert engine.begin_weight_update(weight_version="t1")["success"]
-        for bucket in buckets:
-            assert engine.update_weights_from_tensor(bucket, transaction=True)["success"]
-            # staged only: the engine keeps serving the old weights under the old version
-            out = engine.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0]
-            assert out.output_token_ids == old[0].output_token_ids and out.weight_version == "default"
-        result = engine.commit_weight_update()
-        assert result.success and result.weight_version == "t1"
-        assert engine.get_weights_checksum() == fresh_b[2]
-        assert [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=SP)] == \
-            [o.output_token_ids for o in fresh_b[0]]
-        # a bad bucket poisons the transaction; an incomplete one is refused; both leave the weights
-        assert engine.update_weights_from_disk(a, weight_version="a").success
-        engine.begin_weight_update(weight_version="t2")
-        assert engine.update_weights_from_tensor(buckets[0], transaction=True)["success"]
-        name, tensor = buckets[1][0]
-        bad = engine.update_weights_from_tensor([(name, tensor[:1])], transaction=True)  # wrong shape
-        assert not bad["success"]
-        result = engine.commit_weight_update()
-        assert not result.success and "transaction discarded" in result.message and result.weight_version == "a"
-        engine.begin_weight_update(weight_version="t3")
-        engine.update_weights_from_tensor(buckets[0], transaction=True)
-        result = engine.commit_weight_update()
-        assert not result.success and "missing weights" in result.message
-        assert engine.get_weights_checksum() == checksum_a and engine.get_weight_version() == "a"
+    engine = make_engine(a, kv_cache_tokens=512, tp_size=tp)
+    old = engine.generate(input_ids=PROMPTS, sampling_params=SP)
+    checksum_a = engine.get_weights_checksum()
+    assert engine.begin_weight_update(weight_version="t1")["success"]
+    for bucket in buckets:
+        assert engine.update_weights_from_tensor(bucket, transaction=True)["success"]
+        # staged only: the engine keeps serving the old weights under the old version
+        out = engine.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0]
+        assert out.output_token_ids == old[0].output_token_ids and out.weight_version == "default"
+    result = engine.commit_weight_update()
+    assert result.success and result.weight_version == "t1"
+    assert engine.get_weights_checksum() == fresh_b[2]
+    assert [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=SP)] == \
+        [o.output_token_ids for o in fresh_b[0]]
+    # a bad bucket poisons the transaction; an incomplete one is refused; both leave the weights
+    assert engine.update_weights_from_disk(a, weight_version="a").success
+    engine.begin_weight_update(weight_version="t2")
+    assert engine.update_weights_from_tensor(buckets[0], transaction=True)["success"]
+    name, tensor = buckets[1][0]
+    bad = engine.update_weights_from_tensor([(name, tensor[:1])], transaction=True)  # wrong shape
+    assert not bad["success"]
+    result = engine.commit_weight_update()
+    assert not result.success and "transaction discarded" in result.message and result.weight_version == "a"
+    engine.begin_weight_update(weight_version="t3")
+    engine.update_weights_from_tensor(buckets[0], transaction=True)
+    result = engine.commit_weight_update()
+    assert not result.success and "missing weights" in result.message
+    assert engine.get_weights_checksum() == checksum_a and engine.get_weight_version() == "a"

@@ -13,7 +13,7 @@ so the next step refills it (its prefills run again); continue. Per step it reco
 - ``pause_s`` (pause + continue), ``sync_s`` (the update with its flush);
 - ``samples_per_s``: samples over the whole step (rollout + pause + sync).
 
-The trainer's own compute is not in it (``benchmarks/rl_modes.py`` runs whole DeepSpeed loops).
+The trainer's own compute is not in it (``rollout bench rl-modes`` runs whole DeepSpeed loops).
 """
 
 from __future__ import annotations

@@ -12,17 +12,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 
 import torch
 
 from rollout import RolloutEngine
 from rollout.bench.common import add_model_flags, add_output_flags, build_model, random_prompts
-from rollout.server import RolloutClient
+from rollout.server import launch_server
 from rollout.tools.server_load import run_in_process_load, run_server_load
-from weight_sync.process_group import free_port
 
 
 def main(argv=None) -> dict:
@@ -46,15 +43,10 @@ def main(argv=None) -> dict:
         res["in_process"] = run_in_process_load(engine, prompts, sampling)["summary"]
     print("in-process:", json.dumps(res["in_process"]), flush=True)
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve", "--model-path", path, "--port",
-           str(port), "--dtype", args.dtype, "--kv-cache-tokens", str(engine_kw["kv_cache_tokens"]),
-           "--allowed-weight-dirs", os.path.dirname(os.path.abspath(path))]
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    client = RolloutClient(url)
-    try:
-        client.wait_ready(600)
+    server = launch_server(path, "--dtype", args.dtype, "--kv-cache-tokens", str(engine_kw["kv_cache_tokens"]),
+                           "--allowed-weight-dirs", os.path.dirname(os.path.abspath(path)), ready_timeout_s=600)
+    url = server.url
+    with server, server.client() as client:
         run_server_load(url, prompts[:8], sampling)  # warm-up
         res["server"] = run_server_load(url, prompts, sampling)["summary"]
         print("server:", json.dumps(res["server"]), flush=True)
@@ -70,10 +62,6 @@ def main(argv=None) -> dict:
                                         "refresh_seconds": [r.seconds for r in run["refreshes"]],
                                         "errors": run["errors"][:5]}
         print("server + refreshes:", json.dumps(res["server_with_refreshes"]), flush=True)
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(60)
     res["server_fraction_of_in_process_tokens_per_s"] = res["server"]["tokens_per_s"] / res["in_process"]["tokens_per_s"]
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"server_load_{args.model.replace('/', '_')}_{args.dtype}")

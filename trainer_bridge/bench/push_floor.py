@@ -3,7 +3,7 @@ commit, verify) against a bare ZeRO-3 all-gather of the same parameters on the s
 run, colocated (each trainer rank's own engine, tensors) and disaggregated (a rollout server in its
 own process, one weight-update group).
 
-    python -m torch.distributed.run --nproc_per_node 2 benchmarks/push_floor.py --model smollm2
+    rollout bench push-floor --model smollm2          # two trainer ranks (--trainer-ranks), started for you
 
 The rounds interleave (bare gather, then each push) so the machine's drift touches all alike; the
 ratio is the median over rounds of push / bare gather of the same round, against the bare gather of
@@ -19,28 +19,33 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = ROOT  # this folder's names would shadow the packages
-sys.path.insert(1, os.path.join(ROOT, "examples"))
+from trainer_bridge.bench import relaunch_under_torchrun
+
+T = TypeVar("T")
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="rollout bench push-floor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trainer-ranks", type=int, default=2, help="trainer ranks (ZeRO-3 partitions over them)")
     ap.add_argument("--model", default="smollm2", help="'tiny', 'smollm2' or a Hugging Face folder")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--zero-stage", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--modes", default="colocated,disaggregated")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/push_floor_<model>_<bucket-mb>mb.json")
+    ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
-    args.out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                        f"push_floor_{os.path.basename(args.model)}_{args.bucket_mb}mb.json")
+    args.out = os.path.join(os.path.abspath(args.out_dir),
+                            f"push_floor_{os.path.basename(args.model)}_{args.bucket_mb}mb.json")
     return args
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """(seconds between barriers on every rank, what ``fn`` returned)."""
     import torch.distributed as dist
 
     dist.barrier()
@@ -50,8 +55,57 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+def _targets(args, path: str, rank: int) -> tuple[dict, list]:
+    """{mode: (target, what verify_pushed reads back from)} for each of ``args.modes``, and what to
+    close afterwards (in order)."""
+    import torch.distributed as dist
+
+    modes = args.modes.split(",")
+    targets: dict = {}
+    cleanup: list = []
+    if "colocated" in modes:
+        from rollout import RolloutEngine
+        from trainer_bridge.targets import ColocatedTarget
+
+        engine = RolloutEngine(path, dtype=args.dtype, tp_size=1, kv_cache_tokens=2048, seed=0,
+                               use_generation_config=False)
+        targets["colocated"] = (ColocatedTarget(engine), engine)
+        cleanup.append(engine.shutdown)
+    if "disaggregated" in modes:
+        from rollout.server import RolloutClient, launch_server
+        from trainer_bridge.distributed_target import DistributedTarget
+        from trainer_bridge.router import ReplicaRouter
+        from weight_sync.process_group import free_port
+
+        box = [free_port() if rank == 0 else 0]
+        dist.broadcast_object_list(box)
+        if rank == 0:  # one server, one thread: the trainer ranks share the cores
+            server = launch_server(path, "--dtype", args.dtype, "--kv-cache-tokens", "2048",
+                                   "--no-use-generation-config", port=box[0], num_threads=1, ready_timeout_s=None)
+            cleanup.append(server.stop)
+        client = RolloutClient(f"http://127.0.0.1:{box[0]}")
+        cleanup.append(client.close)
+        client.wait_ready(300)
+        target = DistributedTarget([client], timeout_s=120)
+        cleanup.insert(0, target.close)
+        targets["disaggregated"] = (target, ReplicaRouter([client]))
+    return targets, cleanup
+
+
+def _summary(results: dict) -> dict:
+    med = statistics.median
+    return {"bare_bucketed_s": med(results["bare"]["bucketed"]), "bare_all_at_once_s": med(results["bare"]["all_at_once"]),
+            **{f"{m}_push_s": med(r["total_s"] for r in runs) for m, runs in results["push"].items()},
+            **{f"{m}_ratio": med(r["ratio_to_bare_bucketed"] for r in runs) for m, runs in results["push"].items()},
+            **{f"{m}_ratio_to_all_at_once": med(r["ratio_to_bare_all_at_once"] for r in runs)
+               for m, runs in results["push"].items()}}
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
+    if "LOCAL_RANK" not in os.environ:  # not a rank yet: start the ranks, each running this
+        own = sys.argv[1:] if argv is None else list(argv)
+        relaunch_under_torchrun("trainer_bridge.bench.push_floor", args.trainer_ranks, own)
     from trainer_bridge.grpo_setup import build_trainer
 
     ns = argparse.Namespace(model=args.model, seed=0, dtype=args.dtype, lr=1e-5, zero_stage=args.zero_stage)
@@ -81,41 +135,10 @@ def main(argv=None) -> dict:
             pass
 
     results: dict = {"machine": machine(),
-                     "config": {**vars(args), "out": os.path.relpath(args.out, ROOT), "world_size": world, "num_params": sum(
+                     "config": {**vars(args), "out": os.path.basename(args.out), "world_size": world, "num_params": sum(
                          getattr(p, "ds_numel", p.numel()) for p in params)},
                      "bare": {"bucketed": [], "all_at_once": []}, "push": {}}
-    modes = args.modes.split(",")
-    targets, cleanup = {}, []
-    if "colocated" in modes:
-        from rollout import RolloutEngine
-        from trainer_bridge.targets import ColocatedTarget
-
-        engine = RolloutEngine(path, dtype=args.dtype, tp_size=1, kv_cache_tokens=2048, seed=0,
-                               use_generation_config=False)
-        targets["colocated"] = (ColocatedTarget(engine), engine)
-        cleanup.append(engine.shutdown)
-    if "disaggregated" in modes:
-        import subprocess
-
-        from rollout.server import RolloutClient
-        from trainer_bridge.distributed_target import DistributedTarget
-        from trainer_bridge.router import ReplicaRouter
-        from weight_sync.process_group import free_port
-
-        box = [free_port() if rank == 0 else 0]
-        dist.broadcast_object_list(box)
-        if rank == 0:
-            proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "--log-level", "WARNING", "serve",
-                                     "--model-path", path, "--port", str(box[0]), "--dtype", args.dtype,
-                                     "--kv-cache-tokens", "2048", "--no-use-generation-config"],
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
-            cleanup.append(lambda: (proc.terminate(), proc.wait(30)))
-        client = RolloutClient(f"http://127.0.0.1:{box[0]}")
-        cleanup.append(client.close)
-        client.wait_ready(300)
-        target = DistributedTarget([client], timeout_s=120)
-        cleanup.insert(0, target.close)
-        targets["disaggregated"] = (target, ReplicaRouter([client]))
+    targets, cleanup = _targets(args, path, rank)
 
     def push_once(mode: str, k: int) -> dict:
         target, reader = targets[mode]
@@ -147,13 +170,7 @@ def main(argv=None) -> dict:
     for fn in cleanup:
         fn()
     if rank == 0:
-        med = statistics.median
-        results["summary"] = {
-            "bare_bucketed_s": med(results["bare"]["bucketed"]), "bare_all_at_once_s": med(results["bare"]["all_at_once"]),
-            **{f"{m}_push_s": med(r["total_s"] for r in runs) for m, runs in results["push"].items()},
-            **{f"{m}_ratio": med(r["ratio_to_bare_bucketed"] for r in runs) for m, runs in results["push"].items()},
-            **{f"{m}_ratio_to_all_at_once": med(r["ratio_to_bare_all_at_once"] for r in runs)
-               for m, runs in results["push"].items()}}
+        results["summary"] = _summary(results)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,8 +1,8 @@
 """Time per RL step and trainer idle time: colocated vs disaggregated (synchronous) vs asynchronous
 (staleness 1), the same GRPO task, model, trainer ranks and steps, run one after the other.
 
-    python benchmarks/rl_modes.py                       # the demo's tiny model, 12 steps
-    python benchmarks/rl_modes.py --model smollm2 --steps 4 --max-new-tokens 16
+    rollout bench rl-modes                               # the demo's tiny model, 12 steps
+    rollout bench rl-modes --model smollm2 --steps 4 --max-new-tokens 16
 
 Trainer idle = the time a step's trainer waits for its rollouts (``trainer_wait_s``) plus the push
 (``sync_s``); colocated, the trainer also waits while its own engine generates. Means over the steps
@@ -19,8 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[0] = ROOT
+from trainer_bridge.bench import examples_dir
 
 MODES = {
     "colocated": ("grpo_colocated.py", []),
@@ -33,8 +32,8 @@ def run_mode(mode: str, args, out_dir: str) -> list[dict]:
     from weight_sync.process_group import free_port
 
     script, extra = MODES[mode]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-           str(free_port()), os.path.join(ROOT, "examples", script), "--model", args.model, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.trainer_ranks), "--master_port",
+           str(free_port()), os.path.join(examples_dir(), script), "--model", args.model, "--steps", str(args.steps),
            "--max-new-tokens", str(args.max_new_tokens), "--prompts-per-step", str(args.prompts_per_step),
            "--dtype", args.dtype, "--out-dir", out_dir, "--no-wandb", *extra]
     if script == "grpo_disaggregated.py":
@@ -58,18 +57,19 @@ def summarize(steps: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="rollout bench rl-modes", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=6)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--nproc", type=int, default=2, help="trainer ranks (colocated: each also hosts an engine rank)")
+    ap.add_argument("--trainer-ranks", type=int, default=2, help="trainer ranks (colocated: each also hosts an engine rank)")
     ap.add_argument("--replicas", type=int, default=2, help="rollout servers (disaggregated modes)")
     ap.add_argument("--modes", default="colocated,disaggregated,async1")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args(argv)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"rl_modes_{os.path.basename(args.model)}.json")
+    out = os.path.join(os.path.abspath(args.out_dir), f"rl_modes_{os.path.basename(args.model)}.json")
     from tqdm import tqdm
 
     results = {"config": vars(args), "modes": {}}
