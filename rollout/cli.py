@@ -109,7 +109,8 @@ def _cmd_serve(args) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
                           allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
-                          request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name)
+                          request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name,
+                          stream_stall_timeout_s=args.stream_stall_timeout_s)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30)
@@ -170,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-weight-dirs", nargs="*", default=None,
                    help="update_weights_from_disk reads only under these folders (symlinks resolved)")
     s.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: folder name)")
-    s.add_argument("--max-body-mb", type=float, default=32.0, help="larger request bodies are refused (413)")
+    s.add_argument("--max-body-mb", type=float, default=32.0,
+                   help="larger request bodies are refused (413), counted as they arrive")
+    s.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
+                   help="a stream reader that takes no event for this long is dropped and its request aborted")
     _engine_option_flags(serve)
     serve.set_defaults(func=_cmd_serve)
     bench = sub.add_parser("bench", help="the benchmark suite (`rollout bench limits --help`; benchmarks/README.md)",

@@ -1,4 +1,5 @@
-"""Reference computations with Hugging Face ``transformers`` (fp32, one unpadded prompt at a time)."""
+"""Reference computations with Hugging Face ``transformers`` (fp32, one unpadded prompt at a time), and
+what server tests check after a client left."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def output_ref_logprobs(path: str, prompt: list[int], output: list[int], tempera
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0, low: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_left_request_was_aborted(client, before: dict, wanted: int, timeout_s: float = 20.0) -> None:
+    """After a client left a request for ``wanted`` tokens: the server runs nothing within ``timeout_s``,
+    every block is free, and it decoded far fewer tokens than asked (so it did not just finish).
+    ``before``: the server's stats from before the request."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while client.get_server_info()["stats"]["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = client.get_server_info()["stats"]
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    decoded = stats["num_decode_tokens"] - before["num_decode_tokens"]
+    assert decoded < wanted // 2, f"{decoded} of {wanted} tokens decoded: the disconnect aborted nothing"
+

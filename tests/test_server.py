@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from helpers import random_prompts
+from helpers import assert_left_request_was_aborted, random_prompts
 from safetensors.torch import load_file
 
 from rollout import RolloutEngine, SamplingParams
@@ -168,9 +168,9 @@ def test_bad_bodies_are_refused_naming_the_field(server):
     url, _ = server
     h = {"Authorization": f"Bearer {GEN_KEY}"}
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": PROMPTS[0], "return_logprob": "maybe"})
-    assert r.status_code == 422 and "return_logprob" in r.text
+    assert r.status_code == 400 and "return_logprob" in r.text
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": PROMPTS[0], "surprise": 1})
-    assert r.status_code == 422 and "surprise" in r.text
+    assert r.status_code == 400 and "surprise" in r.text
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": PROMPTS[0], "sampling_params": {"tempurature": 1}})
     assert r.status_code == 400 and "tempurature" in r.text
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": PROMPTS[0], "sampling_params": {"n": 10**6}})
@@ -178,13 +178,13 @@ def test_bad_bodies_are_refused_naming_the_field(server):
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": [5] * 5000})
     assert r.status_code == 400 and "limit" in r.text
     r = httpx.post(f"{url}/v1/completions", headers=h, json={"prompt": "x", "n": 10**6})
-    assert r.status_code == 422 and "n" in r.text
+    assert r.status_code == 400 and "n" in r.text
     r = httpx.post(f"{url}/generate", headers=h, content=b'{"text": "' + b"x" * (2 << 20) + b'"}',
                    timeout=30)
     assert r.status_code == 413
     r = httpx.post(f"{url}/update_weights_from_disk", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                    json={"model_path": 5, "weight_version": []})
-    assert r.status_code == 422 and "model_path" in r.text
+    assert r.status_code == 400 and "model_path" in r.text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,13 +323,7 @@ def test_a_client_that_disconnects_aborts_its_request(server):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
-    deadline = time.monotonic() + 20
-    while client.get_server_info()["stats"]["num_running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stats = client.get_server_info()["stats"]
-    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
-    decoded = stats["num_decode_tokens"] - before["num_decode_tokens"]
-    assert decoded < wanted // 2, f"{decoded} of {wanted} tokens decoded: the disconnect aborted nothing"
+    assert_left_request_was_aborted(client, before, wanted)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,6 +84,33 @@ def run_on_own_thread(fn: Callable[[], Any]) -> Any:
     return out["value"]
 
 
+class _LatestUpdates:
+    """A stream's updates, coalesced on the caller's event loop: per sample only the newest snapshot
+    waits (each holds the whole output so far), so a reader that falls behind skips snapshots instead
+    of piling them up, and memory stays one snapshot per sample however slow it reads. The final
+    snapshot (``finish_reason`` set) is never skipped: nothing newer can replace it."""
+
+    def __init__(self):
+        self._latest: dict = {}  # (id(request), sample index) -> newest snapshot, in first-seen order
+        self._finals: list[int] = []
+        self._ready = asyncio.Event()
+
+    def put(self, req, outs: list, final: bool) -> None:
+        for o in outs:
+            self._latest[(id(req), o.sample_index)] = o
+        if final:
+            self._finals.append(id(req))
+        self._ready.set()
+
+    async def take(self) -> tuple[list, list[int]]:
+        """(the snapshots waiting, the requests whose final update is among them), once there are any."""
+        await self._ready.wait()
+        self._ready.clear()
+        outs, finals = list(self._latest.values()), self._finals
+        self._latest, self._finals = {}, []
+        return outs, finals
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, **kwargs: Any):
@@ -270,14 +297,14 @@ class RolloutEngine:
         if self._ext is not None:
             raise ValueError("with external launch every rank calls generate() (SPMD); async_generate is not available")
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
+        updates = _LatestUpdates()
 
         def on_update(req: Request, seqs: list[Sequence]) -> None:
             final = req.done.is_set()  # read here, in order with the updates: the last one is final
             if not stream and not final:
                 return  # only the end matters: no wake-up of the caller's event loop per step
             outs = [self._admission.to_output(req, s, self.scheduler.weight_version) for s in seqs] if stream else []
-            loop.call_soon_threadsafe(updates.put_nowait, (req, outs, final))
+            loop.call_soon_threadsafe(updates.put, req, outs, final)
 
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
@@ -289,11 +316,10 @@ class RolloutEngine:
             pending = set(id(r) for r in reqs)
             try:
                 while pending:
-                    req, outs, final = await updates.get()
+                    outs, finals = await updates.take()
                     for o in outs:
                         yield o
-                    if final:
-                        pending.discard(id(req))
+                    pending.difference_update(finals)
             finally:
                 for r in reqs:
                     if not r.done.is_set():

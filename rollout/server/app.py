@@ -11,34 +11,59 @@ Security: with ``api_key`` every route but ``/health`` needs ``Authorization: Be
 with ``admin_api_key`` the weight and control routes need that key and a generation key is refused
 there (403); ``update_weights_from_disk`` reads only under ``allowed_weight_dirs`` (symlinks
 resolved first); tensor handles come only from clients on this host, as JSON (never a pickle);
-bodies past ``max_body_bytes`` are refused (413).
+bodies past ``max_body_bytes`` are refused (413); ``/docs``, ``/redoc`` and ``/openapi.json`` are off
+when a key is set. Bad bodies answer 400 naming the field (SGLang's status), never 422 or 500.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.engine import RolloutEngine
 from rollout.server import control_routes, openai_routes, sglang_routes
-from rollout.server.auth import limit_body
+from rollout.server.auth import BodyLimit, user
+from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, ServerConfig, result_json
 from rollout.server.sglang_routes import sglang_item
 
 __all__ = ["ServerConfig", "create_app", "result_json", "sglang_item"]
 
 
-async def _http_error(request: Request, exc: HTTPException):
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    if exc.status_code in (404, 405):  # a path or method that does not exist: still only behind the key
+        try:
+            user(request)
+        except StarletteHTTPException as denied:
+            exc = denied
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def _field(loc) -> str:
+    return ".".join(str(part) for part in loc if part != "body") or "body"
+
+
+async def _invalid(request: Request, exc: RequestValidationError):
+    """A body that does not fit its route: SGLang's 400, naming every field and what it should be
+    (never echoing the value: it may be NaN, or a string that cannot be encoded)."""
+    errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid")} for e in exc.errors()]
+    detail = "invalid request: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    return JSONResponse({"detail": detail, "errors": errors}, status_code=400)
 
 
 def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> FastAPI:
-    app = FastAPI(title="rollout-worker", version="0.1.0")
-    app.state.service = EngineService(engine, config)
-    app.middleware("http")(limit_body)
-    app.add_exception_handler(HTTPException, _http_error)
+    service = EngineService(engine, config)
+    keyed = service.config.api_key is not None  # the docs routes cannot send a key: off behind one
+    app = FastAPI(title="rollout-worker", version="0.1.0", default_response_class=JSONResponse,
+                  docs_url=None if keyed else "/docs", redoc_url=None if keyed else "/redoc",
+                  openapi_url=None if keyed else "/openapi.json")
+    app.state.service = service
+    app.add_middleware(BodyLimit)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
     for module in (sglang_routes, openai_routes, control_routes):
         app.include_router(module.router)
     return app

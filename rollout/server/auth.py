@@ -1,18 +1,23 @@
 """The server's guards: API keys (``user`` for generation and reads, ``admin`` for weight and
-control routes) as FastAPI dependencies, and the body-size limit as a middleware.
+control routes) as FastAPI dependencies, and the body-size limit as a plain ASGI middleware.
 
 With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer KEY`` (401); with
 ``admin_api_key`` the weight and control routes need that key and a generation key is refused
-there (403); bodies past ``max_body_bytes`` are refused (413).
+there (403); bodies past ``max_body_bytes`` are refused (413), whether declared (``Content-Length``)
+or counted as they arrive (a chunked body declares nothing).
+
+No ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` hands the route a ``receive`` that
+never reports the client's disconnect, so a non-streaming request whose client left was never
+aborted. ``BodyLimit`` wraps ``receive`` itself and passes every message through.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Optional
 
 from fastapi import HTTPException, Request
-from fastapi.responses import JSONResponse
 
 
 def _key(request: Request) -> Optional[str]:
@@ -21,7 +26,11 @@ def _key(request: Request) -> Optional[str]:
 
 
 def _is(key: Optional[str], expected: Optional[str]) -> bool:
-    return key is not None and expected is not None and secrets.compare_digest(key, expected)
+    """Constant-time, over bytes: the header's bytes as sent (Starlette decodes headers as latin-1)
+    against the key's UTF-8 (``compare_digest`` refuses non-ASCII ``str``)."""
+    if key is None or expected is None:
+        return False
+    return secrets.compare_digest(key.encode("latin-1", "replace"), expected.encode("utf-8", "surrogatepass"))
 
 
 def user(request: Request) -> None:
@@ -49,11 +58,42 @@ def admin(request: Request) -> None:
         raise HTTPException(401, "missing or wrong API key: send Authorization: Bearer <key>")
 
 
-async def limit_body(request: Request, call_next):
-    """413 for a declared body past ``max_body_bytes``."""
-    limit = request.app.state.service.config.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        return JSONResponse({"detail": f"request body of {length} bytes exceeds the limit of {limit} bytes"},
-                            status_code=413)
-    return await call_next(request)
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int, seen: Optional[int] = None):
+        what = "request body" if seen is None else f"request body of {seen} bytes"
+        super().__init__(413, f"{what} exceeds the limit of {limit} bytes (--max-body-mb)")
+
+
+class BodyLimit:
+    """413 for a body past the app's ``max_body_bytes``: at once when ``Content-Length`` declares
+    more, else as soon as the bytes received pass it (raised inside the route's body read, where the
+    app's ``HTTPException`` handler answers it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = scope["app"].state.service.config.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            detail = BodyTooLarge(limit, int(declared)).detail
+            body = json.dumps({"detail": detail}).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)

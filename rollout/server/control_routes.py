@@ -7,8 +7,6 @@ on this host, as JSON (never a pickle)."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import PlainTextResponse, Response
 
@@ -26,7 +24,7 @@ Svc = Depends(service_of)
 
 @router.post("/update_weights_from_disk", dependencies=ADMIN)
 async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineService = Svc):
-    svc.check_weight_path(body.model_path)
+    await svc.check_weight_path(body.model_path)
     return await svc.weight_update(svc.engine.update_weights_from_disk, body.model_path, load_format=body.load_format,
                                    flush_cache=body.flush_cache, weight_version=body.weight_version,
                                    recapture_cuda_graph=body.recapture_cuda_graph,
@@ -142,7 +140,9 @@ async def resume_memory_occupation(body: P.MemoryRequest, svc: EngineService = S
 
 
 @router.get("/health")
-async def health():
+async def health(svc: EngineService = Svc):
+    if not svc.engine.health():  # the engine loop died: nothing will be generated
+        raise HTTPException(503, "the engine loop is not running")
     return {"status": "ok"}
 
 
@@ -158,10 +158,10 @@ async def get_server_info(svc: EngineService = Svc):
 
 @router.get("/metrics", dependencies=USER)
 async def prometheus_metrics(svc: EngineService = Svc):
-    body, content_type = await asyncio.to_thread(svc.metrics.render)
+    body, content_type = await svc.read(svc.metrics.render)
     return Response(body, media_type=content_type)
 
 
-@router.get("/", response_class=PlainTextResponse)
+@router.get("/", response_class=PlainTextResponse, dependencies=USER)
 async def root():
     return "rollout-worker server: see /docs for the routes\n"

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import user
+from rollout.server.encoding import openai_logprob
 from rollout.server.service import EngineService, service_of
 
 DEFAULT_CHAT_MAX_TOKENS = 128
@@ -58,16 +59,29 @@ def _index(o: RolloutOutput, n: int) -> int:
     return o.prompt_index * n + o.sample_index
 
 
-def _completion_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict:
-    ids, lps = o.output_token_ids[start:], o.output_logprobs[start:]
-    tops = o.output_top_logprobs[start:] if o.output_top_logprobs else None
+def _top(token_str: _Tokens, top) -> dict:
+    return {token_str(t): openai_logprob(lp) for t, lp in top}
+
+
+def _completion_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0, echo: bool = False) -> dict:
+    """OpenAI's completion logprobs from token ``start`` on; with ``echo``, the prompt's tokens first
+    (the first has no logprob: nothing precedes it)."""
+    ids, lps = o.output_token_ids[start:], [openai_logprob(x) for x in o.output_logprobs[start:]]
+    with_tops = bool(o.output_top_logprobs or (echo and o.input_top_logprobs))
+    tops: Optional[list] = [_top(token_str, top) for top in o.output_top_logprobs[start:]] if with_tops else None
+    if echo:
+        prompt = o.prompt_token_ids
+        scored = [None] * (len(prompt) - len(o.input_logprobs)) + [openai_logprob(x) for x in o.input_logprobs]
+        ids, lps = prompt + ids, scored + lps
+        if tops is not None:
+            tops = [None] * (len(prompt) - len(o.input_top_logprobs)) + [
+                _top(token_str, top) if top else None for top in o.input_top_logprobs] + tops
     tokens = [token_str(t) for t in ids]
     offsets, pos = [], 0
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-            "top_logprobs": [{token_str(t): lp for t, lp in top} for top in tops] if tops else None}
+    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets, "top_logprobs": tops or None}
 
 
 def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict:
@@ -75,9 +89,9 @@ def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict
     content = []
     for t, lp, top in zip(o.output_token_ids[start:], o.output_logprobs[start:], tops):
         s = token_str(t)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": token_str(i), "logprob": v, "bytes": list(token_str(i).encode())}
-                                         for i, v in top]})
+        content.append({"token": s, "logprob": openai_logprob(lp), "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": token_str(i), "logprob": openai_logprob(v),
+                                          "bytes": list(token_str(i).encode())} for i, v in top]})
     return {"content": content}
 
 
@@ -121,8 +135,10 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
     else:
         source = dict(input_ids=prompt)
     want_lp = body.logprobs is not None
+    if body.echo and body.stream:
+        raise HTTPException(400, "echo is answered whole: send it without stream")
     kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens), return_logprob=want_lp,
-                  top_logprobs_num=body.logprobs or 0)
+                  top_logprobs_num=body.logprobs or 0, logprob_start_len=0 if body.echo and want_lp else -1)
     cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer)
     if body.stream:
@@ -135,10 +151,24 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
                                 "logprobs": _completion_logprobs(token_str, o, first) if want_lp else None}]}
         return await svc.stream(request, kwargs, shape)
     outs = await svc.generate(request, kwargs)
-    choices = [{"index": _index(o, body.n), "text": o.text or "", "finish_reason": o.finish_reason,
-                "logprobs": _completion_logprobs(token_str, o) if want_lp else None} for o in outs]
+    prompt_text = _prompt_texts(svc, prompt, outs) if body.echo else {}
+    choices = [{"index": _index(o, body.n), "text": prompt_text.get(o.prompt_index, "") + (o.text or ""),
+                "finish_reason": o.finish_reason,
+                "logprobs": _completion_logprobs(token_str, o, echo=body.echo) if want_lp else None} for o in outs]
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
+
+
+def _prompt_texts(svc: EngineService, prompt, outs: list[RolloutOutput]) -> dict[int, str]:
+    """What ``echo`` puts before each completion: the prompt as sent (text), or its ids decoded."""
+    if isinstance(prompt, str):
+        return {0: prompt}
+    if prompt and isinstance(prompt[0], str):
+        return dict(enumerate(prompt))
+    tokenizer = svc.engine.tokenizer
+    if tokenizer is None:
+        raise HTTPException(400, "echo of token-id prompts needs the model's tokenizer, which this server lacks")
+    return {o.prompt_index: tokenizer.decode(o.prompt_token_ids) for o in outs}
 
 
 # ------------------------------------------------------------------ /v1/chat/completions
@@ -149,7 +179,7 @@ def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
     for m in body.messages:
         content = m.content
         if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            content = "".join(part.text or "" for part in content if part.type == "text")
         messages.append({"role": m.role, "content": content or ""})
     try:
         return svc.engine.apply_chat_template(messages)
@@ -161,7 +191,9 @@ def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc: EngineService = Depends(service_of)):
     svc.metrics.started(request.url.path)
     ids = _chat_ids(svc, body)
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    # 0 is a limit like any other (a prefill-only request), not "unset"
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                      DEFAULT_CHAT_MAX_TOKENS)
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
                   top_logprobs_num=body.top_logprobs or 0)
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(

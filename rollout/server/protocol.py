@@ -1,18 +1,58 @@
-"""Request bodies of every route (pydantic: a bad body is a 422 naming the field), with SGLang's and
+"""Request bodies of every route (pydantic: a bad body is a 400 naming the field), with SGLang's and
 OpenAI's field names. Unknown fields are refused, except on the OpenAI routes, where clients send
-fields we do not use (they are ignored, as OpenAI-compatible servers do)."""
+fields we do not use (they are ignored, as OpenAI-compatible servers do).
+
+Every body refuses what JSON parsers let through but nothing downstream can use: ``NaN`` and
+``Infinity`` (Python's parser accepts them) in a number field, and strings holding a lone UTF-16
+surrogate (``"\ud800"`` is valid JSON, but no tokenizer, path or UTF-8 encoder takes it)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 256  # samples per prompt over HTTP
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _lone_surrogate(value: Any, path: str = "") -> Optional[str]:
+    """The path of the first string (or key) in ``value`` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and _lone_surrogate(k) is not None:
+                return (path + "." if path else "") + "<a key>"
+            found = _lone_surrogate(v, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (not text): send valid Unicode")
+        return data
+
+
+class Strict(Body):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -30,8 +70,8 @@ class GenerateRequest(Strict):
     return_sampling_mask: Optional[bool] = None
 
 
-class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Lenient(Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class OpenAISampling(Lenient):
@@ -63,9 +103,16 @@ class CompletionRequest(OpenAISampling):
     echo: bool = False
 
 
+class ContentPart(Lenient):
+    """One part of a message's content; the text ones are read (``{"type": "text", "text": ...}``)."""
+
+    type: str
+    text: Optional[str] = None
+
+
 class ChatMessage(Lenient):
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
 
 class ChatCompletionRequest(OpenAISampling):

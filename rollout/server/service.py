@@ -4,27 +4,34 @@
 Generation goes through ``RolloutEngine.async_generate``, so concurrent requests meet in the
 scheduler's batch; a client that disconnects aborts its request and frees its KV; a request that
 outlives ``request_timeout_s`` (say, queued behind a weight update waiting for a quiet point) is
-aborted and answered 504. Weight and control calls run in a worker thread (the event loop keeps
-serving) and answer the engine's ``WeightResult``.
+aborted and answered 504. Weight and control calls run on threads of their own (the event loop keeps
+serving; reads cannot starve them) and answer the engine's ``WeightResult``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import functools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from fastapi import HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from rollout.outputs import RolloutOutput
+from rollout.server.encoding import JSONResponse, sse
 from rollout.server.metrics import ServerMetrics
 from rollout.worker.messages import WeightResult
+
+logger = logging.getLogger(__name__)
+CONTROL_THREADS = 8  # weight and control calls at once (each may wait for a quiet point)
+READ_THREADS = 4  # stats and metrics reads at once
 
 
 @dataclass
@@ -35,6 +42,8 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20
     request_timeout_s: float = 600.0
     served_model_name: Optional[str] = None
+    # a stream reader that takes longer than this to accept one event is dropped (its request aborted)
+    stream_stall_timeout_s: float = 30.0
 
 
 def result_json(result: WeightResult) -> JSONResponse:
@@ -43,13 +52,37 @@ def result_json(result: WeightResult) -> JSONResponse:
     return JSONResponse(body, status_code=200 if result.success else 400)
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
 def service_of(request: Request) -> EngineService:
     """The app's service (a FastAPI dependency)."""
     return request.app.state.service
+
+
+class _ReaderBoundStream(StreamingResponse):
+    """Server-sent events for a reader that may stop reading. The engine side keeps only the newest
+    snapshot per sample while this waits (``RolloutEngine.async_generate``), so a slow reader costs one
+    snapshot per sample, not every step's; a reader that has not taken an event within
+    ``stall_timeout_s`` (the socket's buffers full) is dropped: the events' iterator is closed, which
+    aborts its requests and frees their KV, and the connection closes without the final event."""
+
+    def __init__(self, content, stall_timeout_s: float, **kw):
+        super().__init__(content, **kw)
+        self.stall_timeout_s = stall_timeout_s
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                body = chunk if isinstance(chunk, bytes) else chunk.encode(self.charset)
+                try:
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": True}),
+                                           self.stall_timeout_s)
+                except (TimeoutError, asyncio.TimeoutError):
+                    logger.warning("dropped a stream reader that took no event for %.0f s; its request is aborted",
+                                   self.stall_timeout_s)
+                    return
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our async generator
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class EngineService:
@@ -59,6 +92,11 @@ class EngineService:
         self.metrics = ServerMetrics(engine)
         self.model_name = self.config.served_model_name or os.path.basename(os.path.normpath(engine.config.model_path))
         self.allowed_dirs = [os.path.realpath(d) for d in self.config.allowed_weight_dirs]
+        # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
+        # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
+        # behind each other.
+        self._control = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="rollout-control")
+        self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rollout-reads")
 
     # ------------------------------------------------------------------ generation
 
@@ -100,7 +138,8 @@ class EngineService:
             events = await self.engine.async_generate(stream=True, **kwargs)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        return StreamingResponse(self._events(request.url.path, events, shape), media_type="text/event-stream")
+        return _ReaderBoundStream(self._events(request.url.path, events, shape), self.config.stream_stall_timeout_s,
+                                  media_type="text/event-stream")
 
     async def _events(self, route: str, events, shape) -> AsyncIterator[str]:
         t0 = time.perf_counter()
@@ -127,12 +166,21 @@ class EngineService:
     # ------------------------------------------------------------------ engine calls
 
     async def call(self, fn, *args, **kwargs):
-        """An engine call that may wait (a quiet point, a transfer): off the event loop; its
-        ``ValueError`` (bad input) answers 400."""
+        """A weight or control call that may wait (a quiet point, a transfer): off the event loop, on
+        the control threads; its ``ValueError`` (bad input) answers 400."""
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await self._run(self._control, fn, *args, **kwargs)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
+
+    async def read(self, fn, *args, **kwargs):
+        """A read any key may ask for (stats, metrics): off the event loop, on threads of its own, so
+        that reads piling up behind a waiting update never hold a thread a control call needs."""
+        return await self._run(self._reads, fn, *args, **kwargs)
+
+    @staticmethod
+    async def _run(pool: ThreadPoolExecutor, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     async def weight_update(self, fn, *args, **kwargs) -> JSONResponse:
         """A weight update off the event loop, counted in the metrics, answered as its result."""
@@ -140,11 +188,15 @@ class EngineService:
         self.metrics.weight_update(result)
         return result_json(result)
 
-    def check_weight_path(self, path: str) -> None:
-        """403 unless ``path`` (symlinks resolved) lies under ``--allowed-weight-dirs`` (when set)."""
+    async def check_weight_path(self, path: str) -> None:
+        """403 unless ``path`` (symlinks resolved) lies under ``--allowed-weight-dirs`` (when set); 400
+        for a path no file can have. The resolution touches the filesystem (a long or deep path takes
+        seconds): off the event loop."""
+        if "\x00" in path:
+            raise HTTPException(400, "model_path contains a NUL byte")
         if not self.allowed_dirs:
             return
-        real = os.path.realpath(path)
+        real = await self._run(self._control, os.path.realpath, path)
         if not any(os.path.commonpath([real, d]) == d for d in self.allowed_dirs):
             raise HTTPException(403, f"{path!r} is outside --allowed-weight-dirs")
 
@@ -163,7 +215,7 @@ class EngineService:
 
     async def server_info(self) -> dict:
         engine, config = self.engine, self.config
-        stats = await self.call(engine.get_stats)
+        stats = await self.read(engine.get_stats)
         return {"engine_config": dataclasses.asdict(engine.config), "served_model_name": self.model_name,
                 "stats": stats, "weight_version": engine.get_weight_version(),
                 "dtype": self.dtype_name, "tp_size": engine.tp_size,
