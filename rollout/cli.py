@@ -105,6 +105,7 @@ def _cmd_serve(args) -> int:
     from rollout import RolloutEngine
     from rollout.config import EngineConfig
     from rollout.server.app import ServerConfig, create_app
+    from rollout.server.http import read_deadline_protocol
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -113,7 +114,7 @@ def _cmd_serve(args) -> int:
                           stream_stall_timeout_s=args.stream_stall_timeout_s)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_keep_alive=30)
+                    timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
     return 0
 
 
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: folder name)")
     s.add_argument("--max-body-mb", type=float, default=32.0,
                    help="larger request bodies are refused (413), counted as they arrive")
+    s.add_argument("--request-read-timeout-s", type=float, default=30.0,
+                   help="a request whose headers and body have not all arrived this long after its first byte "
+                        "(or the connection's start) is dropped; never applies while a response is computed")
     s.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
                    help="a stream reader that takes no event for this long is dropped and its request aborted")
     _engine_option_flags(serve)

@@ -293,3 +293,36 @@ def test_health_says_503_once_the_engine_is_dead(model, make_server):
     assert "not running" in httpx.get(f"{server.url}/health").json()["detail"]
     client.close()
 
+
+def test_requests_that_never_arrive_whole_are_dropped_and_slow_answers_are_not(model, make_server):
+    """A silent socket, half the headers or half the body stayed open for good (no read timeout): now
+    closed --request-read-timeout-s after their first byte; a request read whole may take longer
+    than that to answer (here: queued behind a pause)."""
+    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "2048", "--request-read-timeout-s", "2")
+    host, port = server.url.removeprefix("http://").split(":")
+    for payload in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n",
+                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"input_ids\""):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(payload)
+        sock.settimeout(20)
+        t0 = time.monotonic()
+        try:
+            while sock.recv(4096):
+                pass
+        except TimeoutError:
+            pytest.fail(f"still open after 20 s: {payload[:40]!r}")
+        finally:
+            sock.close()
+        assert 1.5 < time.monotonic() - t0 < 10, payload[:40]
+    with server.client() as client:
+        client.pause_generation("abort")
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", client.generate(
+            input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 3, "ignore_eos": True})))
+        t.start()
+        time.sleep(3.5)  # past the read deadline, waiting for its answer
+        client.continue_generation()
+        t.join(30)
+        assert len(box["out"][0].output_token_ids) == 3
+
