@@ -1,9 +1,10 @@
-"""Public fakes for tests that need no engine: a worker for the scheduler (``FakeWorker``), a
+"""Public fakes for tests that need no engine: a worker for the scheduler and the engine loop (``FakeWorker``), a
 replica for the router and the trainer side (``FakeReplica``: answers like a server) and a weight
 target for pushes (``FakeTarget``: keeps what it is pushed). Everything around them is the real code."""
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -16,15 +17,24 @@ from weight_sync.bucket import BucketPool
 
 
 class FakeWorker:
-    """Returns token ``next_token`` for every sample row; records every batch it was given."""
+    """Returns token ``next_token`` for every sample row; records every batch it was given. For the
+    engine loop's tests, a step can take ``step_s`` (so requests are running while commands arrive)
+    and the next ``fail_steps`` steps raise, as a forward that failed."""
 
-    def __init__(self, num_blocks: int, next_token: int = 7, context_len: int = 1000):
+    def __init__(self, num_blocks: int, next_token: int = 7, context_len: int = 1000, step_s: float = 0.0):
         self.num_kv_blocks = num_blocks
         self.context_len = context_len
         self.next_token = next_token
+        self.step_s = step_s
+        self.fail_steps = 0
         self.batches: list[ModelWorkerBatch] = []
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("the fake forward failed")
+        if self.step_s:
+            time.sleep(self.step_s)
         self.batches.append(batch)
         n = len(batch.sample_logits_idx)
         return GenerationBatchResult(next_token_ids=torch.full((n,), self.next_token),

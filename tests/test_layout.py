@@ -41,6 +41,20 @@ def test_no_function_is_longer_than_eighty_lines(folder):
     assert _long_functions(folder) == []
 
 
+def test_the_trainer_side_probes_no_attributes():
+    """The seam is declared (trainer_bridge/serving.py): nothing in trainer_bridge/ asks an object what
+    it has."""
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "trainer_bridge")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                for i, line in enumerate(open(path), 1):
+                    if "hasattr(" in line or "getattr(" in line:
+                        found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert found == []
+
+
 @pytest.mark.parametrize("old, new", sorted(_moved.MOVED.items()))
 def test_an_old_module_path_is_the_new_module_with_a_deprecation_warning(old, new):
     with warnings.catch_warnings(record=True) as caught:

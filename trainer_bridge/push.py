@@ -56,7 +56,8 @@ def _is_zero3(param) -> bool:
     return bool(is_zero_param(param))
 
 
-def _full_numel(param) -> int:
+def full_numel(param) -> int:
+    """Elements of the whole parameter (a ZeRO-3 partition counts as the parameter it is part of)."""
     return param.ds_numel if _is_zero3(param) else param.numel()
 
 
@@ -72,7 +73,7 @@ def param_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
         name = to_hf_name(name)
         if name in tied:
             continue
-        n = _full_numel(p) * item
+        n = full_numel(p) * item
         if bucket and size + n > bucket_bytes:
             buckets.append(bucket)
             bucket, size = [], 0

@@ -116,11 +116,11 @@ def main(argv=None) -> dict:
 
     from rollout.bench.common import machine
     from trainer_bridge.grpo import verify_pushed
-    from trainer_bridge.push import gathered, param_buckets, push_weights
+    from trainer_bridge.push import full_numel, gathered, param_buckets, push_weights
 
     bucket_bytes = args.bucket_mb << 20
     module = ds_engine.module
-    dtype = getattr(torch, args.dtype)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     params = list(module.parameters())
 
     buckets = [[p for _, p in bucket] for bucket in param_buckets(module, dtype, bucket_bytes)]
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
 
     results: dict = {"machine": machine(),
                      "config": {**vars(args), "out": os.path.basename(args.out), "world_size": world, "num_params": sum(
-                         getattr(p, "ds_numel", p.numel()) for p in params)},
+                         full_numel(p) for p in params)},
                      "bare": {"bucketed": [], "all_at_once": []}, "push": {}}
     targets, cleanup = _targets(args, path, rank)
 
