@@ -20,6 +20,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     max_num_seqs: int = 256  # sequences in one batch
+    # requests waiting to start at most (SGLang's name); past it a request fails at once with
+    # QueueFullError (the server: 503) instead of queueing without bound. None: no bound
+    max_queued_requests: Optional[int] = None
     max_num_batched_tokens: int = 4096  # tokens in one forward; longer prompts are chunked
     kv_cache_tokens: Optional[int] = None  # KV pool size in tokens; None: from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.15  # of free device memory (CPU: available RAM)
@@ -84,6 +87,9 @@ class EngineConfig:
                 bad(name, "must be None (measured) or an integer >= 0 (0: never)")
         if self.cpu_gemm_kernel is not None and self.cpu_gemm_kernel not in _GEMM_KERNELS:
             bad("cpu_gemm_kernel", f"must be None (measured) or one of {', '.join(_GEMM_KERNELS)}")
+        if self.max_queued_requests is not None and (
+                not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0):
+            bad("max_queued_requests", "must be None (no bound) or an integer >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")

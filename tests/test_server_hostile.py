@@ -326,3 +326,33 @@ def test_requests_that_never_arrive_whole_are_dropped_and_slow_answers_are_not(m
         t.join(30)
         assert len(box["out"][0].output_token_ids) == 3
 
+
+
+def test_past_max_queued_requests_a_request_is_refused_503_at_once(model, make_server):
+    """The waiting queue had no bound: a flood queued without limit. Now past --max-queued-requests a
+    request is answered 503 at once (streamed: an error event), and the server serves on."""
+    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "16384", "--max-num-seqs", "1",
+                         "--max-queued-requests", "1")
+    url = server.url
+    with server.client() as client:
+        long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        threads = [threading.Thread(target=lambda: httpx.post(f"{url}/generate", json={
+            "input_ids": [5, 6, 7], "sampling_params": long}, timeout=120)) for _ in range(2)]
+        threads[0].start()  # runs (max_num_seqs=1)
+        while client.get_server_info()["stats"]["num_running"] < 1:
+            time.sleep(0.02)
+        threads[1].start()  # waits
+        while client.get_server_info()["stats"]["num_waiting"] < 1:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 503 and "max_queued_requests=1" in r.json()["detail"]
+        assert time.monotonic() - t0 < 2
+        with httpx.stream("POST", f"{url}/generate", json={"input_ids": [5, 6], "stream": True,
+                                                           "sampling_params": {"max_new_tokens": 2}}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert any("waiting queue is full" in e for e in events) and events[-1] == "data: [DONE]"
+        client.abort_request(abort_all=True)
+        for t in threads:
+            t.join(60)
+        assert len(client.generate(input_ids=[[5, 6]], sampling_params={"max_new_tokens": 2})[0].output_token_ids) == 2

@@ -313,13 +313,17 @@ class RolloutEngine:
             self._loop.submit(r)
 
         async def events():
-            pending = set(id(r) for r in reqs)
+            by_id = {id(r): r for r in reqs}
+            pending = set(by_id)
             try:
                 while pending:
                     outs, finals = await updates.take()
                     for o in outs:
                         yield o
                     pending.difference_update(finals)
+                    refused = next((by_id[f].error for f in finals if by_id[f].error is not None), None)
+                    if stream and refused is not None:  # a stream says why (the whole answer raises it below)
+                        raise refused
             finally:
                 for r in reqs:
                     if not r.done.is_set():

@@ -33,6 +33,10 @@ from rollout.worker.tp_worker import BaseTpWorker
 logger = logging.getLogger(__name__)
 
 
+class QueueFullError(RuntimeError):
+    """A request refused because ``max_queued_requests`` are already waiting (the server answers 503)."""
+
+
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
@@ -134,6 +138,11 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.rid in self.requests:  # an abort or a result would reach the wrong caller
             self._reject(req, ValueError(f"request id {req.rid!r} is already in flight; give each request a unique rid"))
+            return
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            self._reject(req, QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
+                                             f"max_queued_requests={limit}); retry later"))
             return
         self.requests[req.rid] = req
         self.waiting.append(req.seqs[0])
