@@ -111,7 +111,8 @@ def _cmd_serve(args) -> int:
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
                           allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
                           request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name,
-                          stream_stall_timeout_s=args.stream_stall_timeout_s)
+                          stream_stall_timeout_s=args.stream_stall_timeout_s,
+                          incremental_streaming_output=args.incremental_streaming_output)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-read-timeout-s", type=float, default=30.0,
                    help="a request whose headers and body have not all arrived this long after its first byte "
                         "(or the connection's start) is dropped; never applies while a response is computed")
+    s.add_argument("--incremental-streaming-output", action="store_true",
+                   help="/generate stream events carry only what is new since a sample's last event (SGLang's "
+                        "flag); default: the whole output so far, as SGLang's default")
     s.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
                    help="a stream reader that takes no event for this long is dropped and its request aborted")
     _engine_option_flags(serve)

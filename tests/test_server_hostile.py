@@ -356,3 +356,25 @@ def test_past_max_queued_requests_a_request_is_refused_503_at_once(model, make_s
         for t in threads:
             t.join(60)
         assert len(client.generate(input_ids=[[5, 6]], sampling_params={"max_new_tokens": 2})[0].output_token_ids) == 2
+
+
+def test_an_incremental_stream_sends_each_token_once_and_adds_up_to_the_whole_answer(model, make_server):
+    """--incremental-streaming-output (SGLang's flag): every event carries only the new ids, text and
+    per-token logprobs, which concatenate to the whole answer; without it, every event is the whole
+    output so far (SGLang's default, which slime parses)."""
+    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--incremental-streaming-output")
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"n": 2, "max_new_tokens": 40, "temperature": 1.0, "seed": 9, "ignore_eos": True}}
+    whole = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert len(events) > 2
+    for sample in whole:
+        mine = [e for e in events if e["meta_info"]["sample_index"] == sample["meta_info"]["sample_index"]]
+        assert sum((e["output_ids"] for e in mine), []) == sample["output_ids"]
+        assert "".join(e["text"] for e in mine) == sample["text"]
+        lps = sum((e["meta_info"]["output_token_logprobs"] for e in mine), [])
+        assert [t for _, t, _ in lps] == sample["output_ids"]
+        assert [lp for lp, _, _ in lps] == pytest.approx([lp for lp, _, _ in sample["meta_info"]["output_token_logprobs"]])
+        assert len(sum((e["meta_info"]["output_top_logprobs"] for e in mine), [])) == 40
+        assert mine[-1]["meta_info"]["completion_tokens"] == 40  # counts stay totals

@@ -14,7 +14,7 @@ from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import user
 from rollout.server.encoding import openai_logprob
-from rollout.server.service import EngineService, service_of
+from rollout.server.service import EngineService, TextDeltas, service_of
 
 DEFAULT_CHAT_MAX_TOKENS = 128
 router = APIRouter()
@@ -95,25 +95,6 @@ def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict
     return {"content": content}
 
 
-class _Deltas:
-    """One streamed request's text sent so far, per sample."""
-
-    def __init__(self):
-        self.sent: dict[tuple[int, int], tuple[str, int]] = {}
-
-    def __call__(self, o: RolloutOutput) -> tuple[str, int]:
-        """(new text, index of the first new token) since this sample's last event. A trailing
-        replacement character may still become a multi-byte character: it is held back until the
-        next token (or the end), so sent text is never taken back."""
-        text, ntok = self.sent.get((o.prompt_index, o.sample_index), ("", 0))
-        now = o.text or ""
-        stable = now if o.finish_reason is not None else now.rstrip("\ufffd")
-        if not stable.startswith(text):
-            stable = text  # cannot happen with the hold-back; never resend
-        self.sent[(o.prompt_index, o.sample_index)] = (stable, len(o.output_token_ids))
-        return stable[len(text):], ntok
-
-
 # ------------------------------------------------------------------ /v1/models
 
 
@@ -142,7 +123,7 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
     cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer)
     if body.stream:
-        delta = _Deltas()
+        delta = TextDeltas()
 
         def shape(o: RolloutOutput):
             piece, first = delta(o)
@@ -199,7 +180,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer)
     if body.stream:
-        delta = _Deltas()
+        delta = TextDeltas()
         started: set[int] = set()
 
         def shape(o: RolloutOutput):

@@ -44,6 +44,9 @@ class ServerConfig:
     served_model_name: Optional[str] = None
     # a stream reader that takes longer than this to accept one event is dropped (its request aborted)
     stream_stall_timeout_s: float = 30.0
+    # /generate streams: each event carries only what is new since the sample's last one (SGLang's
+    # --incremental-streaming-output); off: every event the whole output so far (SGLang's default)
+    incremental_streaming_output: bool = False
 
 
 def result_json(result: WeightResult) -> JSONResponse:
@@ -55,6 +58,25 @@ def result_json(result: WeightResult) -> JSONResponse:
 def service_of(request: Request) -> EngineService:
     """The app's service (a FastAPI dependency)."""
     return request.app.state.service
+
+
+class TextDeltas:
+    """One streamed request's text sent so far, per sample (what an incremental stream sends next)."""
+
+    def __init__(self):
+        self.sent: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def __call__(self, o: RolloutOutput) -> tuple[str, int]:
+        """(new text, index of the first new token) since this sample's last event. A trailing
+        replacement character may still become a multi-byte character: it is held back until the
+        next token (or the end), so sent text is never taken back."""
+        text, ntok = self.sent.get((o.prompt_index, o.sample_index), ("", 0))
+        now = o.text or ""
+        stable = now if o.finish_reason is not None else now.rstrip("\ufffd")
+        if not stable.startswith(text):
+            stable = text  # cannot happen with the hold-back; never resend
+        self.sent[(o.prompt_index, o.sample_index)] = (stable, len(o.output_token_ids))
+        return stable[len(text):], ntok
 
 
 class _ReaderBoundStream(StreamingResponse):

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import user
-from rollout.server.service import EngineService, service_of
+from rollout.server.service import EngineService, TextDeltas, service_of
 
 router = APIRouter()
 
@@ -46,6 +46,29 @@ def sglang_item(o: RolloutOutput, return_logprob: bool) -> dict:
     return {"text": o.text, "output_ids": o.output_token_ids, "meta_info": meta}
 
 
+# the per-output-token lists of meta_info, sliced to the new tokens in an incremental stream
+_PER_TOKEN = ("output_token_logprobs", "output_top_logprobs", "output_weight_versions",
+              "output_token_sampling_mask", "output_token_sampling_logprobs")
+
+
+def _incremental(return_logprob: bool):
+    """SGLang's incremental stream: ``text`` and ``output_ids`` (and the per-token lists of
+    ``meta_info``) hold only what is new since the sample's last event; counts stay totals."""
+    deltas = TextDeltas()
+
+    def shape(o: RolloutOutput):
+        text, first = deltas(o)
+        item = sglang_item(o, return_logprob)
+        item["text"], item["output_ids"] = text, item["output_ids"][first:]
+        meta = item["meta_info"]
+        for name in _PER_TOKEN:
+            if name in meta and meta[name] is not None:
+                meta[name] = meta[name][first:]
+        return [item]
+
+    return shape
+
+
 @router.post("/generate", dependencies=[Depends(user)])
 async def generate(body: P.GenerateRequest, request: Request, svc: EngineService = Depends(service_of)):
     svc.metrics.started(request.url.path)
@@ -56,6 +79,8 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
                   logprob_start_len=body.logprob_start_len, rid=body.rid,
                   return_sampling_mask=body.return_sampling_mask)
     if body.stream:
+        if svc.config.incremental_streaming_output:
+            return await svc.stream(request, kwargs, _incremental(body.return_logprob))
         return await svc.stream(request, kwargs, lambda o: [sglang_item(o, body.return_logprob)])
     outs = await svc.generate(request, kwargs)
     items = [sglang_item(o, body.return_logprob) for o in outs]
