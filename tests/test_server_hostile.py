@@ -378,3 +378,17 @@ def test_an_incremental_stream_sends_each_token_once_and_adds_up_to_the_whole_an
         assert [lp for lp, _, _ in lps] == pytest.approx([lp for lp, _, _ in sample["meta_info"]["output_token_logprobs"]])
         assert len(sum((e["meta_info"]["output_top_logprobs"] for e in mine), [])) == 40
         assert mine[-1]["meta_info"]["completion_tokens"] == 40  # counts stay totals
+
+
+def test_a_thirty_second_soak_leaves_the_server_as_it_found_it(tmp_path):
+    """``rollout bench soak`` for 30 s (the committed benchmark runs 5 minutes): generations, streams
+    read fast, slowly and abandoned, clients leaving whole requests, aborts and weight flips at once;
+    /health and /abort_request under a second throughout, memory and descriptors back to the warmed
+    baseline, the same greedy outputs after as before."""
+    from rollout.bench.soak import run
+
+    result = run("tiny", seconds=30, workdir=str(tmp_path))
+    assert result["passed"], result
+    for kind in ("generate", "stream_read", "disconnect", "weight_flip", "abort_all", "health"):
+        assert result["counts"].get(kind, {}).get("ok", 0) > 0, (kind, result["counts"])
+    assert result["counts"]["weight_flip"]["failed"] == 0
