@@ -39,7 +39,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
             user(request)
         except StarletteHTTPException as denied:
             exc = denied
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 def _field(loc) -> str:

@@ -13,11 +13,12 @@ aborted. ``BodyLimit`` wraps ``receive`` itself and passes every message through
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Optional
 
 from fastapi import HTTPException, Request
+
+from rollout.server.encoding import JSONResponse
 
 
 def _key(request: Request) -> Optional[str]:
@@ -78,13 +79,9 @@ class BodyLimit:
         limit = scope["app"].state.service.config.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            detail = BodyTooLarge(limit, int(declared)).detail
-            body = json.dumps({"detail": detail}).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                    (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body})
-            return
+            refused = JSONResponse({"detail": BodyTooLarge(limit, int(declared)).detail}, status_code=413,
+                                   headers={"connection": "close"})
+            return await refused(scope, receive, send)
         seen = 0
 
         async def counted():
