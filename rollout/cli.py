@@ -112,6 +112,7 @@ def _cmd_serve(args) -> int:
                           allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
                           request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name,
                           stream_stall_timeout_s=args.stream_stall_timeout_s,
+                          stream_max_pending_bytes=int(args.stream_max_pending_mb * 2**20),
                           incremental_streaming_output=args.incremental_streaming_output)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
@@ -172,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-api-key", default=os.environ.get("ROLLOUT_ADMIN_API_KEY"),
                    help="weight and control routes need this key instead (env ROLLOUT_ADMIN_API_KEY)")
     s.add_argument("--allowed-weight-dirs", nargs="*", default=None,
-                   help="update_weights_from_disk reads only under these folders (symlinks resolved)")
+                   help="update_weights_from_disk reads only under these folders (the folder is opened once and "
+                        "checked where it lies; its files are read through it, no symlink followed)")
     s.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: folder name)")
     s.add_argument("--max-body-mb", type=float, default=32.0,
                    help="larger request bodies are refused (413), counted as they arrive")
@@ -183,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/generate stream events carry only what is new since a sample's last event (SGLang's "
                         "flag); default: the whole output so far, as SGLang's default")
     s.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
-                   help="a stream reader that takes no event for this long is dropped and its request aborted")
+                   help="a stream reader that takes nothing for this long is dropped and its request aborted")
+    s.add_argument("--stream-max-pending-mb", type=float, default=8.0,
+                   help="the most bytes of a stream's events that wait in the server for a reader that falls behind "
+                        "(an event is sent in pieces within it)")
     _engine_option_flags(serve)
     serve.set_defaults(func=_cmd_serve)
     bench = sub.add_parser("bench", help="the benchmark suite (`rollout bench limits --help`; benchmarks/README.md)",

@@ -4,6 +4,7 @@ silently ignored, and routes that answered without the key. Each test names the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -125,11 +126,14 @@ def test_reads_piling_up_behind_a_waiting_update_leave_control_calls_their_threa
 
 def test_a_stream_reader_that_stops_reading_is_dropped_at_bounded_memory(model, make_server):
     """Every snapshot of a stream was queued for a reader that never read (228 MiB for one 4 x 2000-token
-    request): now only the newest per sample waits, and the reader is dropped once it takes no event
+    request): now only the newest per sample waits, the bytes waiting in the server for the reader stay
+    within --stream-max-pending-mb (events go in pieces), and the reader is dropped once it takes nothing
     for --stream-stall-timeout-s, its request aborted and its blocks freed."""
     import psutil
 
-    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "32768", "--stream-stall-timeout-s", "1")
+    cap = 24 << 10  # below uvicorn's own high-water mark (64 KiB): the cap is what holds it
+    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "32768", "--stream-stall-timeout-s", "1",
+                         "--stream-max-pending-mb", str(cap / 2**20))
     client = server.client()
     proc = psutil.Process(server.proc.pid)
     client.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 64, "n": 4})  # warm
@@ -138,7 +142,9 @@ def test_a_stream_reader_that_stops_reading_is_dropped_at_bounded_memory(model, 
     body = json.dumps({"input_ids": [5, 6, 7], "stream": True, "return_logprob": True, "sampling_params": {
         "n": 4, "max_new_tokens": wanted, "temperature": 0, "ignore_eos": True}}).encode()
     host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)  # the kernel soon holds no more for us
+    sock.connect((host, int(port)))
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
                  str(len(body)).encode() + b"\r\n\r\n" + body)  # and never read
     t0 = time.monotonic()
@@ -156,6 +162,21 @@ def test_a_stream_reader_that_stops_reading_is_dropped_at_bounded_memory(model, 
         received += chunk
     sock.close()
     assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received  # dropped, not finished
+    metrics = {line.split()[0]: float(line.split()[1]) for line in client.metrics().splitlines()
+               if line.startswith("rollout_stream")}
+    assert 0 < metrics["rollout_stream_pending_bytes_peak"] <= cap, metrics  # it filled up to the cap, not past
+    assert metrics["rollout_streams_dropped_total"] == 1 and metrics["rollout_stream_pending_bytes"] == 0
+    # a reader that reads gets every event whole, events larger than the cap included (sent in pieces)
+    ask = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 3,
+           "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
+    whole = httpx.post(f"{server.url}/generate", json=ask, timeout=120).json()
+    with httpx.stream("POST", f"{server.url}/generate", json={**ask, "stream": True}, timeout=120) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and max(len(e) for e in events) > cap
+    last = json.loads(events[-2])
+    same = ("output_token_logprobs", "output_top_logprobs", "completion_tokens", "finish_reason")
+    assert last["output_ids"] == whole["output_ids"]
+    assert all(last["meta_info"][k] == whole["meta_info"][k] for k in same)
     assert client.health()
     client.close()
 
@@ -254,6 +275,66 @@ def test_docs_and_unknown_routes_answer_only_behind_the_key(served):
     assert httpx.get(f"{url}/no/such/route", headers=GEN).status_code == 404
     assert httpx.get(f"{url}/openapi.json", headers=GEN).status_code == 404  # off behind a key
     assert httpx.get(f"{url}/health").status_code == 200  # the one open route
+
+
+def _pinned_dirs(pid: int) -> set[str]:
+    """The folders a process holds open (what /proc says its descriptors are)."""
+    import os
+
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
+def test_a_checked_folder_swapped_while_the_update_waits_is_not_what_is_read(model, model_dir, make_server, tmp_path):
+    """The path was checked when the request arrived and read when the engine reached a quiet point:
+    swapping the checked folder for a symlink to an outside model in between loaded the outside
+    weights ("200 loaded 21 tensors"). Now the folder is pinned as a descriptor when the request
+    arrives and every TP rank reads through it (TP=2: rank 1 gets the descriptor, not the path)."""
+    import os
+
+    other = model_dir("hostile-b", "llama", seed=22, max_position_embeddings=8192)  # same shapes, other weights
+    allowed = tmp_path / "allowed"
+    shutil.copytree(other, allowed / "ckpt")
+    server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "16384", "--tp-size", "2",
+                         "--admin-api-key", ADMIN_KEY, "--allowed-weight-dirs", str(allowed))
+    client = server.client(admin_api_key=ADMIN_KEY)
+    greedy = {"max_new_tokens": 12, "temperature": 0}
+
+    def outputs():
+        return [o.output_token_ids for o in client.generate(input_ids=[[5, 6, 7], [9, 1]], sampling_params=greedy)]
+
+    served_before = outputs()  # the outside model (the one the server started with)
+    box: dict = {}
+    long = threading.Thread(target=lambda: box.setdefault("long", client.generate(
+        input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True})))
+    long.start()
+    while client.get_server_info()["stats"]["num_decode_tokens"] < 20:
+        time.sleep(0.02)
+    update = threading.Thread(target=lambda: box.setdefault("update", client.update_weights_from_disk(
+        str(allowed / "ckpt"), weight_version="pinned")))
+    update.start()
+    checked = os.path.realpath(allowed / "ckpt")
+    deadline = time.monotonic() + 30
+    while checked not in _pinned_dirs(server.proc.pid):  # checked and pinned; now it waits for a quiet point
+        assert time.monotonic() < deadline and update.is_alive(), box
+        time.sleep(0.02)
+    assert long.is_alive() and client.get_weight_version() != "pinned"
+    os.rename(allowed / "ckpt", allowed / "ckpt-checked")
+    os.symlink(model, allowed / "ckpt")  # the checked path now names the outside model
+    client.abort_request(abort_all=True)  # the quiet point: the update runs now
+    for t in (long, update):
+        t.join(120)
+    assert box["update"].success and client.get_weight_version() == "pinned"
+    raced = outputs()
+    assert raced != served_before  # the outside weights would have answered as before
+    assert client.update_weights_from_disk(str(allowed / "ckpt-checked"), weight_version="again").success
+    assert raced == outputs()  # every rank read the checked folder, nothing of the outside one
+    with pytest.raises(Exception, match="allowed-weight-dirs"):  # the path itself: refused as it is now
+        client.update_weights_from_disk(str(allowed / "ckpt"))
+    client.close()
 
 
 def test_a_huge_weight_path_does_not_stall_the_event_loop(served):

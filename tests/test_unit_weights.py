@@ -18,7 +18,7 @@ from rollout.executor.model_runner import ModelRunner
 from rollout.executor.param_storage import flatten_parameters
 from rollout.models import ModelConfig, build_model
 from rollout.weights.loader import WeightLoadError, load_named_tensors, plan_load, weight_name_map
-from rollout.weights.safetensors_io import safetensors_files, validate_safetensors_file
+from rollout.weights.safetensors_io import FolderNotAllowed, PinnedFolder, SafetensorsFolder
 from rollout.worker.messages import (
     WEIGHT_MESSAGES,
     AbortTransaction,
@@ -206,10 +206,75 @@ def write_raw(path: str, header: object, data: bytes = b"") -> str:
     ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, "bad offsets"),
 ])
 def test_malformed_headers_are_refused_with_the_reason(tmp_path, header, why):
-    path = write_raw(str(tmp_path / "model.safetensors"), header, b"\0" * 4)
+    write_raw(str(tmp_path / "model.safetensors"), header, b"\0" * 4)
     with pytest.raises(WeightLoadError) as info:
-        validate_safetensors_file(path)
+        folder_tensors(tmp_path)
     assert why in str(info.value)
+
+
+def folder_files(path) -> list[str]:
+    with PinnedFolder.open(path) as folder, SafetensorsFolder(folder) as files:
+        return files.file_names()
+
+
+def folder_tensors(path, follow_links: bool = False) -> dict[str, torch.Tensor]:
+    with PinnedFolder.open(path) as folder, SafetensorsFolder(folder, follow_links) as files:
+        return {name: lazy.read() for name, lazy in files.tensors()}
+
+
+def test_tensors_are_read_through_the_pin_as_safetensors_wrote_them(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {"a": torch.randn(3, 5), "b": torch.arange(6, dtype=torch.int64).view(2, 3),
+             "c": torch.randn(4).to(torch.bfloat16), "empty": torch.zeros(0, 7), "scalar": torch.tensor(2.5)}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = folder_tensors(tmp_path)
+    assert got.keys() == state.keys()
+    for name, t in state.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def test_a_pinned_folder_reads_what_it_pinned_whatever_the_path_names_later(tmp_path):
+    from safetensors.torch import save_file
+
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "ckpt").mkdir()
+    save_file({"w": torch.ones(2)}, str(allowed / "ckpt" / "model.safetensors"))
+    save_file({"w": torch.full((2,), 7.0)}, str(outside / "model.safetensors"))
+    roots = [os.path.realpath(allowed)]
+    with pytest.raises(FolderNotAllowed, match="outside --allowed-weight-dirs"):
+        PinnedFolder.open(outside, roots)
+    os.symlink(outside, allowed / "sneaky")  # inside by name, outside where it lies
+    with pytest.raises(FolderNotAllowed):
+        PinnedFolder.open(allowed / "sneaky", roots)
+    with PinnedFolder.open(allowed / "ckpt", roots) as folder:
+        os.rename(allowed / "ckpt", allowed / "old")  # the checked path now names the outside model
+        os.symlink(outside, allowed / "ckpt")
+        with SafetensorsFolder(folder) as files:
+            assert torch.equal(dict(files.tensors())["w"].read(), torch.ones(2))
+        lazy = None
+        with SafetensorsFolder(folder) as files:
+            lazy = dict(files.tensors())["w"]
+        with pytest.raises(WeightLoadError, match="closed"):  # never a descriptor number it gave back
+            lazy.read()
+    with pytest.raises(ValueError, match="closed"):
+        folder.real_path()
+    with PinnedFolder.open(allowed / "old") as folder:
+        # a passed descriptor shares its directory offset with every rank it went to: one rank's
+        # listing (here: a scan left at the end) must not change what another lists
+        scan = os.scandir(folder.fd)
+        next(scan)
+        with SafetensorsFolder(folder) as files:
+            assert files.file_names() == ["model.safetensors"]
+        scan.close()
+    with pytest.raises(TypeError, match="send_handle"):
+        pickle.dumps(PinnedFolder.open(allowed / "old"))
+    for bad, why in [(tmp_path / "missing", "not a folder"), (allowed / "old" / "model.safetensors", "not a folder"),
+                     ("a\0b", "NUL")]:
+        with pytest.raises(WeightLoadError, match=why):
+            PinnedFolder.open(bad)
 
 
 def test_index_files_are_checked_and_confined_to_the_folder(tmp_path):
@@ -218,19 +283,28 @@ def test_index_files_are_checked_and_confined_to_the_folder(tmp_path):
     index = folder / "model.safetensors.index.json"
     for body, why in [({"metadata": {}}, "weight_map"), ([], "not a JSON object"), ({"weight_map": {"w": 3}}, "file names"),
                       ({"weight_map": {"w": "../outside.safetensors"}}, "outside the model folder"),
+                      ({"weight_map": {"w": "sub/inner.safetensors"}}, "in a subfolder"),
+                      ({"weight_map": {"w": ".."}}, "file names in the model folder itself"),
                       ({"weight_map": {"w": "missing.safetensors"}}, "do not exist")]:
         index.write_text(json.dumps(body))
         with pytest.raises(WeightLoadError) as info:
-            safetensors_files(str(folder))
+            folder_tensors(folder)
         assert why in str(info.value), body
     write_raw(str(tmp_path / "outside.safetensors"), {})
     os.symlink(tmp_path / "outside.safetensors", folder / "link.safetensors")
     index.write_text(json.dumps({"weight_map": {"w": "link.safetensors"}}))
-    with pytest.raises(WeightLoadError, match="outside the model folder"):
-        safetensors_files(str(folder))
+    with pytest.raises(WeightLoadError, match="symbolic link"):
+        folder_tensors(folder)
+    os.mkfifo(folder / "fifo.safetensors")  # opened without blocking, refused as not a file
+    index.write_text(json.dumps({"weight_map": {"w": "fifo.safetensors"}}))
+    with pytest.raises(WeightLoadError, match="not a regular file"):
+        folder_tensors(folder)
+    os.unlink(folder / "fifo.safetensors")
     index.unlink()
-    with pytest.raises(WeightLoadError, match="outside the model folder"):  # a symlinked file, no index
-        safetensors_files(str(folder))
+    assert folder_files(folder) == ["link.safetensors"]
+    with pytest.raises(WeightLoadError, match="symbolic link"):  # a symlinked file, no index
+        folder_tensors(folder)
+    assert folder_tensors(folder, follow_links=True) == {}  # the operator's own model may link (a hub snapshot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,3 +382,30 @@ def test_rank_transaction_commits_all_or_nothing(rank):
     assert rank.handle(ReadWeight(name, 4)).value == before
     with pytest.raises(TypeError, match="not a weight message"):
         rank.handle("apply_named_tensors")
+
+
+def test_the_operators_model_may_link_its_files_an_update_may_not(rank, model_dir, tmp_path):
+    """A Hugging Face cache snapshot is a folder of symlinks to blobs elsewhere: the model an engine
+    starts with may be one (the operator chose it); an update's files must be the folder's own."""
+    from rollout.layers.parallel_state import TpState, tp_state_context
+    from rollout.worker.messages import ApplyDisk
+
+    path = rank.runner.config.model_path
+    snapshot, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    snapshot.mkdir()
+    blobs.mkdir()
+    for name in os.listdir(path):
+        blob = blobs / f"sha-{name}"
+        with open(os.path.join(path, name), "rb") as f:
+            blob.write_bytes(f.read())
+        os.symlink(blob, snapshot / name)
+    with tp_state_context(TpState()):
+        linked = ModelRunner(EngineConfig(model_path=str(snapshot), kv_cache_tokens=64),
+                             ModelConfig.from_pretrained(str(snapshot)), torch.device("cpu"), torch.float32, 64)
+    assert linked.load_report.num_tensors == rank.runner.load_report.num_tensors
+    with PinnedFolder.open(snapshot) as folder:
+        result = rank.handle(ApplyDisk(str(snapshot), folder=folder))
+    assert not result.success and "symbolic link" in result.message
+    with PinnedFolder.open(path) as folder:
+        assert rank.handle(ApplyDisk(path, folder=folder)).success
+    assert not rank.handle(ApplyDisk(path)).success  # a message without its pinned folder reads nothing

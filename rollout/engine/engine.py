@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.request import Request, Sequence
 from rollout.scheduler.scheduler import Scheduler
+from rollout.weights.loader import WeightLoadError
+from rollout.weights.safetensors_io import PinnedFolder
 from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
@@ -410,14 +413,28 @@ class RolloutEngine:
             return self._weights.run(msg)
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
 
-    def update_weights_from_disk(self, model_path: str, load_format: str = "auto", flush_cache: bool = True,
-                                 weight_version: Optional[str] = None, recapture_cuda_graph: bool = False,
-                                 abort_all_requests: bool = False, check_finite: bool = True) -> WeightResult:
-        """Load a Hugging Face safetensors folder (sharded or not), validated from its headers first."""
+    def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",
+                                 flush_cache: bool = True, weight_version: Optional[str] = None,
+                                 recapture_cuda_graph: bool = False, abort_all_requests: bool = False,
+                                 check_finite: bool = True) -> WeightResult:
+        """Load a Hugging Face safetensors folder (sharded or not), validated from its headers first.
+
+        The folder is pinned now (opened as a directory descriptor; a ``PinnedFolder`` the caller
+        opened, e.g. after checking where it lies, is used as it is): the update reads that folder
+        when it runs at a quiet point, whatever the path names by then. Its weight files must be
+        regular files of the folder itself (a symlink is refused, never followed)."""
         if load_format not in ("auto", "safetensors"):
             raise ValueError(f"load_format={load_format!r}: only safetensors folders are loaded ('auto')")
-        return self._weights.update(ApplyDisk(str(model_path), check_finite, recapture_cuda_graph), weight_version,
-                                    flush_cache, abort_all_requests)
+        if isinstance(model_path, PinnedFolder):
+            return self._weights.update(ApplyDisk(model_path.path, check_finite, recapture_cuda_graph, model_path),
+                                        weight_version, flush_cache, abort_all_requests)
+        try:
+            folder = PinnedFolder.open(model_path)
+        except WeightLoadError as exc:
+            return WeightResult.fail(str(exc))
+        with folder:
+            return self._weights.update(ApplyDisk(folder.path, check_finite, recapture_cuda_graph, folder),
+                                        weight_version, flush_cache, abort_all_requests)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: Optional[str] = None,

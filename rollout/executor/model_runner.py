@@ -38,7 +38,7 @@ from rollout.layers.sampler import (
 from rollout.models import ModelConfig, build_model
 from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 from rollout.weights.loader import LoadReport, apply_load, plan_load, weight_name_map
-from rollout.weights.safetensors_io import iter_safetensors
+from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,9 @@ class ModelRunner:
                 module.cos, module.signed_sin = real.cos.to(device), real.signed_sin.to(device)
         self.name_map = weight_name_map(self.model)  # HF name -> where it lands (parameters never move)
         t0 = time.perf_counter()
-        self.load_report: LoadReport = apply_load(plan_load(self.name_map, iter_safetensors(config.model_path)))
+        # the operator's model: links are followed (a Hugging Face cache snapshot links to its blobs)
+        with PinnedFolder.open(config.model_path) as folder, SafetensorsFolder(folder, follow_links=True) as files:
+            self.load_report: LoadReport = apply_load(plan_load(self.name_map, files.tensors()))
         logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
         self.max_model_len = max_model_len

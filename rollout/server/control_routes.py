@@ -2,8 +2,9 @@
 release/resume) and the ops routes (health, model and server info, Prometheus metrics).
 
 Weight and control routes need the admin key when one is set; ``update_weights_from_disk`` reads
-only under ``allowed_weight_dirs`` (symlinks resolved first); tensor handles come only from clients
-on this host, as JSON (never a pickle)."""
+only under ``allowed_weight_dirs``: the folder is opened once, checked where it lies, and read through
+that descriptor (``EngineService.update_from_disk``); tensor handles come only from clients on this
+host, as JSON (never a pickle)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,10 @@ Svc = Depends(service_of)
 
 @router.post("/update_weights_from_disk", dependencies=ADMIN)
 async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineService = Svc):
-    await svc.check_weight_path(body.model_path)
-    return await svc.weight_update(svc.engine.update_weights_from_disk, body.model_path, load_format=body.load_format,
-                                   flush_cache=body.flush_cache, weight_version=body.weight_version,
-                                   recapture_cuda_graph=body.recapture_cuda_graph,
-                                   abort_all_requests=body.abort_all_requests)
+    return await svc.update_from_disk(body.model_path, load_format=body.load_format, flush_cache=body.flush_cache,
+                                      weight_version=body.weight_version,
+                                      recapture_cuda_graph=body.recapture_cuda_graph,
+                                      abort_all_requests=body.abort_all_requests)
 
 
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)

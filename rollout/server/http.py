@@ -8,6 +8,11 @@ the first request). Once a request is read, no deadline runs: a response may tak
 generation does (slime waits without a timeout, prime-rl up to 720 s), and ``--request-timeout-s``
 bounds that instead.
 
+It also lends each request its connection's transport (``scope["state"][TRANSPORT]``): a stream
+reads how many bytes wait in it for a slow reader (``get_write_buffer_size``) and keeps that under
+its cap (``rollout.server.service``). ASGI has no field for it; the scope's ``state`` (a copy of the
+server's state per connection here) is the one a protocol may fill.
+
 A subclass of uvicorn's protocol, not another server: the hooks it uses (``connection_made``,
 ``data_received``, ``connection_lost``, h11's ``their_state``) are the protocol's public asyncio and
 h11 surface; pass it as ``uvicorn.run(..., http=read_deadline_protocol(30.0))``.
@@ -22,6 +27,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _READ = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)  # their side has sent a whole request (or is gone)
+TRANSPORT = "rollout.transport"  # the scope state's key for the connection's transport
 
 
 class ReadDeadlineH11(H11Protocol):
@@ -29,6 +35,7 @@ class ReadDeadlineH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.app_state = {**self.app_state, TRANSPORT: transport}  # this connection's requests see it
         self._read_deadline: Optional[asyncio.TimerHandle] = None
         self._arm()
 

@@ -8,7 +8,7 @@ step, and the published weight version.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from rollout.outputs import RolloutOutput
@@ -54,6 +54,13 @@ class ServerMetrics:
         self.updates = Counter("rollout_weight_updates", "Weight updates", ["success"], registry=r)
         self.update_seconds = Histogram("rollout_weight_update_seconds", "Weight update duration", registry=r,
                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.stream_pending_bytes = Gauge("rollout_stream_pending_bytes", "Bytes of stream events waiting in the "
+                                          "server for their readers, all streams", registry=r)
+        self.stream_pending_peak = Gauge("rollout_stream_pending_bytes_peak", "The most bytes that waited for one "
+                                         "stream's reader", registry=r)
+        self.streams_dropped = Counter("rollout_streams_dropped", "Streams whose reader took nothing for "
+                                       "--stream-stall-timeout-s (their requests aborted)", registry=r)
+        self._peak = 0
         r.register(_EngineCollector(engine))
 
     def started(self, route: str) -> None:
@@ -72,6 +79,15 @@ class ServerMetrics:
         self.updates.labels(str(result.success).lower()).inc()
         if result.success:
             self.update_seconds.observe(result.seconds)
+
+    def stream_pending(self, change: int, now: int) -> None:
+        self.stream_pending_bytes.inc(change)
+        if now > self._peak:
+            self._peak = now
+            self.stream_pending_peak.set(now)
+
+    def stream_dropped(self) -> None:
+        self.streams_dropped.inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"

@@ -26,7 +26,10 @@ from fastapi.responses import StreamingResponse
 
 from rollout.outputs import RolloutOutput
 from rollout.server.encoding import JSONResponse, sse
+from rollout.server.http import TRANSPORT
 from rollout.server.metrics import ServerMetrics
+from rollout.weights.loader import WeightLoadError
+from rollout.weights.safetensors_io import FolderNotAllowed, PinnedFolder
 from rollout.worker.messages import WeightResult
 
 logger = logging.getLogger(__name__)
@@ -42,8 +45,10 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20
     request_timeout_s: float = 600.0
     served_model_name: Optional[str] = None
-    # a stream reader that takes longer than this to accept one event is dropped (its request aborted)
+    # a stream reader that takes nothing for this long is dropped (its request aborted, its KV freed)
     stream_stall_timeout_s: float = 30.0
+    # bytes of a stream's events waiting in the server for a reader that falls behind
+    stream_max_pending_bytes: int = 8 << 20
     # /generate streams: each event carries only what is new since the sample's last one (SGLang's
     # --incremental-streaming-output); off: every event the whole output so far (SGLang's default)
     incremental_streaming_output: bool = False
@@ -79,29 +84,94 @@ class TextDeltas:
         return stable[len(text):], ntok
 
 
-class _ReaderBoundStream(StreamingResponse):
-    """Server-sent events for a reader that may stop reading. The engine side keeps only the newest
-    snapshot per sample while this waits (``RolloutEngine.async_generate``), so a slow reader costs one
-    snapshot per sample, not every step's; a reader that has not taken an event within
-    ``stall_timeout_s`` (the socket's buffers full) is dropped: the events' iterator is closed, which
-    aborts its requests and frees their KV, and the connection closes without the final event."""
+class _ReaderGone(Exception):
+    """The reader took nothing for the stall timeout."""
 
-    def __init__(self, content, stall_timeout_s: float, **kw):
+
+class _ReaderBoundStream(StreamingResponse):
+    """Server-sent events for a reader that may stop reading.
+
+    - The engine side keeps only the newest snapshot per sample while this waits
+      (``RolloutEngine.async_generate``): a slow reader skips snapshots, it does not queue them.
+    - The bytes waiting in the server for the reader — the connection's write buffer, read from the
+      transport — stay within ``max_pending_bytes``: an event is handed to the socket in pieces, each
+      only once the reader has taken enough of what waits (an event larger than the cap goes piece by
+      piece, never whole).
+    - A reader that takes nothing for ``stall_timeout_s`` is dropped: the events' iterator is closed,
+      which aborts its requests and frees their KV, and the connection closes without the final event.
+
+    Under a server whose protocol does not lend the transport (``rollout.server.http``), each event
+    goes whole and only the stall timeout applies."""
+
+    POLL_S = 0.02
+
+    def __init__(self, content, config: ServerConfig, metrics: ServerMetrics, **kw):
         super().__init__(content, **kw)
-        self.stall_timeout_s = stall_timeout_s
+        self.stall_timeout_s = config.stream_stall_timeout_s
+        self.cap = max(1, config.stream_max_pending_bytes)
+        self.metrics = metrics
+        self._transport: Optional[asyncio.WriteTransport] = None
+        self._pending = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        self._transport = scope.get("state", {}).get(TRANSPORT)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._account(0)
+
+    def _buffered(self) -> int:
+        t = self._transport
+        return 0 if t is None or t.is_closing() else t.get_write_buffer_size()
+
+    def _account(self, pending: int) -> None:
+        self.metrics.stream_pending(pending - self._pending, pending)
+        self._pending = pending
+
+    async def _write(self, send, body: bytes) -> None:
+        """Hand ``body`` to the socket within the cap; ``_ReaderGone`` once the reader has taken
+        nothing (the waiting bytes did not shrink, no piece was accepted) for the stall timeout."""
+        loop = asyncio.get_running_loop()
+        progress = loop.time()
+        last = self._buffered()
+        at = 0
+        while at < len(body):
+            buffered = self._buffered()
+            if buffered < last:
+                progress = loop.time()
+            last = buffered
+            room = self.cap - buffered
+            if self._transport is None:
+                room = len(body)
+            elif room < min(len(body) - at, max(1, self.cap // 4)):  # wait for the reader to take some
+                self._account(buffered)
+                if loop.time() - progress > self.stall_timeout_s:
+                    raise _ReaderGone
+                await asyncio.sleep(self.POLL_S)
+                continue
+            piece = body[at:at + room]
+            left = self.stall_timeout_s - (loop.time() - progress)
+            try:  # uvicorn's own flow control may hold the send until the buffer drains
+                await asyncio.wait_for(send({"type": "http.response.body", "body": piece, "more_body": True}),
+                                       max(left, 0.0))
+            except (TimeoutError, asyncio.TimeoutError):
+                raise _ReaderGone from None
+            at += len(piece)
+            progress = loop.time()
+            last = self._buffered()
+            self._account(last)
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
             async for chunk in self.body_iterator:
                 body = chunk if isinstance(chunk, bytes) else chunk.encode(self.charset)
-                try:
-                    await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": True}),
-                                           self.stall_timeout_s)
-                except (TimeoutError, asyncio.TimeoutError):
-                    logger.warning("dropped a stream reader that took no event for %.0f s; its request is aborted",
-                                   self.stall_timeout_s)
-                    return
+                await self._write(send, body)
+        except _ReaderGone:
+            self.metrics.stream_dropped()
+            logger.warning("dropped a stream reader that took nothing for %.0f s; its request is aborted",
+                           self.stall_timeout_s)
+            return
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our async generator
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -160,7 +230,7 @@ class EngineService:
             events = await self.engine.async_generate(stream=True, **kwargs)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        return _ReaderBoundStream(self._events(request.url.path, events, shape), self.config.stream_stall_timeout_s,
+        return _ReaderBoundStream(self._events(request.url.path, events, shape), self.config, self.metrics,
                                   media_type="text/event-stream")
 
     async def _events(self, route: str, events, shape) -> AsyncIterator[str]:
@@ -210,17 +280,30 @@ class EngineService:
         self.metrics.weight_update(result)
         return result_json(result)
 
-    async def check_weight_path(self, path: str) -> None:
-        """403 unless ``path`` (symlinks resolved) lies under ``--allowed-weight-dirs`` (when set); 400
-        for a path no file can have. The resolution touches the filesystem (a long or deep path takes
-        seconds): off the event loop."""
+    async def update_from_disk(self, path: str, **kwargs) -> JSONResponse:
+        """Pin the folder (open it as a directory descriptor), check where the descriptor lies against
+        ``--allowed-weight-dirs`` (403 outside), and update through it: the check and the read are of
+        the same folder, however long the update waits for a quiet point and whatever ``path`` names
+        meanwhile. 400 for a path no file can have. All of it on one control thread (opening a long
+        or deep path takes seconds), which also closes the descriptor, so a client that leaves
+        cannot close it under a running update."""
         if "\x00" in path:
             raise HTTPException(400, "model_path contains a NUL byte")
-        if not self.allowed_dirs:
-            return
-        real = await self._run(self._control, os.path.realpath, path)
-        if not any(os.path.commonpath([real, d]) == d for d in self.allowed_dirs):
-            raise HTTPException(403, f"{path!r} is outside --allowed-weight-dirs")
+
+        def pin_and_update() -> WeightResult:
+            try:
+                folder = PinnedFolder.open(path, self.allowed_dirs)
+            except WeightLoadError as exc:
+                return WeightResult.fail(str(exc))
+            with folder:
+                return self.engine.update_weights_from_disk(folder, **kwargs)
+
+        try:
+            result = await self.call(pin_and_update)
+        except FolderNotAllowed as exc:
+            raise HTTPException(403, str(exc)) from None
+        self.metrics.weight_update(result)
+        return result_json(result)
 
     # ------------------------------------------------------------------ what the info routes say
 

@@ -29,7 +29,7 @@ from rollout.executor.model_runner import ModelRunner
 from rollout.layers.linear import copy_slices
 from rollout.layers.parallel_state import TpState
 from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
-from rollout.weights.safetensors_io import iter_safetensors
+from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
@@ -164,14 +164,20 @@ class RankWeights:
         return WeightResult.ok(f"loaded {report.num_tensors} tensors", num_bytes=report.num_bytes)
 
     def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
-        try:
-            named = list(iter_safetensors(msg.model_path, validate=True))
-        except INPUT_ERRORS as exc:
-            self._vote(False)  # the other ranks still vote: they must learn this rank failed
-            return WeightResult.fail(str(exc))
-        # Checkpoints may be saved in another precision: cast on copy, like the initial load.
-        return self._apply(named, strict_dtype=False, check_finite=msg.check_finite, partial=False,
-                           recapture=msg.recapture_cuda_graph)
+        """Read through the folder the engine pinned (``msg.folder``; a spawned rank received the
+        descriptor itself), never through the path, which may name another folder by now."""
+        if msg.folder is None:
+            self._vote(False)
+            return WeightResult.fail("a disk update reached this rank without its pinned folder")
+        with SafetensorsFolder(msg.folder) as files:
+            try:
+                named = list(files.tensors())
+            except INPUT_ERRORS as exc:
+                self._vote(False)  # the other ranks still vote: they must learn this rank failed
+                return WeightResult.fail(str(exc))
+            # Checkpoints may be saved in another precision: cast on copy, like the initial load.
+            return self._apply(named, strict_dtype=False, check_finite=msg.check_finite, partial=False,
+                               recapture=msg.recapture_cuda_graph)
 
     def _with_bucket(self, handle: dict, use, vote: bool) -> WeightResult:
         """Open a sender's bucket (shared memory or CUDA IPC), hand its (name, view) pairs to

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
+
+if TYPE_CHECKING:
+    from rollout.weights.safetensors_io import PinnedFolder
 
 # ---------------------------------------------------------------------------------------------
 # generation steps (rank 0 -> the other ranks)
@@ -70,11 +73,18 @@ class ApplyHandle:
 
 @dataclass(frozen=True)
 class ApplyDisk:
-    """A safetensors folder (any floating dtype: cast on copy, like the initial load)."""
+    """A safetensors folder (any floating dtype: cast on copy, like the initial load), pinned by the
+    engine when the update was asked for: ranks read through ``folder`` (a directory descriptor),
+    the path only names it in messages. On a pipe the message travels without it
+    (``on_the_wire``) and the descriptor follows as a passed file handle."""
 
     model_path: str
     check_finite: bool = True
     recapture_cuda_graph: bool = False
+    folder: Optional[PinnedFolder] = field(default=None, compare=False, repr=False)
+
+    def on_the_wire(self) -> ApplyDisk:
+        return dataclasses.replace(self, folder=None)
 
 
 @dataclass(frozen=True)

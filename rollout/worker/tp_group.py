@@ -23,6 +23,7 @@ import os
 import traceback
 from abc import abstractmethod
 from dataclasses import replace
+from multiprocessing import connection, reduction
 from typing import Optional
 
 import torch
@@ -32,7 +33,17 @@ from rollout.config import EngineConfig
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.parallel_state import Communicator, TpState
 from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
-from rollout.worker.messages import LOCAL_ONLY, WEIGHT_MESSAGES, SampleMsg, StepMsg, StopMsg, WeightResult, reply_timeout_s
+from rollout.weights.safetensors_io import PinnedFolder
+from rollout.worker.messages import (
+    LOCAL_ONLY,
+    WEIGHT_MESSAGES,
+    ApplyDisk,
+    SampleMsg,
+    StepMsg,
+    StopMsg,
+    WeightResult,
+    reply_timeout_s,
+)
 from rollout.worker.tp_worker import BaseTpWorker, TpModelWorker
 from weight_sync.process_group import listen_socket, new_process_group
 
@@ -106,7 +117,11 @@ def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, nu
         if isinstance(msg, StopMsg):
             return
         try:
-            reply = handler.handle(msg)
+            if isinstance(msg, ApplyDisk):  # the pinned folder's descriptor follows the message
+                with PinnedFolder(reduction.recv_handle(conn), msg.model_path) as folder:
+                    reply = handler.handle(replace(msg, folder=folder))
+            else:
+                reply = handler.handle(msg)
             if reply is not None:
                 conn.send(("result", reply))
         except BaseException:  # a failed step or collective: this rank cannot go on
@@ -209,10 +224,18 @@ class TpWorkerGroup(LeaderWorker):
     # ------------------------------------------------------------------ control channel
 
     def _send_all(self, msg) -> None:
+        """Each rank's pipe carries the message; a disk update's pinned folder goes as a passed
+        descriptor right behind it (``send_handle``: the rank reads the very folder rank 0 does)."""
         self._check_alive()
-        for rank, conn in enumerate(self.conns, start=1):
+        folder = msg.folder if isinstance(msg, ApplyDisk) else None
+        if isinstance(msg, ApplyDisk) and folder is None:
+            raise ValueError("a disk update is sent to the ranks with its folder pinned (PinnedFolder)")
+        wire = msg.on_the_wire() if isinstance(msg, ApplyDisk) else msg
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             try:
-                conn.send(msg)
+                conn.send(wire)
+                if folder is not None:
+                    reduction.send_handle(conn, folder.fd, p.pid)
             except (BrokenPipeError, OSError) as exc:
                 self._fail(f"TP worker rank {rank} is unreachable ({exc})")
 
@@ -248,6 +271,9 @@ class TpWorkerGroup(LeaderWorker):
         except TpWorkerError:
             raise
         except Exception as exc:
+            # a peer that died closed its sockets before it could be reaped: give it a moment to be
+            # seen dead, so that the failure names the rank rather than only the collective
+            connection.wait([p.sentinel for p in self.procs], timeout=1.0)
             errors = self._collect_errors()
             if errors or isinstance(exc, (RuntimeError, dist.DistBackendError)):
                 self._fail("; ".join(errors) or f"collective failed: {exc}")
