@@ -108,6 +108,8 @@ def _cmd_serve(args) -> int:
     from rollout.server.http import read_deadline_protocol
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if args.stream_max_pending_mb * 2**20 < 4096:
+        raise SystemExit(f"--stream-max-pending-mb {args.stream_max_pending_mb}: at least 4 KiB (0.004)")
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
                           allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
                           request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name,

@@ -35,6 +35,7 @@ from rollout.worker.messages import WeightResult
 logger = logging.getLogger(__name__)
 CONTROL_THREADS = 8  # weight and control calls at once (each may wait for a quiet point)
 READ_THREADS = 4  # stats and metrics reads at once
+MIN_PENDING_BYTES = 4096  # the smallest --stream-max-pending-mb (a piece and its framing must fit)
 
 
 @dataclass
@@ -104,11 +105,12 @@ class _ReaderBoundStream(StreamingResponse):
     goes whole and only the stall timeout applies."""
 
     POLL_S = 0.02
+    FRAMING = 32  # what HTTP/1.1 chunked encoding adds around each piece (size line and CRLFs)
 
     def __init__(self, content, config: ServerConfig, metrics: ServerMetrics, **kw):
         super().__init__(content, **kw)
         self.stall_timeout_s = config.stream_stall_timeout_s
-        self.cap = max(1, config.stream_max_pending_bytes)
+        self.cap = max(MIN_PENDING_BYTES, config.stream_max_pending_bytes)
         self.metrics = metrics
         self._transport: Optional[asyncio.WriteTransport] = None
         self._pending = 0
@@ -140,10 +142,10 @@ class _ReaderBoundStream(StreamingResponse):
             if buffered < last:
                 progress = loop.time()
             last = buffered
-            room = self.cap - buffered
+            room = self.cap - buffered - self.FRAMING
             if self._transport is None:
                 room = len(body)
-            elif room < min(len(body) - at, max(1, self.cap // 4)):  # wait for the reader to take some
+            elif room < min(len(body) - at, max(1, self.cap // 4)) or room < 1:  # wait for the reader
                 self._account(buffered)
                 if loop.time() - progress > self.stall_timeout_s:
                     raise _ReaderGone
