@@ -112,10 +112,11 @@ def _cmd_serve(args) -> int:
         raise SystemExit(f"--stream-max-pending-mb {args.stream_max_pending_mb}: at least 4 KiB (0.004)")
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
                           allowed_weight_dirs=args.allowed_weight_dirs or [], max_body_bytes=int(args.max_body_mb * 2**20),
-                          request_timeout_s=args.request_timeout_s or 600.0, served_model_name=args.served_model_name,
+                          request_timeout_s=args.request_timeout_s, served_model_name=args.served_model_name,
                           stream_stall_timeout_s=args.stream_stall_timeout_s,
                           stream_max_pending_bytes=int(args.stream_max_pending_mb * 2**20),
-                          incremental_streaming_output=args.incremental_streaming_output)
+                          incremental_streaming_output=args.incremental_streaming_output,
+                          enable_memory_saver=args.enable_memory_saver)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "flag); default: the whole output so far, as SGLang's default")
     s.add_argument("--stream-stall-timeout-s", type=float, default=30.0,
                    help="a stream reader that takes nothing for this long is dropped and its request aborted")
+    s.add_argument("--enable-memory-saver", action="store_true",
+                   help="SGLang's flag, reported by /get_server_info (slime compares it with its own launch "
+                        "arguments); release/resume_memory_occupation work either way")
     s.add_argument("--stream-max-pending-mb", type=float, default=8.0,
                    help="the most bytes of a stream's events that wait in the server for a reader that falls behind "
                         "(an event is sent in pieces within it)")

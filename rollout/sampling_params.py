@@ -9,6 +9,13 @@ rather than refused: a temperature below ``GREEDY_BELOW`` (1e-5, vLLM's rule) is
 would be 0 or subnormal in float32; a ``top_k`` of the vocabulary size or more keeps every token;
 top-p always keeps the most likely token (so ``top_p=1e-300``, 0 in float32, is greedy-like, not
 empty).
+
+The fields are SGLang's (``sglang.srt.sampling.sampling_params``), and ``from_dict`` reads a dict as
+SGLang does: ``null`` means the default; ``sampling_seed`` is SGLang's name for ``seed``. Fields for
+features this engine does not have (constrained decoding, stop regexes) are accepted at their
+neutral value and refused with a clear error when set; ``custom_params`` feeds only a custom logit
+processor (refused), and ``stream_interval`` is accepted (streams send every step); unknown names
+are refused, as SGLang refuses them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,13 @@ NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetit
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (float32 would make them 0 or subnormal)
 MAX_LOGIT_BIAS = 1e30  # |bias| above this could overflow float32 logits to inf
 FLOAT32_MAX = 3.4028234663852886e38
+UNSUPPORTED = {  # SGLang sampling fields whose feature this engine does not have
+    "json_schema": "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported",
+    "regex": "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported",
+    "ebnf": "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported",
+    "structural_tag": "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported",
+    "stop_regex": "stop regexes are not supported: pass stop strings (stop) or stop_token_ids",
+}
 
 
 @dataclass
@@ -42,10 +56,33 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
+    # SGLang's: keep the matched stop string (or stop token's text) at the end of the text
+    no_stop_trim: bool = False
+    # SGLang's; only slow (Python) tokenizers use it, and every tokenizer loaded here is a fast one
+    spaces_between_special_tokens: bool = True
+    stream_interval: Optional[int] = None
+    custom_params: Optional[dict] = None
+    # SGLang fields of features this engine does not have: accepted unset, refused when set
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        for name in UNSUPPORTED:
+            if getattr(self, name) is not None:
+                bad(name, UNSUPPORTED[name])
+        for name in ("no_stop_trim", "spaces_between_special_tokens", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if self.stream_interval is not None and not (_is_int(self.stream_interval) and self.stream_interval >= 1):
+            bad("stream_interval", "must be an integer >= 1")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            bad("custom_params", "must be an object")
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", "must be an integer >= 0")
@@ -126,10 +163,21 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
+        """A dict as SGLang reads one: ``null`` is the default, ``sampling_seed`` is ``seed``,
+        ``stop_token_ids`` may hold ``null`` entries (dropped); unknown names are refused."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if v is not None}
+        if "sampling_seed" in d:
+            if "seed" in d and d["seed"] != d["sampling_seed"]:
+                raise ValueError("sampling_seed and seed are the same parameter (SGLang's and ours): pass one")
+            d["seed"] = d.pop("sampling_seed")
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known | {'sampling_seed'})}")
+        if isinstance(d.get("stop_token_ids"), list):
+            d["stop_token_ids"] = [t for t in d["stop_token_ids"] if t is not None] or None
         return cls(**d)
 
 

@@ -44,6 +44,26 @@ def test_stop_token_ids(engine):
     assert out.finish_reason == "stop" and out.matched_stop == stop_id
 
 
+def test_stop_text_is_trimmed_unless_no_stop_trim_as_sglang_does(engine):
+    """SGLang trims the matched stop string, and a stop token's text, from ``text`` unless
+    ``no_stop_trim`` (slime and miles send it with ``skip_special_tokens: false``)."""
+    prompt = engine.tokenizer("The quick brown")["input_ids"]
+    full = engine.generate(input_ids=prompt, sampling_params=greedy())[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    kept = engine.generate(input_ids=prompt, sampling_params=greedy(stop=stop, no_stop_trim=True))[0]
+    pos = full.text.find(stop)
+    assert kept.text == full.text[:pos + len(stop)] and kept.matched_stop == stop
+    stop_id = full.output_token_ids[3]
+    sp = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop_id, None],
+          "skip_special_tokens": False}
+    trimmed = engine.generate(input_ids=prompt, sampling_params=sp)[0]
+    untrimmed = engine.generate(input_ids=prompt, sampling_params={**sp, "no_stop_trim": True})[0]
+    ids = full.output_token_ids[:full.output_token_ids.index(stop_id) + 1]
+    assert trimmed.output_token_ids == untrimmed.output_token_ids == ids  # the tokens are all there either way
+    assert trimmed.text == engine.tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    assert untrimmed.text == engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def test_eos_and_min_new_tokens(engine):
     eos = engine.tokenizer.eos_token_id
     prompt = random_prompts(300, [6], seed=13)[0]

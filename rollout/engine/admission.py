@@ -194,7 +194,10 @@ class Admission:
             return self._score_output(req, seq, current_version)
         text = seq.text
         if text is None and self.detokenize is not None:
-            text = self.detokenize(seq.output_ids, req.params.skip_special_tokens)
+            ids = seq.output_ids
+            if seq.finish_reason == "stop" and isinstance(seq.matched_stop, int) and not req.params.no_stop_trim:
+                ids = ids[:-1]  # SGLang trims the stop token's text unless no_stop_trim
+            text = self.detokenize(ids, req.params.skip_special_tokens)
         end = req.finish_time if seq.is_finished and req.finish_time else time.perf_counter()
         return RolloutOutput(
             rid=req.rid, prompt_index=req.prompt_index, sample_index=seq.sample_index,

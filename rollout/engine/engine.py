@@ -340,15 +340,27 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ control
 
-    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        """Abort one request (its partial outputs are returned with finish_reason "abort") or all."""
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False, prefix: bool = False) -> None:
+        """Abort one request (its partial outputs are returned with finish_reason "abort"), every
+        request whose id starts with ``rid`` (``prefix``, miles' multi-LoRA abort), or all."""
         if rid is None and not abort_all:
             raise ValueError("pass rid, or abort_all=True")
-        self._loop.abort(None if abort_all else rid)
+        if prefix and not abort_all and not rid:
+            raise ValueError("a prefix abort needs a non-empty rid (or abort_all=True)")
+        self._loop.abort(None if abort_all else rid, prefix)
 
-    def flush_cache(self) -> bool:
-        self._loop.call(self.scheduler.flush_cache)
-        return True
+    def flush_cache(self, only_when_idle: bool = False) -> bool:
+        """Drop the prefix cache (blocks no request holds). ``only_when_idle`` (the HTTP route, as
+        SGLang's): refused (False) while requests run, or wait while generation is not paused —
+        clients poll it until it succeeds to learn the engine has drained."""
+        def flush() -> bool:
+            sched = self.scheduler
+            if only_when_idle and sched.has_work() and (sched.running or not self._loop.paused):
+                return False
+            sched.flush_cache()
+            return True
+
+        return self._loop.call(flush)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: abort running requests; retract: send them back to the queue (KV dropped, recomputed

@@ -39,6 +39,7 @@ class _Add:
 @dataclass
 class _Abort:
     rid: Optional[str]  # None: every request
+    prefix: bool = False  # every request whose id starts with rid
 
 
 @dataclass
@@ -74,8 +75,8 @@ class EngineLoop:
     def submit(self, req: Request) -> None:
         self._commands.put(_Add(req))
 
-    def abort(self, rid: Optional[str]) -> None:
-        self._commands.put(_Abort(rid))
+    def abort(self, rid: Optional[str], prefix: bool = False) -> None:
+        self._commands.put(_Abort(rid, prefix))
 
     def call(self, fn: Callable[[], Any], timeout: Optional[float] = None, quiet: bool = False) -> Any:
         """Run ``fn`` on the loop thread at a step boundary (``quiet``: once no request runs, or
@@ -158,7 +159,7 @@ class EngineLoop:
         if isinstance(cmd, _Add):
             self.scheduler.add_request(cmd.req)
         elif isinstance(cmd, _Abort):
-            self.scheduler.abort(cmd.rid)
+            self.scheduler.abort(cmd.rid, cmd.prefix)
         elif isinstance(cmd, _Call):
             try:
                 self.scheduler.drain()

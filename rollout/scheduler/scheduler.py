@@ -158,9 +158,15 @@ class Scheduler:
         if req.on_update is not None:
             req.on_update(req, list(req.seqs))
 
-    def abort(self, rid: Optional[str] = None) -> int:
-        """Finish the request (or every request, rid=None) with reason "abort"; returns how many."""
-        reqs = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+    def abort(self, rid: Optional[str] = None, prefix: bool = False) -> int:
+        """Finish the request (every request: rid=None; every request whose id starts with rid:
+        ``prefix``) with reason "abort"; returns how many."""
+        if rid is None:
+            reqs = list(self.requests.values())
+        elif prefix:
+            reqs = [r for k, r in self.requests.items() if k.startswith(rid)]
+        else:
+            reqs = [self.requests[rid]] if rid in self.requests else []
         for req in reqs:
             req.pending_followers.clear()
             for seq in req.seqs:
@@ -537,7 +543,7 @@ class Scheduler:
                 if hits:
                     pos, s = min(hits)
                     seq.stop_text_offset = pos
-                    seq.text = text[:pos]
+                    seq.text = text[:pos + len(s)] if p.no_stop_trim else text[:pos]
                     return self._finish(seq, "stop", s)
         if n_out >= p.max_new_tokens or len(seq.token_ids) >= self.worker.context_len:
             self._finish(seq, "length")

@@ -33,13 +33,30 @@ from rollout.server.sglang_routes import sglang_item
 __all__ = ["ServerConfig", "create_app", "result_json", "sglang_item"]
 
 
+_OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                 404: "NotFoundError", 413: "BadRequestError", 499: "ClientClosedRequest", 503: "ServiceUnavailableError",
+                 504: "TimeoutError"}
+
+
+def _error(request: Request, status: int, message: str, extra: Optional[dict] = None, headers=None,
+           param: Optional[str] = None) -> JSONResponse:
+    """SGLang's ``{"detail": ...}`` on its routes; OpenAI's ``{"error": {message, type, param, code}}``
+    under ``/v1/`` (what the openai client and vLLM clients parse)."""
+    if request.url.path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "APIError"), "param": param,
+                          "code": status}}
+    else:
+        body = {"detail": message, **(extra or {})}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException):
     if exc.status_code in (404, 405):  # a path or method that does not exist: still only behind the key
         try:
             user(request)
         except StarletteHTTPException as denied:
             exc = denied
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    return _error(request, exc.status_code, exc.detail, headers=exc.headers)
 
 
 def _field(loc) -> str:
@@ -51,7 +68,7 @@ async def _invalid(request: Request, exc: RequestValidationError):
     (never echoing the value: it may be NaN, or a string that cannot be encoded)."""
     errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid")} for e in exc.errors()]
     detail = "invalid request: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-    return JSONResponse({"detail": detail, "errors": errors}, status_code=400)
+    return _error(request, 400, detail, {"errors": errors}, param=errors[0]["field"] if errors else None)
 
 
 def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> FastAPI:

@@ -69,14 +69,17 @@ class RolloutClient:
     def _post(self, path: str, body: Optional[dict] = None, admin: bool = False) -> httpx.Response:
         return self.http.post(path, json=body or {}, headers=self._headers(admin))
 
-    def _json(self, r: httpx.Response) -> Any:
+    def _check(self, r: httpx.Response) -> httpx.Response:
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
             raise RolloutServerError(r.status_code, str(detail))
-        return r.json()
+        return r
+
+    def _json(self, r: httpx.Response) -> Any:
+        return self._check(r).json()
 
     def _weight(self, path: str, body: Optional[dict] = None) -> WeightResult:
         r = self._post(path, body, admin=True)
@@ -152,7 +155,12 @@ class RolloutClient:
     # ------------------------------------------------------------------ control
 
     def flush_cache(self) -> bool:
-        return self._json(self._post("/flush_cache", admin=True))["success"]
+        """True once flushed; False while requests run or wait (the server's 400, as SGLang's)."""
+        r = self._post("/flush_cache", admin=True)
+        if r.status_code == 400:
+            return False
+        self._check(r)
+        return True
 
     def pause_generation(self, mode: str = "abort") -> None:
         self._json(self._post("/pause_generation", {"mode": mode}, admin=True))
@@ -160,8 +168,8 @@ class RolloutClient:
     def continue_generation(self) -> None:
         self._json(self._post("/continue_generation", admin=True))
 
-    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        self._json(self._post("/abort_request", {"rid": rid, "abort_all": abort_all}, admin=True))
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False, prefix: bool = False) -> None:
+        self._check(self._post("/abort_request", {"rid": rid, "abort_all": abort_all, "prefix": prefix}, admin=True))
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None, backup_weights: bool = False) -> WeightResult:
         return self._weight("/release_memory_occupation", {"tags": tags, "backup_weights": backup_weights})

@@ -95,8 +95,11 @@ async def get_weight_version(svc: EngineService = Svc):
 
 @router.post("/update_weight_version", dependencies=ADMIN)
 async def update_weight_version(body: P.VersionRequest, svc: EngineService = Svc):
+    if body.abort_all_requests:
+        await svc.call(svc.engine.abort_request, None, True)
     await svc.call(svc.engine.update_weight_version, body.new_version)
-    return {"success": True, "message": "version updated", "weight_version": svc.engine.get_weight_version()}
+    return {"success": True, "message": "version updated", "new_version": body.new_version,
+            "weight_version": svc.engine.get_weight_version()}
 
 
 # ------------------------------------------------------------------ control
@@ -104,8 +107,11 @@ async def update_weight_version(body: P.VersionRequest, svc: EngineService = Svc
 
 @router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ADMIN)
 async def flush_cache(svc: EngineService = Svc):
-    await svc.call(svc.engine.flush_cache)
-    return {"success": True, "message": "prefix cache flushed"}
+    """SGLang's: plain text, 200 once flushed, 400 while requests run or wait (clients poll it)."""
+    if await svc.call(svc.engine.flush_cache, only_when_idle=True):
+        return PlainTextResponse("Cache flushed.\n")
+    return PlainTextResponse("Cache not flushed: requests are running or waiting (SGLang answers the same 400; "
+                             "poll until 200, or pause generation first).\n", status_code=400)
 
 
 @router.post("/pause_generation", dependencies=ADMIN)
@@ -122,8 +128,10 @@ async def continue_generation(svc: EngineService = Svc):
 
 @router.post("/abort_request", dependencies=ADMIN)
 async def abort_request(body: P.AbortRequest, svc: EngineService = Svc):
-    await svc.call(svc.engine.abort_request, body.rid, body.abort_all)
-    return {"success": True, "message": "abort requested"}
+    """SGLang's: 200 with an empty body; ``rid`` "" (or none) without ``abort_all`` aborts nothing."""
+    if body.abort_all or body.rid:
+        await svc.call(svc.engine.abort_request, body.rid, body.abort_all, body.prefix)
+    return Response(status_code=200)
 
 
 @router.post("/release_memory_occupation", dependencies=ADMIN)
@@ -147,13 +155,21 @@ async def health(svc: EngineService = Svc):
 
 
 @router.get("/get_model_info", dependencies=USER)
+@router.get("/model_info", dependencies=USER)  # SGLang's newer name (miles reads it)
 async def get_model_info(svc: EngineService = Svc):
     return svc.model_info()
 
 
 @router.get("/get_server_info", dependencies=USER)
+@router.get("/server_info", dependencies=USER)  # SGLang's newer name (slime tries it first)
 async def get_server_info(svc: EngineService = Svc):
     return await svc.server_info()
+
+
+@router.get("/v1/loads", dependencies=USER)
+async def loads(svc: EngineService = Svc):
+    """SGLang's load report (``?include=core`` accepted): running and waiting requests."""
+    return await svc.loads()
 
 
 @router.get("/metrics", dependencies=USER)

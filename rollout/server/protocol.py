@@ -1,6 +1,8 @@
 """Request bodies of every route (pydantic: a bad body is a 400 naming the field), with SGLang's and
-OpenAI's field names. Unknown fields are refused, except on the OpenAI routes, where clients send
-fields we do not use (they are ignored, as OpenAI-compatible servers do).
+OpenAI's field names. Unknown top-level fields are ignored, as SGLang's dataclass bodies and
+OpenAI-compatible servers ignore them (miles sends ``return_indexer_topk``, AReaL ``pp_rank``, the
+router ``log_metrics``...); SGLang's fields for features this engine does not have are accepted at
+their neutral value and refused, naming the feature, when asked for (``Neutral``).
 
 Every body refuses what JSON parsers let through but nothing downstream can use: ``NaN`` and
 ``Infinity`` (Python's parser accepts them) in a number field, and strings holding a lone UTF-16
@@ -51,27 +53,101 @@ class Body(BaseModel):
         return data
 
 
-class Strict(Body):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class Lenient(Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
 # generation
 
-class GenerateRequest(Strict):
+def _unset(value: Any) -> bool:
+    """SGLang's neutral values: nothing, false, empty, or a per-prompt list of those."""
+    if isinstance(value, list):
+        return all(_unset(v) for v in value)
+    return value is None or value is False or value == "" or value == {}
+
+
+# SGLang GenerateReqInput fields whose feature this engine does not have -> what to say when set
+NOT_HERE = {
+    "image_data": "multimodal input is not supported (text-only Llama-family models)",
+    "video_data": "multimodal input is not supported (text-only Llama-family models)",
+    "audio_data": "multimodal input is not supported (text-only Llama-family models)",
+    "input_embeds": "input_embeds are not supported: send text or input_ids",
+    "token_ids_logprob": "token_ids_logprob is not supported: use top_logprobs_num",
+    "return_hidden_states": "hidden states are not returned by this engine",
+    "return_routed_experts": "routed experts exist only in MoE models; this engine serves dense models",
+    "return_entropy": "return_entropy is not supported",
+    "return_bytes": "return_bytes is not supported",
+    "lora_path": "LoRA adapters are not supported yet",
+    "lora_id": "LoRA adapters are not supported yet",
+    "custom_logit_processor": "custom logit processors are not supported (they would run pickled code)",
+    "session_params": "sessions are not supported yet",
+    "bootstrap_host": "prefill/decode disaggregation is not supported",
+    "bootstrap_port": "prefill/decode disaggregation is not supported",
+    "bootstrap_room": "prefill/decode disaggregation is not supported",
+    "background": "background requests are not supported: wait for the answer or stream it",
+    "extra_key": "extra_key (a prefix-cache partition key) is not supported yet",
+}
+
+
+class GenerateRequest(Lenient):
+    """SGLang's ``GenerateReqInput``. Per-prompt lists of ``return_logprob``, ``logprob_start_len`` and
+    ``top_logprobs_num`` are accepted when every prompt asks the same; ``sampling_params`` may differ
+    per prompt. ``model`` (the router adds it), ``log_metrics``, ``no_logs``, ``priority``,
+    ``modalities``, ``data_parallel_rank``, ``conversation_id``, ``custom_labels`` are accepted and
+    change nothing here."""
+
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int = Field(-1, ge=-1)
+    return_logprob: Optional[Union[bool, list[bool]]] = False
+    top_logprobs_num: Optional[Union[int, list[int]]] = 0
+    logprob_start_len: Optional[Union[int, list[int]]] = -1
+    return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     return_sampling_mask: Optional[bool] = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = False
+    return_routed_experts: Any = False
+    return_entropy: Any = False
+    return_bytes: Any = False
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    background: Any = False
+    extra_key: Any = None
 
+    @model_validator(mode="after")
+    def _supported(self) -> GenerateRequest:
+        asked = [name for name in NOT_HERE if not _unset(getattr(self, name))]
+        if asked:
+            raise ValueError("; ".join(f"{name}: {NOT_HERE[name]}" for name in asked))
+        for name, low, high in (("top_logprobs_num", 0, 20), ("logprob_start_len", -1, None)):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            if any(v is not None and (v < low or (high is not None and v > high)) for v in values):
+                raise ValueError(f"{name} must be >= {low}" + (f" and <= {high}" if high is not None else ""))
+        return self
 
-class Lenient(Body):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    def one(self, name: str, default: Any) -> Any:
+        """A per-request value that SGLang allows per prompt: the one value every prompt asks for."""
+        value = getattr(self, name)
+        if isinstance(value, list):
+            distinct = {v for v in value if v is not None}
+            if len(distinct) > 1:
+                raise ValueError(f"{name}: every prompt of one request must ask the same here (got {sorted(distinct)}); "
+                                 "send prompts that differ in separate requests")
+            value = distinct.pop() if distinct else None
+        return default if value is None else value
 
 
 class OpenAISampling(Lenient):
@@ -126,7 +202,7 @@ class ChatCompletionRequest(OpenAISampling):
 # ---------------------------------------------------------------------------------------------
 # weights and control (SGLang's fields)
 
-class UpdateFromDiskRequest(Strict):
+class UpdateFromDiskRequest(Lenient):
     model_path: str
     load_format: str = "auto"
     flush_cache: bool = True
@@ -135,11 +211,27 @@ class UpdateFromDiskRequest(Strict):
     recapture_cuda_graph: bool = False
 
 
-class UpdateFromTensorRequest(Strict):
+PICKLED_TENSORS = (
+    "serialized_named_tensors holds strings: base64 of a pickled MultiprocessingSerializer payload (SGLang's "
+    "colocated form, sent by slime, miles and veRL). This server never unpickles what a client sends. Send a "
+    "same-host bucket handle instead, plain JSON: weight_sync.SharedMemoryBucket().write(named_tensors) on CPU, "
+    "weight_sync.CudaIpcBucket(device).write(named_tensors) on GPU (README: colocated trainers)")
+
+
+class UpdateFromTensorRequest(Lenient):
     """A same-host bucket handle (``weight_sync.SharedMemoryBucket.write`` / ``CudaIpcBucket.write``):
-    plain JSON, never a pickle. SGLang sends one payload per TP rank; our ranks all open the one."""
+    plain JSON, never a pickle. SGLang sends one payload per TP rank; our ranks all open the one.
+    SGLang's own form (base64 strings of pickles) is refused with what to send instead."""
 
     serialized_named_tensors: Union[dict[str, Any], list[dict[str, Any]]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_pickles(cls, data: Any) -> Any:
+        payload = data.get("serialized_named_tensors") if isinstance(data, dict) else None
+        if isinstance(payload, str) or (isinstance(payload, list) and any(isinstance(p, str) for p in payload)):
+            raise ValueError(PICKLED_TENSORS)
+        return data
     load_format: Optional[str] = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -148,7 +240,10 @@ class UpdateFromTensorRequest(Strict):
     transaction: bool = False
 
 
-class InitGroupRequest(Strict):
+class InitGroupRequest(Lenient):
+    """SGLang's body; ``master_port`` may be a string (AReaL sends one), ``pp_rank`` (AReaL) and
+    ``override_existing`` (SkyRL) are ignored."""
+
     master_address: str
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
@@ -158,7 +253,7 @@ class InitGroupRequest(Strict):
     timeout_s: float = Field(60.0, gt=0, le=3600)
 
 
-class UpdateFromDistributedRequest(Strict):
+class UpdateFromDistributedRequest(Lenient):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -172,39 +267,44 @@ class UpdateFromDistributedRequest(Strict):
     transaction: bool = False
 
 
-class GroupNameRequest(Strict):
+class GroupNameRequest(Lenient):
     group_name: str = "weight_update_group"
 
 
-class GetWeightsRequest(Strict):
+class GetWeightsRequest(Lenient):
     name: str
     truncate_size: int = Field(100, ge=0, le=1_000_000)
 
 
-class VersionRequest(Strict):
+class VersionRequest(Lenient):
     new_version: str = Field(min_length=1)
+    abort_all_requests: bool = False  # miles sends it (false)
 
 
-class BeginUpdateRequest(Strict):
+class BeginUpdateRequest(Lenient):
     weight_version: Optional[str] = None
 
 
-class CommitUpdateRequest(Strict):
+class CommitUpdateRequest(Lenient):
     flush_cache: bool = True
     partial: bool = False
     abort_all_requests: bool = False
 
 
-class PauseRequest(Strict):
+class PauseRequest(Lenient):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class AbortRequest(Strict):
+class AbortRequest(Lenient):
+    """SGLang's body (``rid`` "" or missing and ``abort_all`` false aborts nothing); ``prefix`` (miles'
+    multi-LoRA abort) aborts every request whose id starts with ``rid``."""
+
     rid: Optional[str] = None
     abort_all: bool = False
+    prefix: bool = False
 
 
-class MemoryRequest(Strict):
+class MemoryRequest(Lenient):
     tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = None
 
 

@@ -44,10 +44,13 @@ class ServerConfig:
     admin_api_key: Optional[str] = None
     allowed_weight_dirs: list[str] = field(default_factory=list)
     max_body_bytes: int = 32 << 20
-    request_timeout_s: float = 600.0
+    request_timeout_s: Optional[float] = None  # None: no server-wide timeout (SGLang has none)
     served_model_name: Optional[str] = None
     # a stream reader that takes nothing for this long is dropped (its request aborted, its KV freed)
     stream_stall_timeout_s: float = 30.0
+    # reported in /get_server_info (slime compares it with its launch arguments); memory release and
+    # resume work either way here
+    enable_memory_saver: bool = False
     # bytes of a stream's events waiting in the server for a reader that falls behind
     stream_max_pending_bytes: int = 8 << 20
     # /generate streams: each event carries only what is new since the sample's last one (SGLang's
@@ -186,6 +189,7 @@ class EngineService:
         self.metrics = ServerMetrics(engine)
         self.model_name = self.config.served_model_name or os.path.basename(os.path.normpath(engine.config.model_path))
         self.allowed_dirs = [os.path.realpath(d) for d in self.config.allowed_weight_dirs]
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
         # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
         # behind each other.
@@ -201,7 +205,8 @@ class EngineService:
             task = asyncio.ensure_future(self.engine.async_generate(**kwargs))
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        deadline = time.monotonic() + self.config.request_timeout_s
+        limit = self.config.request_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=1.0)
@@ -210,7 +215,7 @@ class EngineService:
                 if await request.is_disconnected():
                     task.cancel()  # aborts the engine requests: their KV is freed
                     raise HTTPException(499, "client disconnected")
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     task.cancel()
                     raise HTTPException(504, f"the request did not finish within {self.config.request_timeout_s}s "
                                              "(aborted); the engine may be waiting for a weight update")
@@ -238,11 +243,13 @@ class EngineService:
     async def _events(self, route: str, events, shape) -> AsyncIterator[str]:
         t0 = time.perf_counter()
         last: dict = {}
-        deadline = time.monotonic() + self.config.request_timeout_s
+        limit = self.config.request_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
         try:
             while True:
                 try:  # a timed-out wait cancels the engine's iterator, which aborts the requests
-                    snap = await asyncio.wait_for(events.__anext__(), max(0.0, deadline - time.monotonic()))
+                    snap = await asyncio.wait_for(events.__anext__(),
+                                                  None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
                 last[(snap.prompt_index, snap.sample_index)] = snap
@@ -307,11 +314,27 @@ class EngineService:
         self.metrics.weight_update(result)
         return result_json(result)
 
+    def token_text(self, token: int) -> Optional[str]:
+        """One token's text as SGLang's ``return_text_in_logprobs`` gives it (the token decoded alone)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.engine.tokenizer.decode([token])
+        return text
+
     # ------------------------------------------------------------------ what the info routes say
 
     @property
     def dtype_name(self) -> str:
         return str(self.engine.dtype).replace("torch.", "")
+
+    async def loads(self) -> dict:
+        """SGLang's ``/v1/loads``: what slime polls after an abort until nothing runs or waits."""
+        stats = await self.read(self.engine.get_stats)
+        running, waiting = stats["num_running"], stats["num_waiting"]
+        used = stats["num_blocks"] - stats["num_free_blocks"]
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                           "num_total_reqs": running + waiting, "num_used_blocks": used,
+                           "token_usage": used / max(1, stats["num_blocks"])}]}
 
     def model_info(self) -> dict:
         engine, mc = self.engine, self.engine.model_config
@@ -323,7 +346,14 @@ class EngineService:
     async def server_info(self) -> dict:
         engine, config = self.engine, self.config
         stats = await self.read(engine.get_stats)
+        tp = engine.tp_size
         return {"engine_config": dataclasses.asdict(engine.config), "served_model_name": self.model_name,
+                "model_path": engine.config.model_path,
+                # what slime's external-engine mode reads and compares with its own launch arguments
+                "tensor_parallel_size": tp, "pp_size": 1, "pipeline_parallel_size": 1, "ep_size": 1,
+                "moe_dp_size": 1, "dp_size": 1, "num_gpus": tp if engine.device.type == "cuda" else 0,
+                "enable_memory_saver": config.enable_memory_saver, "enable_return_routed_experts": False,
+                "disaggregation_mode": "null", "disaggregation_bootstrap_port": None, "encoder_only": False,
                 "stats": stats, "weight_version": engine.get_weight_version(),
                 "dtype": self.dtype_name, "tp_size": engine.tp_size,
                 "max_body_bytes": config.max_body_bytes, "request_timeout_s": config.request_timeout_s,

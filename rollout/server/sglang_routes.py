@@ -4,6 +4,7 @@ per-token weight versions) and ``/health_generate``."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -16,17 +17,37 @@ from rollout.server.service import EngineService, TextDeltas, service_of
 router = APIRouter()
 
 
+# AReaL reads "Abort before prefill" as "no token was generated" (CLIENTS.md 5.1)
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+ABORT_DURING_DECODE = "Abort during decode (the client, abort_request or a weight update with abort_all_requests)"
+
+
 def _finish(o: RolloutOutput) -> Optional[dict]:
+    """SGLang's finish reason: ``{"type": "stop", "matched": id|str}``, ``{"type": "length", "length":
+    n}``, ``{"type": "abort", "message": ...}``."""
     if o.finish_reason is None:
         return None
     out: dict[str, Any] = {"type": o.finish_reason}
     if o.matched_stop is not None:
         out["matched"] = o.matched_stop
+    if o.finish_reason == "length":
+        out["length"] = len(o.output_token_ids)
+    if o.finish_reason == "abort":
+        out["message"] = ABORT_DURING_DECODE if o.output_token_ids else ABORT_BEFORE_PREFILL
     return out
 
 
-def sglang_item(o: RolloutOutput, return_logprob: bool) -> dict:
-    """One sample as SGLang's ``/generate`` shapes it, plus our per-token weight versions."""
+TokenText = Callable[[int], Optional[str]]
+
+
+def _no_text(token: int) -> Optional[str]:
+    return None
+
+
+def sglang_item(o: RolloutOutput, return_logprob: bool, text_of: TokenText = _no_text) -> dict:
+    """One sample as SGLang's ``/generate`` shapes it, plus our per-token weight versions; each
+    logprob entry is ``[logprob, token_id, text]``, the text ``null`` unless ``text_of`` decodes it
+    (``return_text_in_logprobs``)."""
     meta: dict[str, Any] = {
         "id": o.rid, "prompt_index": o.prompt_index, "sample_index": o.sample_index, "finish_reason": _finish(o),
         "prompt_tokens": len(o.prompt_token_ids), "completion_tokens": len(o.output_token_ids),
@@ -35,11 +56,12 @@ def sglang_item(o: RolloutOutput, return_logprob: bool) -> dict:
     }
     if return_logprob:
         meta["logprob_mode"] = o.logprob_mode
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.output_logprobs, o.output_token_ids)]
-        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in o.output_top_logprobs]
+        meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(o.output_logprobs, o.output_token_ids)]
+        meta["output_top_logprobs"] = [[[lp, t, text_of(t)] for t, lp in top] for top in o.output_top_logprobs]
         start = len(o.prompt_token_ids) - len(o.input_logprobs)
-        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.input_logprobs, o.prompt_token_ids[start:])]
-        meta["input_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in o.input_top_logprobs]
+        meta["input_token_logprobs"] = [[lp, t, text_of(t)]
+                                        for lp, t in zip(o.input_logprobs, o.prompt_token_ids[start:])]
+        meta["input_top_logprobs"] = [[[lp, t, text_of(t)] for t, lp in top] for top in o.input_top_logprobs]
     if o.output_token_sampling_mask:  # SGLang's names
         meta["output_token_sampling_mask"] = o.output_token_sampling_mask
         meta["output_token_sampling_logprobs"] = o.output_token_sampling_logprobs
@@ -51,14 +73,14 @@ _PER_TOKEN = ("output_token_logprobs", "output_top_logprobs", "output_weight_ver
               "output_token_sampling_mask", "output_token_sampling_logprobs")
 
 
-def _incremental(return_logprob: bool):
+def _incremental(return_logprob: bool, text_of: TokenText):
     """SGLang's incremental stream: ``text`` and ``output_ids`` (and the per-token lists of
     ``meta_info``) hold only what is new since the sample's last event; counts stay totals."""
     deltas = TextDeltas()
 
     def shape(o: RolloutOutput):
         text, first = deltas(o)
-        item = sglang_item(o, return_logprob)
+        item = sglang_item(o, return_logprob, text_of)
         item["text"], item["output_ids"] = text, item["output_ids"][first:]
         meta = item["meta_info"]
         for name in _PER_TOKEN:
@@ -74,16 +96,23 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
     svc.metrics.started(request.url.path)
     if (body.text is None) == (body.input_ids is None):
         raise HTTPException(400, "pass exactly one of text or input_ids")
-    kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
-                  return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                  logprob_start_len=body.logprob_start_len, rid=body.rid,
-                  return_sampling_mask=body.return_sampling_mask)
+    try:
+        return_logprob = bool(body.one("return_logprob", False))
+        kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
+                      return_logprob=return_logprob, top_logprobs_num=body.one("top_logprobs_num", 0),
+                      logprob_start_len=body.one("logprob_start_len", -1), rid=body.rid,
+                      return_sampling_mask=body.return_sampling_mask)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+    text_of = svc.token_text if body.return_text_in_logprobs else _no_text
+    if body.return_text_in_logprobs and svc.engine.tokenizer is None:
+        raise HTTPException(400, "return_text_in_logprobs needs a tokenizer; this server has none")
     if body.stream:
         if svc.config.incremental_streaming_output:
-            return await svc.stream(request, kwargs, _incremental(body.return_logprob))
-        return await svc.stream(request, kwargs, lambda o: [sglang_item(o, body.return_logprob)])
+            return await svc.stream(request, kwargs, _incremental(return_logprob, text_of))
+        return await svc.stream(request, kwargs, lambda o: [sglang_item(o, return_logprob, text_of)])
     outs = await svc.generate(request, kwargs)
-    items = [sglang_item(o, body.return_logprob) for o in outs]
+    items = [sglang_item(o, return_logprob, text_of) for o in outs]
     single = isinstance(body.text, str) or (body.input_ids is not None and body.input_ids
                                             and isinstance(body.input_ids[0], int))
     return items[0] if single and len(items) == 1 else items

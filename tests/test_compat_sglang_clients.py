@@ -1,0 +1,344 @@
+"""The RL frameworks' own requests, replayed exactly as ``../shared/docs/CLIENTS.md`` records them from
+their source, against a real ``rollout serve``: each test names the framework and the call, sends its
+body as the framework does, and checks the value and type of every field that framework reads back.
+
+Covered here: the generation bodies (slime, miles, AReaL, legacy SkyRL, veRL's adapter, the router's
+additions), the control calls around a weight update (pause, flush polling, abort drains, version,
+server info), and the refusals a drop-in owes its clients (pickled tensors, features we do not have)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import random_prompts
+
+KEY = "compat-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def srv(model, module_servers):
+    server = module_servers(model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _post(http, path, body=None, **kw):
+    r = http.post(path, json=body, **kw)
+    assert r.status_code == 200, (path, r.status_code, r.text)
+    return r
+
+
+def _triples(entries, ids=None):
+    """SGLang's logprob entries: [float, int, str|None] each (veRL unpacks exactly three)."""
+    for entry in entries:
+        assert isinstance(entry, list) and len(entry) == 3, entry
+        assert isinstance(entry[0], float) and isinstance(entry[1], int) and entry[2] is None, entry
+    if ids is not None:
+        assert [e[1] for e in entries] == ids
+
+
+PROMPTS = random_prompts(300, [7, 12], seed=3)
+
+
+# ---------------------------------------------------------------------------------------------- slime
+
+
+def test_slime_generate_body_and_what_it_reads(srv):
+    """slime's /generate (``sglang_rollout.generate``): explicit nulls, no_stop_trim, spaces_between_special_tokens,
+    custom_params (top-p replay) and sampling_seed; it reads text, output_token_logprobs (item[0], item[1]),
+    finish_reason.type, weight_version, cached_tokens and prompt_tokens."""
+    body = {"input_ids": PROMPTS[0],
+            "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16, "stop": None,
+                                "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                                "spaces_between_special_tokens": False,
+                                "custom_params": {"return_top_p_token_ids": True}, "sampling_seed": 1234},
+            "return_logprob": True}
+    out = _post(srv, "/generate", body).json()
+    meta = out["meta_info"]
+    assert isinstance(out["text"], str)
+    _triples(meta["output_token_logprobs"], out["output_ids"])
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == len(out["output_ids"]) == 16
+    assert isinstance(meta["weight_version"], str) and isinstance(meta["cached_tokens"], int)
+    assert meta["prompt_tokens"] == len(PROMPTS[0]) and meta["completion_tokens"] == len(out["output_ids"])
+    # sampling_seed is SGLang's name for the seed: the same draw as our own name gives
+    ours = {"temperature": 1.0, "max_new_tokens": 16, "seed": 1234, "skip_special_tokens": False}
+    assert _post(srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": ours}).json()["output_ids"] == \
+        out["output_ids"]
+
+
+def test_slime_streaming_is_cumulative(srv):
+    """slime's streaming rollout parses each chunk's text and output_token_logprobs as cumulative."""
+    body = {"input_ids": PROMPTS[1], "stream": True, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "stop": None, "no_stop_trim": True}}
+    with srv.stream("POST", "/generate", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    whole = _post(srv, "/generate", {**body, "stream": False}).json()
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    lengths = [len(c["meta_info"]["output_token_logprobs"]) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 8  # each chunk holds everything so far
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_slime_teacher_logprobs_by_prefill(srv):
+    """slime's on-policy distillation: max_new_tokens 0, logprob_start_len 0; it reads
+    input_token_logprobs[1:], item[0] of each (the first entry's logprob is null and dropped)."""
+    seq = PROMPTS[0] + PROMPTS[1]
+    body = {"input_ids": seq, "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
+            "return_logprob": True, "logprob_start_len": 0}
+    meta = _post(srv, "/generate", body).json()["meta_info"]
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == len(seq) and entries[0][0] is None and [e[1] for e in entries] == seq
+    _triples(entries[1:])
+
+
+def test_slime_abort_drain_through_v1_loads(srv):
+    """slime's end-of-step abort: POST /abort_request {"abort_all": true} (an empty body back), then
+    GET /v1/loads?include=core until the request count is 0; the aborted request comes back with
+    finish_reason.type "abort" and its partial output_token_logprobs."""
+    box = {}
+    body = {"input_ids": PROMPTS[0], "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json=body)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.get("/v1/loads", params={"include": "core"}).json()["loads"][0]["num_total_reqs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)
+    r = srv.post("/abort_request", json={"abort_all": True})
+    assert r.status_code == 200 and r.content == b""
+    while True:
+        loads = srv.get("/v1/loads", params={"include": "core"}).json()["loads"]
+        if sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t.join(30)
+    out = box["r"].json()
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"]
+    assert 0 < len(out["output_ids"]) < 3000
+    _triples(meta["output_token_logprobs"], out["output_ids"])
+
+
+def test_slime_update_bracket_controls(srv):
+    """slime's bracket around an update: pause {} (SGLang's default mode: abort), GET /flush_cache polled
+    until 200 (400 while requests run, plain text), continue {}; every control answer is JSON."""
+    box = {}
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json=body)))
+    t.start()
+    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        time.sleep(0.02)
+    busy = srv.get("/flush_cache")
+    assert busy.status_code == 400 and "not flushed" in busy.text
+    r = _post(srv, "/pause_generation", {})
+    assert isinstance(r.json(), dict)
+    t.join(30)
+    assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"  # paused in abort mode
+    for _ in range(60):
+        r = srv.get("/flush_cache")
+        if r.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert isinstance(_post(srv, "/continue_generation", {}).json(), dict)
+    assert _post(srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}).json()
+
+
+def test_slime_external_engine_server_info(srv):
+    """slime's external-engine mode: GET /server_info (falling back to /get_server_info) and reads the
+    parallel layout and the fields it compares with its launch arguments."""
+    for path in ("/server_info", "/get_server_info"):
+        info = srv.get(path).json()
+        assert info["tp_size"] == info["tensor_parallel_size"] == 1
+        assert info["pp_size"] == 1 and info["ep_size"] == 1 and info["moe_dp_size"] == 1
+        assert info["enable_memory_saver"] is False and info["disaggregation_mode"] == "null"
+        assert info["dtype"] == "float32" and info["enable_return_routed_experts"] is False
+        assert isinstance(info["num_gpus"], int)
+
+
+def test_colocated_pickled_tensors_are_refused_with_what_to_send(srv):
+    """slime, miles and veRL send base64 pickles (MultiprocessingSerializer) to /update_weights_from_tensor:
+    never unpickled here, refused with a 400 that says what to send instead."""
+    blob = base64.b64encode(b"\x80\x04not really a pickle").decode()
+    for body in ({"serialized_named_tensors": [blob], "load_format": "flattened_bucket", "flush_cache": False,
+                  "weight_version": "3"},
+                 {"serialized_named_tensors": [blob], "load_format": None, "flush_cache": True}):
+        r = srv.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 400 and "never unpickles" in r.text and "SharedMemoryBucket" in r.text
+
+
+# ---------------------------------------------------------------------------------------------- miles
+
+
+def test_miles_generate_and_prefill_recompute(srv):
+    """miles always sends return_routed_experts: false and return_indexer_topk: false (an sglang-miles
+    field); its logprob recompute is a batched prefill (input_ids a list of lists, logprob_start_len
+    prompt_len - 1) that checks item[1] against the response tokens and that no item[0] is null."""
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "no_stop_trim": True,
+                                                         "spaces_between_special_tokens": False, "stop": None,
+                                                         "stop_token_ids": None, "skip_special_tokens": False,
+                                                         "top_p": 1.0, "top_k": -1},
+            "return_logprob": True, "return_routed_experts": False, "return_indexer_topk": False}
+    out = _post(srv, "/generate", body).json()
+    response = out["output_ids"]
+    seqs = [PROMPTS[0] + response, PROMPTS[0] + response]
+    recompute = {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0, "temperature": 0,
+                                                        "skip_special_tokens": False},
+                 "return_logprob": True, "logprob_start_len": len(PROMPTS[0]) - 1}
+    items = _post(srv, "/generate", recompute).json()
+    assert isinstance(items, list) and len(items) == 2
+    for item in items:
+        tail = item["meta_info"]["input_token_logprobs"][-len(response):]
+        assert [e[1] for e in tail] == response and all(e[0] is not None for e in tail)
+        got = [e[0] for e in tail]
+        want = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=2e-4)  # the recompute scores what generation drew
+
+
+def test_miles_version_and_prefix_abort(srv):
+    """miles: /update_weight_version {"new_version", "abort_all_requests": false}; /model_info then
+    /get_weight_version; the multi-LoRA abort {"rid": prefix, "prefix": true} aborts by id prefix."""
+    r = _post(srv, "/update_weight_version", {"new_version": "7", "abort_all_requests": False}).json()
+    assert r["success"] is True and r["new_version"] == "7"
+    assert srv.get("/model_info").json()["weight_version"] == "7"
+    assert srv.get("/get_weight_version").json() == {"weight_version": "7"}
+    box = {}
+    long = {"sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    runs = [threading.Thread(target=lambda rid=rid: box.setdefault(rid, srv.post(
+        "/generate", json={"input_ids": PROMPTS[0], "rid": rid, **long}))) for rid in ("lora-a-1", "lora-a-2", "keep-1")]
+    for t in runs:
+        t.start()
+    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 3:
+        time.sleep(0.02)
+    assert srv.post("/abort_request", json={"rid": "lora-a-", "prefix": True}).status_code == 200
+    for t in runs[:2]:
+        t.join(30)
+    assert box["lora-a-1"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert box["lora-a-2"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert runs[2].is_alive()  # another prefix runs on
+    assert srv.post("/abort_request", json={"rid": "", "abort_all": False}).status_code == 200  # veRL: a no-op
+    assert runs[2].is_alive()
+    srv.post("/abort_request", json={"rid": "keep-1"})
+    runs[2].join(30)
+    _post(srv, "/update_weight_version", {"new_version": "default"})
+
+
+# ---------------------------------------------------------------------------------------------- AReaL
+
+
+def test_areal_generate_body(srv, tok):
+    """AReaL's /generate: image_data [] (its default), top_k 1e8, stop_token_ids (eos + pad),
+    frequency_penalty 0.0, stream false; it reads finish_reason.type and .message, output_token_logprobs,
+    prompt_tokens and completion_tokens (text is not read)."""
+    body = {"input_ids": PROMPTS[1], "image_data": [],
+            "sampling_params": {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 10, "temperature": 0.0,
+                                "stop_token_ids": [tok.eos_token_id, tok.pad_token_id or tok.eos_token_id],
+                                "ignore_eos": False, "skip_special_tokens": True, "frequency_penalty": 0.0},
+            "return_logprob": True, "stream": False}
+    out = _post(srv, "/generate", body).json()
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] in ("stop", "length") and isinstance(meta["finish_reason"].get("message", ""), str)
+    _triples(meta["output_token_logprobs"], out["output_ids"])
+    assert meta["prompt_tokens"] == len(PROMPTS[1]) and meta["completion_tokens"] == len(out["output_ids"])
+    greedy = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    assert _post(srv, "/generate", greedy).json()["output_ids"][:len(out["output_ids"])] == out["output_ids"]
+
+
+def test_areal_abort_before_prefill_says_so(srv):
+    """AReaL reads a finish_reason.message starting "Abort before prefill" as "no token was generated"."""
+    _post(srv, "/pause_generation", {"mode": "in_place"})
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json={
+        "input_ids": PROMPTS[0], "image_data": [], "sampling_params": {"max_new_tokens": 5}, "return_logprob": True})))
+    t.start()
+    while srv.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 0:
+        time.sleep(0.02)
+    srv.post("/abort_request", json={"abort_all": True})
+    t.join(30)
+    _post(srv, "/continue_generation", {})
+    meta = box["r"].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"].startswith("Abort before prefill")
+    assert meta["output_token_logprobs"] == []
+
+
+# ---------------------------------------------------------------------------------------------- SkyRL, veRL, router
+
+
+def test_legacy_skyrl_batched_generate_is_a_list(srv):
+    """Legacy SkyRL: batched /generate without return_logprob; reads output_ids and finish_reason.type
+    from a JSON list."""
+    body = {"input_ids": PROMPTS, "sampling_params": {"skip_special_tokens": True, "no_stop_trim": True,
+                                                      "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0,
+                                                      "top_k": -1, "min_p": 0.0}}
+    items = _post(srv, "/generate", body).json()
+    assert isinstance(items, list) and len(items) == 2
+    assert all(isinstance(i["output_ids"], list) and i["meta_info"]["finish_reason"]["type"] for i in items)
+
+
+def test_per_prompt_sampling_params_in_one_batch(srv):
+    """SGLang takes a list of sampling_params, one per prompt, in a batched /generate."""
+    body = {"input_ids": PROMPTS, "sampling_params": [{"max_new_tokens": 2, "temperature": 0},
+                                                      {"max_new_tokens": 5, "temperature": 0}]}
+    items = _post(srv, "/generate", body).json()
+    assert [len(i["output_ids"]) for i in items] == [2, 5]
+
+
+def test_what_the_router_adds_is_accepted(srv, tok):
+    """sglang-router forwards /generate with model null, return_text_in_logprobs, return_hidden_states,
+    return_entropy, return_bytes, log_metrics, no_logs and background; return_text_in_logprobs fills
+    each entry's text as SGLang does (the token decoded alone)."""
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True,
+            "top_logprobs_num": 2, "model": None, "return_text_in_logprobs": True, "return_hidden_states": False,
+            "return_entropy": False, "return_bytes": False, "log_metrics": True, "no_logs": False, "background": False,
+            "stream": False, "rid": None, "lora_path": None, "data_parallel_rank": None}
+    out = _post(srv, "/generate", body).json()
+    for _lp, token, text in out["meta_info"]["output_token_logprobs"]:
+        assert text == tok.decode([token])
+    for top in out["meta_info"]["output_top_logprobs"]:
+        assert len(top) == 2 and all(text == tok.decode([t]) for _, t, text in top)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("image_data", ["data:image/png;base64,AAAA"], "multimodal"),
+    ("return_hidden_states", True, "hidden states"),
+    ("return_routed_experts", True, "routed experts"),
+    ("lora_path", "adapter-v1", "LoRA"),
+    ("custom_logit_processor", "x", "custom logit processors"),
+    ("session_params", {"id": "s"}, "sessions"),
+])
+def test_features_we_do_not_have_are_refused_naming_them(srv, field, value, says):
+    r = srv.post("/generate", json={"input_ids": PROMPTS[0], field: value})
+    assert r.status_code == 400 and field in r.text and says in r.text
+
+
+@pytest.mark.parametrize("sampling, says", [
+    ({"regex": "a+"}, "constrained decoding"),
+    ({"json_schema": "{}"}, "constrained decoding"),
+    ({"stop_regex": "x"}, "stop regexes"),
+    ({"made_up": 1}, "unknown sampling parameter"),
+])
+def test_sampling_fields_we_do_not_have_are_refused(srv, sampling, says):
+    r = srv.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": sampling})
+    assert r.status_code == 400 and says in r.text
