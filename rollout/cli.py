@@ -83,7 +83,7 @@ def _engine_option_flags(p: argparse.ArgumentParser) -> None:
     from rollout.config import EngineConfig
 
     g = p.add_argument_group("engine (every EngineConfig option; see rollout/config.py; --request-timeout-s also "
-                             "bounds each HTTP generation request, 600 s when unset)")
+                             "bounds each HTTP generation request, no limit when unset, as SGLang)")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")

@@ -37,6 +37,11 @@ class EngineConfig:
     enable_cuda_graph: bool = True  # CUDA only: capture decode graphs (eager on CPU)
     cuda_graph_max_bs: int = 256
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
+    # An update call (tensors or distributed) that arrives while generation is paused stages into a
+    # transaction published at continue_generation, so the bucket calls of one update (slime, AReaL:
+    # pause -> buckets -> continue) are never half-visible; staging holds a second copy of what it
+    # stages (the shadow weights). False: each call is applied as it arrives, as SGLang does.
+    stage_paused_updates: bool = True
     launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
     # CPU: each linear layer runs the GEMM kernel measured fastest on this machine for the forward's
     # number of rows (rollout.layers.cpu_plan): oneDNN over a packed copy in the weight dtype, oneDNN

@@ -342,3 +342,158 @@ def test_features_we_do_not_have_are_refused_naming_them(srv, field, value, says
 def test_sampling_fields_we_do_not_have_are_refused(srv, sampling, says):
     r = srv.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": sampling})
     assert r.status_code == 400 and says in r.text
+
+
+# ---------------------------------------------------------------------------------------------- weight pushes
+
+
+def _sglang_trainer(url: str, model_b: str, port: int, group: str, plan: dict, q) -> None:
+    """A trainer process that does what slime's (and AReaL's) does: forms the weight group with
+    SGLang's ``init_custom_process_group`` recipe — torch's rendezvous, the store prefixed with the
+    group's name, torch's own process-group helper — while the server joins over
+    /init_weights_update_group, then pushes buckets with one broadcast per tensor in the body's order."""
+    import datetime
+    import threading as th
+
+    import httpx as hx
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    try:
+        with hx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+            init = {"master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
+                    "group_name": group, "backend": "gloo", "pp_rank": 0, "override_existing": False}
+            t = th.Thread(target=lambda: out.setdefault("init", http.post("/init_weights_update_group", json=init)))
+            t.start()
+            timeout = datetime.timedelta(seconds=60)
+            store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+            store.set_timeout(timeout)
+            pg, _ = _new_process_group_helper(2, 0, [], "gloo", PrefixStore(group, store), group_name=group,
+                                              timeout=timeout)
+            _world.pg_group_ranks[pg] = {0: 0, 1: 1}
+            t.join()
+            out["init_status"] = out.pop("init").status_code
+            tensors = [(n, v.float()) for n, v in load_file(f"{model_b}/model.safetensors").items()]
+            if plan.get("pause"):
+                out["pause"] = http.post("/pause_generation", json=plan.get("pause_body", {})).status_code
+                for _ in range(60):
+                    if http.get("/flush_cache").status_code == 200:
+                        break
+            if plan.get("miles"):  # miles' bracket (sglang-miles): begin, plain bucket calls, version, end
+                out["begin"] = http.post("/begin_weight_update", json={"selector": "all"}).json()
+            buckets = [tensors[i::3] for i in range(3)]  # slime's buckets, each a part of the model
+            out["buckets"] = []
+            for bucket in buckets:
+                body = {"names": [n for n, _ in bucket], "dtypes": ["float32"] * len(bucket),
+                        "shapes": [list(v.shape) for _, v in bucket], "group_name": group, **plan.get("body", {})}
+                box: dict = {}
+                call = th.Thread(target=lambda b=body: box.setdefault("r", http.post(
+                    "/update_weights_from_distributed", json=b)))
+                call.start()
+                for name, v in bucket:
+                    wire = v.to(plan["wrong_dtype"]) if name == plan.get("wrong_name") else v
+                    dist.broadcast(wire, src=0, group=pg)
+                call.join()
+                out["buckets"].append((box["r"].status_code, box["r"].json()))
+            if plan.get("miles"):
+                out["version"] = http.post("/update_weight_version", json={"new_version": "4",
+                                                                           "abort_all_requests": False}).json()
+                out["end"] = http.post("/end_weight_update", json={}).json()
+            if plan.get("pause"):
+                r = http.post("/continue_generation", json={})
+                out["continue"] = (r.status_code, r.json())
+        dist.destroy_process_group(pg)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = repr(exc)
+    q.put(out)
+
+
+def _push(url, model_b, group, **plan):
+    import multiprocessing as mp
+
+    from weight_sync.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_sglang_trainer, args=(url, model_b, free_port(), group, plan, q))
+    proc.start()
+    out = q.get(timeout=180)
+    proc.join(30)
+    assert "error" not in out, out
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_b(model_dir):
+    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
+
+
+def _greedy(http):
+    body = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    return [i["output_ids"] for i in _post(http, "/generate", body).json()]
+
+
+def test_slime_and_areal_push_into_a_group_formed_their_way(srv, model, model_b):
+    """slime's update: pause {}, GET /flush_cache until 200, three bucket calls each carrying a part of
+    the model (flush_cache false, weight_version "3") with one broadcast per tensor, continue {}: the
+    calls are staged while paused and published together at continue — model B's greedy tokens under
+    version "3". AReaL's (abort_all_requests, no version) then lands under the server's next version."""
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    out = _push(url, model_b, "slime-pp_0", pause=True,
+                body={"flush_cache": False, "weight_version": "3"})
+    assert out["init_status"] == 200 and out["pause"] == 200
+    assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
+    assert out["continue"][0] == 200 and out["continue"][1]["weight_version"] == "3"
+    pushed = _greedy(srv)
+    assert pushed != before and srv.get("/get_weight_version").json()["weight_version"] == "3"
+    _post(srv, "/update_weights_from_disk", {"model_path": model_b, "weight_version": "b-from-disk"})
+    assert _greedy(srv) == pushed  # the push delivered model B exactly
+    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    assert _greedy(srv) == before
+    out = _push(url, model_b, "update_weight_group", pause=True, body={"abort_all_requests": True})
+    assert all(status == 200 for status, _ in out["buckets"]) and out["continue"][0] == 200
+    assert _greedy(srv) == pushed
+    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+
+
+def test_miles_bracket_stages_until_end_weight_update(srv, model, model_b):
+    """miles: pause {"mode": "retract"}, GET /flush_cache, /begin_weight_update {"selector": "all"}, bucket
+    calls with "selector" (plain: no transaction flag), /update_weight_version {"new_version"}, /end_weight_update,
+    continue: the buckets stage inside the bracket and land together at its end."""
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    out = _push(url, model_b, "miles-g", pause=True, pause_body={"mode": "retract"}, miles=True,
+                body={"flush_cache": False, "weight_version": "4", "selector": "all"})
+    assert out["begin"]["success"] and out["end"]["success"], out
+    assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
+    assert out["version"]["new_version"] == "4" and out["continue"][0] == 200
+    assert _greedy(srv) != before and srv.get("/get_weight_version").json()["weight_version"] == "4"
+    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+
+
+def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, model, model_b):
+    """A sender that announces float32 but broadcasts one tensor in bfloat16 (half the bytes) or in
+    float64 (twice): the update fails naming the tensor and what differed, the rest of the push is still
+    drained (the sender completes), and the old weights keep serving."""
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    name = "model.layers.0.mlp.up_proj.weight"
+    for wrong, says in ((torch_dtype("bfloat16"), "fewer bytes"), (torch_dtype("float64"), "more bytes")):
+        out = _push(url, model_b, f"bad-{says[:4]}", pause=False, wrong_name=name, wrong_dtype=wrong,
+                    body={"partial": True})
+        failed = [r for status, r in out["buckets"] if status != 200]
+        assert len(failed) == 1 and not failed[0]["success"], out["buckets"]
+        assert name in failed[0]["message"] and says in failed[0]["message"]
+        _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+        assert _greedy(srv) == before
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)

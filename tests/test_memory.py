@@ -125,7 +125,8 @@ def test_no_growth_over_cross_process_updates(big):
         assert e.init_weights_update_group("127.0.0.1", port, 1, 2, "m", timeout_s=30)["success"]
         n, d, s = WeightUpdateSender.describe(tensors)
         for i in range(40):
-            assert e.update_weights_from_distributed(n, d, s, "m", bucket_bytes=4 << 20).success
+            assert e.update_weights_from_distributed(n, d, s, "m", bucket_bytes=4 << 20,
+                                                     load_format="rollout_bucket").success
             if i in (19, 39):
                 marks[f"d{i}"] = rss()
         proc.join(60)

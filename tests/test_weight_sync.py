@@ -287,6 +287,7 @@ def test_distributed_update_with_separate_sender(weights, fresh_b, tp, make_engi
         proc.start()
         assert engine.init_weights_update_group("127.0.0.1", port, 1, 1 + tp, "g", timeout_s=30)["success"]
         result = engine.update_weights_from_distributed(names, dtypes, shapes, "g", weight_version="v1",
+                                                        load_format="rollout_bucket",
                                                         bucket_bytes=64 << 10)
         proc.join(30)
         assert die or proc.exitcode == 0
@@ -349,7 +350,8 @@ def test_distributed_rejections_drain_and_later_updates_land(weights, make_engin
 
     def update(named, **kw):
         names, dtypes, shapes = WeightUpdateSender.describe(named)
-        return engine.update_weights_from_distributed(names, dtypes, shapes, "r", bucket_bytes=32 << 10, **kw)
+        return engine.update_weights_from_distributed(names, dtypes, shapes, "r", bucket_bytes=32 << 10,
+                                                      load_format="rollout_bucket", **kw)
 
     out = update(nan)
     assert not out.success and "NaN" in out.message and engine.get_weights_checksum() == checksum_a

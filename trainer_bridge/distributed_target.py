@@ -220,7 +220,8 @@ class DistributedTarget(WeightTarget):
         names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) + (64 << 10)
         staged = {i: _Call("update_weights_from_distributed", self.replicas.replicas[i].update_weights_from_distributed,
-                           names, dtypes, shapes, self.group, bucket_bytes=nbytes, transaction=True)
+                           names, dtypes, shapes, self.group, bucket_bytes=nbytes, load_format="rollout_bucket",
+                           transaction=True)
                   for i in self.members}
         try:
             assert self.sender is not None  # a bucket is queued only while the group stands

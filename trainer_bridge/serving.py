@@ -84,7 +84,7 @@ class WeightReplica(RolloutService, Protocol):
 
     def pause_generation(self, mode: str = "abort") -> None: ...
 
-    def continue_generation(self) -> None: ...
+    def continue_generation(self) -> Optional[WeightResult]: ...  # updates staged while paused, published
 
 
 if TYPE_CHECKING:  # the type checker holds the three implementations to the declarations

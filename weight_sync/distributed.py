@@ -2,7 +2,8 @@
 
 A weight-update group is its own rendezvous (a TCP store hosted by the trainer's rank 0, which is
 rank 0 of the group; engine TP rank ``r`` joins as ``rank_offset + r``), separate from the
-engine's TP group and from any default group. Tensors travel as flattened buckets: both sides
+engine's TP group and from any default group, formed as SGLang's clients form it
+(``weight_sync.process_group``), so their trainers join it. Tensors travel as flattened buckets: both sides
 split the same (name, dtype, shape) list with the same ``bucket_bytes``, so one broadcast moves a
 whole bucket. Every rendezvous and every broadcast has a timeout; errors name the group and stage.
 """
@@ -10,6 +11,7 @@ whole bucket. Every rendezvous and every broadcast has a timeout; errors name th
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +23,12 @@ from weight_sync.layout import bucket_layouts, contiguous_run, dtype_name, pack,
 from weight_sync.process_group import new_process_group
 
 DEFAULT_BUCKET_BYTES = 128 << 20
+# load_format of a distributed update: how the sender's broadcasts lay out the tensors of one call
+DIRECT = "direct"  # SGLang's default: one broadcast per tensor, in the call's order, exactly its bytes
+FLATTENED = "flattened_bucket"  # SGLang's flattened bucket: one broadcast, the tensors' bytes in order
+ROLLOUT_BUCKET = "rollout_bucket"  # ours: buckets of bucket_bytes in wire order, 64-byte aligned
+LOAD_FORMATS = (DIRECT, FLATTENED, ROLLOUT_BUCKET)
+CANARY = 8  # bytes: a gloo receive is checked against what its call announced (receive_exact)
 
 
 class WeightGroupError(RuntimeError):
@@ -34,7 +42,7 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
         # NCCL's own watchdog may tear the whole process down on a timeout: give it twice ours,
         # so ``WeightGroup.wait`` times out first and aborts only this group.
         handle = new_process_group(master_address, master_port, rank, world_size, backend, timeout_s,
-                                   f"weights/{group_name}", nccl_timeout_factor=2.0)
+                                   group_name, nccl_timeout_factor=2.0)
     except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
         raise WeightGroupError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} "
                                f"as rank {rank}/{world_size} failed within {timeout_s}s ({exc})") from exc
@@ -125,6 +133,100 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     return staged if on_bucket is None else None
 
 
+class WeightSizeMismatch(WeightGroupError):
+    """A broadcast carried another number of bytes than its call announced (names, dtypes, shapes)."""
+
+
+def exact_transfers(specs, flattened: bool) -> list[list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
+    """SGLang's layouts: per tensor (one transfer each) or flattened (one transfer of every tensor's
+    bytes back to back, in the call's order, no padding). Each entry: (name, dtype, shape, byte
+    offset in its transfer, bytes)."""
+    out: list[list] = []
+    offset = 0
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not flattened or not out:
+            out.append([])
+            offset = 0
+        out[-1].append((name, dtype, tuple(shape), offset, nbytes))
+        offset += nbytes
+    return out
+
+
+def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: str, on_transfer,
+                  flattened: bool = False, pool: list | None = None) -> None:
+    """Receive a call sent SGLang's way (``exact_transfers``) and hand each transfer's (name, view)
+    pairs to ``on_transfer`` while the next is on the wire (two reused buffers, ``pool``).
+
+    On gloo every transfer is checked against what the call announced: the buffer posted is twice
+    the announced bytes plus ``CANARY`` (gloo accepts a shorter message silently and aborts the
+    process on a longer one than the buffer), with random marks at the end of the announced bytes
+    and just past them; a mark left in place (fewer bytes arrived, by ``CANARY`` or more) or
+    overwritten (more arrived) raises ``WeightSizeMismatch`` naming the tensor, what was announced
+    and what differed. A sender that sends more than twice what it announced takes gloo's own
+    check, which ends the process. NCCL posts exactly the announced bytes (counts must match)."""
+    transfers = exact_transfers(specs, flattened)
+    checked = group.backend == "gloo"
+    sizes = [sum(e[4] for e in t) for t in transfers]
+    room = [2 * n + CANARY if checked else n for n in sizes]
+    if pool is None:
+        pool = []
+    need = max(room, default=0)
+    if len(pool) < 2 or pool[0].numel() < need or pool[0].device != device:
+        pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    marks = torch.randint(0, 256, (2, CANARY), dtype=torch.uint8, device=device) if checked else None
+    posted: dict = {}
+
+    def what(i: int) -> str:
+        names = [e[0] for e in transfers[i]]
+        head = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} tensors, flattened)"
+        return f"{head}: announced {sizes[i]} bytes ({', '.join(f'{e[1]} {list(e[2])}' for e in transfers[i][:3])})"
+
+    def post(i: int) -> None:
+        buf = pool[i % 2][:room[i]]
+        if checked:
+            n = sizes[i]
+            k = min(CANARY, n)
+            buf[n - k:n] = marks[0][:k]
+            buf[n:n + CANARY] = marks[1]
+        try:
+            posted[i] = group.pg.broadcast([buf], opts)
+        except Exception as exc:  # noqa: BLE001 - the group is broken
+            raise WeightGroupError(f"weight update group {group_name!r}: posting {what(i)} failed: {exc}") from exc
+
+    for i in range(min(2, len(transfers))):
+        post(i)
+    mismatch = None  # the first transfer of another size than announced; the rest is still drained
+    for i, entries in enumerate(transfers):
+        try:
+            group.wait(posted.pop(i))
+        except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
+            raise WeightGroupError(f"weight update group {group_name!r}: receiving {what(i)} failed: {exc}") from exc
+        buf, n = pool[i % 2], sizes[i]
+        if checked and mismatch is None:
+            k = min(CANARY, n)
+            if k and torch.equal(buf[n - k:n], marks[0][:k]):
+                mismatch = f"{what(i)}, but fewer bytes arrived"
+            elif not torch.equal(buf[n:n + CANARY], marks[1]):
+                mismatch = f"{what(i)}, but more bytes arrived"
+        if mismatch is None:
+            on_transfer([(name, _typed(buf[off:off + nb], dtype, shape)) for name, dtype, shape, off, nb in entries])
+        if i + 2 < len(transfers):
+            post(i + 2)
+    if mismatch is not None:
+        raise WeightSizeMismatch(f"weight update group {group_name!r}: {mismatch}: the sender broadcast another "
+                                 "dtype or shape than it announced")
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Bytes as a tensor of ``dtype``; a flattened call mixing dtypes may leave one unaligned (copied)."""
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
 @contextlib.contextmanager
 def one_cpu_thread(device: torch.device):
     """Copy on one thread on CPU while a transfer runs: the broadcast's own threads keep the cores
@@ -166,16 +268,20 @@ class WeightUpdateSender:
                 [list(t.shape) for _, t in named_tensors])
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-             load_format: str = "flattened_bucket") -> int:
-        """Broadcast the tensors, one broadcast per bucket (per tensor with ``load_format="direct"``).
+             load_format: str = ROLLOUT_BUCKET) -> int:
+        """Broadcast the tensors: in our buckets (``rollout_bucket``, the engine's call must say the
+        same ``bucket_bytes``), or SGLang's way — one broadcast per tensor (``direct``) or all of
+        them flattened into one (``flattened_bucket``).
 
         A bucket whose tensors already lie in one buffer in bucket layout (views of a
         ``FlattenedTensorBucket`` holding the model) goes out from that memory, with no copy.
         Otherwise it is packed into one of two buffers, allocated once and reused: bucket i+1 is
         packed while bucket i is on the wire (broadcasts run asynchronously)."""
         named = list(named_tensors)
-        if load_format == "direct":
-            bucket_bytes = 1
+        if load_format in (DIRECT, FLATTENED):
+            return self._send_exact(named, load_format == FLATTENED)
+        if load_format != ROLLOUT_BUCKET:
+            raise ValueError(f"load_format={load_format!r}: use one of {LOAD_FORMATS}")
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
         tensors = dict(named)
         buckets = bucket_layouts(specs, bucket_bytes)
@@ -214,6 +320,23 @@ class WeightUpdateSender:
             raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {current}/"
                                    f"{len(buckets)} failed: {exc}") from exc
         return sent
+
+    def _send_exact(self, named: list[tuple[str, torch.Tensor]], flattened: bool) -> int:
+        """SGLang's layouts: each tensor's own bytes in order, per broadcast or concatenated into one."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if flattened:
+            parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named]
+            payloads = [torch.cat(parts)] if parts else []
+        else:
+            payloads = [t.detach().contiguous() for _, t in named]
+        try:
+            works = [self.group.pg.broadcast([p], opts) for p in payloads]
+            for work in works:
+                self.group.wait(work)
+        except Exception as exc:  # noqa: BLE001
+            raise WeightGroupError(f"weight update group {self.group_name!r}: sending failed: {exc}") from exc
+        return sum(p.numel() * p.element_size() for p in payloads)
 
     def close(self) -> None:
         self.group = None

@@ -141,7 +141,7 @@ def _bench_distributed(engine, tensors, bucket_sizes: list[int], repeats: int, n
             for _ in range(repeats + 2):
                 raw_b.append(engine.probe_weights_update_group("bench", raw_bytes))
                 t0 = time.perf_counter()
-                out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench",
+                out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench", load_format="rollout_bucket",
                                                              bucket_bytes=bucket, check_finite=False)
                 upd_b.append(time.perf_counter() - t0)
                 assert out.success, out.message

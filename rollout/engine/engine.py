@@ -53,7 +53,7 @@ from rollout.worker.tp_external import ExternalLeaderWorker, ExternalTp
 from rollout.worker.tp_group import TpWorkerGroup
 from rollout.worker.tp_worker import TpModelWorker
 from weight_sync.bucket import FlattenedTensorBucket
-from weight_sync.distributed import DEFAULT_BUCKET_BYTES
+from weight_sync.distributed import DEFAULT_BUCKET_BYTES, DIRECT, LOAD_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -376,10 +376,17 @@ class RolloutEngine:
             self._loop.paused = True
         self._loop.call(pause)
 
-    def continue_generation(self) -> None:
+    def continue_generation(self) -> Optional[WeightResult]:
+        """Resume generation. Update calls staged while it was paused are published first, all of them
+        on every rank or none (their result is returned; on failure the old weights keep serving)."""
+        result = None
+        if self._weights.opened_by == "implicit":
+            result = self.commit_weight_update(partial=True)
+
         def resume():
             self._loop.paused = False
         self._loop.call(resume)
+        return result
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> PromptIds:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
@@ -411,6 +418,7 @@ class RolloutEngine:
         if not isinstance(named_tensors, (dict, list, tuple)):
             raise ValueError(f"named_tensors must be a list of (name, tensor), a FlattenedTensorBucket or a bucket "
                              f"handle (dict), got {type(named_tensors).__name__}")
+        transaction = self._stages(transaction, weight_version, abort_all_requests)
         if isinstance(named_tensors, dict):  # another process's bucket: every rank opens it
             msg = (StageHandle(named_tensors) if transaction
                    else ApplyHandle(named_tensors, check_finite, partial))
@@ -461,20 +469,29 @@ class RolloutEngine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str,
                                         flush_cache: bool = True, weight_version: Optional[str] = None,
-                                        load_format: str = "flattened_bucket", bucket_bytes: Optional[int] = None,
+                                        load_format: Optional[str] = None, bucket_bytes: Optional[int] = None,
                                         abort_all_requests: bool = False, check_finite: bool = True,
                                         partial: bool = False, transaction: bool = False) -> WeightResult:
-        """Receive tensors broadcast by the trainer (``weight_sync.WeightUpdateSender.send`` with the same
-        ``bucket_bytes``), staged until all arrived, then committed on every TP rank or on none."""
+        """Receive tensors broadcast by the trainer, staged until all arrived, then committed on every
+        TP rank or on none.
+
+        ``load_format`` says how the broadcasts lay them out: ``None``/``"direct"`` (SGLang's
+        default): one broadcast per tensor, in this call's order, of exactly its announced bytes;
+        ``"flattened_bucket"`` (SGLang's): one broadcast of every tensor's bytes back to back;
+        ``"rollout_bucket"`` (ours, ``weight_sync.WeightUpdateSender.send``'s default): buckets of
+        ``bucket_bytes`` in wire order. On gloo a broadcast of another size than announced fails the
+        update and says which tensor (``weight_sync.distributed.receive_exact``)."""
+        load_format = DIRECT if load_format is None else load_format
         try:
             spec = (tuple(str(n) for n in names), tuple(str(d) for d in dtypes),
                     tuple(tuple(int(x) for x in s) for s in shapes), str(group_name),
                     int(bucket_bytes or DEFAULT_BUCKET_BYTES), str(load_format))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"names, dtypes and shapes must be lists (shapes: lists of ints): {exc}") from None
-        if load_format not in ("flattened_bucket", "direct"):
-            raise ValueError(f"load_format={load_format!r}: use 'flattened_bucket' or 'direct'")
-        if transaction:  # one bucket call of an open transaction: receive and stage only
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: use None/'direct' (one broadcast per tensor), "
+                             "'flattened_bucket' (SGLang's) or 'rollout_bucket' (ours)")
+        if self._stages(transaction, weight_version, abort_all_requests):  # receive and stage only
             return self._weights.run(StageDistributed(*spec))
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
                                     abort_all_requests)
@@ -489,20 +506,52 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ multi-call transactions
 
+    def _stages(self, transaction: bool, weight_version: Optional[str], abort_all_requests: bool) -> bool:
+        """Whether an update call stages into a transaction instead of applying: asked for
+        (``transaction=True``), or generation is paused (slime and AReaL pause, send bucket calls,
+        continue; the transaction opened here is published at ``continue_generation``). A plain call
+        while a ``begin_weight_update`` transaction is open applies and voids it, as before (the HTTP
+        routes stage it instead: miles sends its bucket calls plain). The call's version, if any,
+        becomes the transaction's; ``abort_all_requests`` aborts at once."""
+        w = self._weights
+        if transaction or w.opened_by == "implicit":
+            pass
+        elif w.opened_by is None and self.config.stage_paused_updates and self._loop.call(lambda: self._loop.paused):
+            opened = w.run(BeginTransaction())
+            if not opened.success:
+                raise ValueError(opened.message)
+            w.opened_by = "implicit"
+        else:
+            return False
+        if weight_version is not None:
+            w.transaction_version = weight_version
+        if abort_all_requests:
+            self._loop.abort(None)
+        return True
+
     def begin_weight_update(self, weight_version: Optional[str] = None) -> WeightResult:
-        """Open a transaction: the following ``update_weights_from_tensor(..., transaction=True)`` /
-        ``update_weights_from_distributed(..., transaction=True)`` calls only stage (the engine keeps
-        serving the old weights); ``commit_weight_update`` applies everything on every rank, or nothing."""
+        """Open a transaction: the following update calls only stage (the engine keeps serving the old
+        weights); ``commit_weight_update`` applies everything on every rank, or nothing."""
         self._weights.transaction_version = weight_version
-        return self._weights.run(BeginTransaction())
+        result = self._weights.run(BeginTransaction())
+        if result.success:
+            self._weights.opened_by = "explicit"
+        return result
 
     def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
                              abort_all_requests: bool = False) -> WeightResult:
         version, self._weights.transaction_version = self._weights.transaction_version, None
+        self._weights.opened_by = None
         return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
+
+    def open_weight_update(self) -> Optional[str]:
+        """Who opened the open transaction: "explicit" (``begin_weight_update``), "implicit" (an update
+        call while generation was paused), or None."""
+        return self._weights.opened_by
 
     def abort_weight_update(self) -> WeightResult:
         self._weights.transaction_version = None
+        self._weights.opened_by = None
         return self._weights.run(AbortTransaction())
 
     # ------------------------------------------------------------------ checks

@@ -47,6 +47,9 @@ class EngineWeights:
         self.shm: Optional[SharedMemoryBucket] = None
         self.ipc: Optional[CudaIpcBucket] = None
         self.transaction_version: Optional[str] = None  # published when the open transaction commits
+        # who opened the open transaction: "explicit" (begin_weight_update, miles' bracket) or
+        # "implicit" (an update call while generation was paused; published at continue_generation)
+        self.opened_by: Optional[str] = None
 
     # ------------------------------------------------------------------ running messages
 

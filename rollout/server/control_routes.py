@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
+from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, result_json, service_of
 
 router = APIRouter()
@@ -43,7 +44,13 @@ async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: R
     return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
                                    flush_cache=body.flush_cache, weight_version=body.weight_version,
                                    abort_all_requests=body.abort_all_requests, partial=body.partial,
-                                   transaction=body.transaction)
+                                   transaction=_staged(body, svc))
+
+
+def _staged(body, svc: EngineService) -> bool:
+    """Over HTTP a call stages into an open ``/begin_weight_update`` transaction even without
+    ``transaction: true``: miles sends its bucket calls plain inside its bracket."""
+    return body.transaction or svc.engine.open_weight_update() == "explicit"
 
 
 @router.post("/init_weights_update_group", dependencies=ADMIN)
@@ -59,7 +66,7 @@ async def update_weights_from_distributed(body: P.UpdateFromDistributedRequest, 
                                    body.group_name, flush_cache=body.flush_cache, weight_version=body.weight_version,
                                    load_format=body.load_format, bucket_bytes=body.bucket_bytes,
                                    abort_all_requests=body.abort_all_requests, partial=body.partial,
-                                   transaction=body.transaction)
+                                   transaction=_staged(body, svc))
 
 
 @router.post("/destroy_weights_update_group", dependencies=ADMIN)
@@ -76,6 +83,13 @@ async def begin_weight_update(body: P.BeginUpdateRequest, svc: EngineService = S
 async def commit_weight_update(body: P.CommitUpdateRequest, svc: EngineService = Svc):
     return await svc.weight_update(svc.engine.commit_weight_update, flush_cache=body.flush_cache,
                                    partial=body.partial, abort_all_requests=body.abort_all_requests)
+
+
+@router.post("/end_weight_update", dependencies=ADMIN)
+async def end_weight_update(svc: EngineService = Svc):
+    """miles' bracket end (``/begin_weight_update`` ... ``/end_weight_update``): publishes what the
+    calls in between staged, on every rank or none."""
+    return await svc.weight_update(svc.engine.commit_weight_update, partial=True)
 
 
 @router.post("/abort_weight_update", dependencies=ADMIN)
@@ -122,8 +136,16 @@ async def pause_generation(body: P.PauseRequest, svc: EngineService = Svc):
 
 @router.post("/continue_generation", dependencies=ADMIN)
 async def continue_generation(svc: EngineService = Svc):
-    await svc.call(svc.engine.continue_generation)
-    return {"success": True, "message": "generation continues"}
+    """Resumes generation; update calls staged while paused are published first (a failed publish
+    answers 400 with the reason: generation continues on the old weights)."""
+    result = await svc.call(svc.engine.continue_generation)
+    if result is not None:
+        svc.metrics.weight_update(result)
+        if not result.success:
+            return JSONResponse({"success": False, "message": f"generation continues on the old weights: the update "
+                                 f"staged while paused failed: {result.message}"}, status_code=400)
+    return {"success": True, "message": "generation continues",
+            **({"weight_version": result.weight_version} if result is not None else {})}
 
 
 @router.post("/abort_request", dependencies=ADMIN)

@@ -261,7 +261,8 @@ class UpdateFromDistributedRequest(Lenient):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
-    load_format: Literal["flattened_bucket", "direct"] = "flattened_bucket"
+    # SGLang's: None (one broadcast per tensor) or "flattened_bucket"; ours: "rollout_bucket"
+    load_format: Optional[Literal["direct", "flattened_bucket", "rollout_bucket"]] = None
     bucket_bytes: Optional[int] = Field(None, gt=0)
     partial: bool = False
     transaction: bool = False

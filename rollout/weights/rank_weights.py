@@ -51,7 +51,18 @@ from rollout.worker.messages import (
     WeightsChecksum,
 )
 from weight_sync.checksum import checksum_named_tensors
-from weight_sync.distributed import WeightGroup, WeightGroupError, broadcast, make_group, one_cpu_thread, receive_buckets
+from weight_sync.distributed import (
+    FLATTENED,
+    ROLLOUT_BUCKET,
+    WeightGroup,
+    WeightGroupError,
+    WeightSizeMismatch,
+    broadcast,
+    make_group,
+    one_cpu_thread,
+    receive_buckets,
+    receive_exact,
+)
 from weight_sync.layout import contiguous_run, dtype_from_name
 from weight_sync.shm import open_bucket
 
@@ -401,10 +412,16 @@ class RankWeights:
             with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
                 copy_slices([(view, name_map[name].slice) for name, view in named], where=runner.params.shadow_view)
 
-        bucket_bytes = 1 if msg.load_format == "direct" else msg.bucket_bytes
         try:
-            receive_buckets(self.update_groups[msg.group_name], specs, bucket_bytes, self.device, msg.group_name,
-                            write_bucket, pool=self.receive_pool, place=place)
+            if msg.load_format == ROLLOUT_BUCKET:
+                receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
+                                msg.group_name, write_bucket, pool=self.receive_pool, place=place)
+            else:  # SGLang's layouts: per tensor, or flattened in the call's order
+                receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name,
+                              lambda named: write_bucket(named, False), flattened=msg.load_format == FLATTENED,
+                              pool=self.receive_pool)
+        except WeightSizeMismatch as exc:  # the group still stands: only this update failed
+            return f"{exc}; nothing was loaded", 0, None
         except WeightGroupError as exc:
             return self._group_failed(msg.group_name, exc), 0, WeightResult.GROUP
         if rejected is None and nonfinite:

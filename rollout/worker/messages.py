@@ -96,7 +96,7 @@ class ReceiveDistributed:
     shapes: tuple[tuple[int, ...], ...]
     group_name: str
     bucket_bytes: int
-    load_format: str = "flattened_bucket"
+    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "rollout_bucket" (ours)
     check_finite: bool = True
     partial: bool = False
     reply_timeout_s: float = 120.0
@@ -124,7 +124,7 @@ class StageDistributed:
     shapes: tuple[tuple[int, ...], ...]
     group_name: str
     bucket_bytes: int
-    load_format: str = "flattened_bucket"
+    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "rollout_bucket" (ours)
     reply_timeout_s: float = 120.0
 
 
