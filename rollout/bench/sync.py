@@ -7,6 +7,8 @@
 - distributed (a separate sender process over gloo, several bucket sizes): the update vs a bare
   broadcast of the same bytes on the same group, once with the sender holding separate tensors
   (packed per bucket) and once holding them in one ``FlattenedTensorBucket`` (sent with no copy);
+  and SGLang's layouts as its clients send them (slime, AReaL): one broadcast per tensor vs the
+  same bare per-tensor broadcasts, and ``flattened_bucket`` vs one bare broadcast of its bytes;
 - disk: ``update_weights_from_disk`` vs a plain read of the same files with a warm page cache.
 
 Writes JSON and a PNG to ``--out-dir``. Models: SmolLM2-135M-sized and Qwen2-0.5B-sized (bf16).
@@ -57,6 +59,26 @@ def _sender(port, world, tensors, bucket_sizes, repeats):
                 # would be read from the kernel's zero page, faster than any real data).
                 broadcast(sender.group, packed.buffer)
                 sender.send(source, bucket_bytes=bucket)
+    flat_bytes = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in tensors])
+    for load_format in SGLANG_LAYOUTS:
+        for _ in range(repeats + 2):
+            if load_format == "direct":  # bare: every tensor's own broadcast, posted at once
+                for work in [sender.group.pg.broadcast([t], _root0()) for _, t in tensors]:
+                    sender.group.wait(work)
+            else:
+                broadcast(sender.group, flat_bytes)
+            sender.send(tensors, load_format=load_format)
+
+
+SGLANG_LAYOUTS = ("direct", "flattened_bucket")
+
+
+def _root0():
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
 
 
 def _shm_sender(handle_q, go_q, tensors, repeats):
@@ -150,6 +172,19 @@ def _bench_distributed(engine, tensors, bucket_sizes: list[int], repeats: int, n
                 "raw_broadcast_s": min(raw_b), "update_s": min(upd_b), "fraction_of_raw": min(raw_b) / min(upd_b),
                 "last_receive_s": split.get("receive_s"), "last_commit_s": split.get("commit_s"),
                 "received_in_place_fraction": split.get("received_in_place_bytes", 0) / nbytes}
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    for load_format in SGLANG_LAYOUTS:
+        raw_b, upd_b = [], []
+        for _ in range(repeats + 2):
+            raw_b.append(engine.probe_weights_update_group("bench", sum(sizes),
+                                                           sizes if load_format == "direct" else None))
+            t0 = time.perf_counter()
+            out = engine.update_weights_from_distributed(names, dtypes, shapes, "bench", load_format=load_format,
+                                                         check_finite=False)
+            upd_b.append(time.perf_counter() - t0)
+            assert out.success, out.message
+        res[f"sglang {load_format}"] = {"raw_broadcast_s": min(raw_b), "update_s": min(upd_b),
+                                         "fraction_of_raw": min(raw_b) / min(upd_b), "tensors": len(sizes)}
     proc.join(120)
     engine.destroy_weights_update_group("bench")
     return res

@@ -496,10 +496,11 @@ class RolloutEngine:
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
                                     abort_all_requests)
 
-    def probe_weights_update_group(self, group_name: str, nbytes: int) -> float:
+    def probe_weights_update_group(self, group_name: str, nbytes: int, sizes: Optional[list[int]] = None) -> float:
         """Seconds to receive one bare broadcast of ``nbytes`` on the group (the trainer broadcasts
-        as many bytes): the raw transport a benchmark compares updates against."""
-        result = self._weights.run(ProbeUpdateGroup(group_name, int(nbytes)))
+        as many bytes), or one broadcast per entry of ``sizes``: the raw transport a benchmark
+        compares updates against."""
+        result = self._weights.run(ProbeUpdateGroup(group_name, int(nbytes), tuple(int(s) for s in sizes or ())))
         if not result.success:
             raise ValueError(result.message)
         return result.value

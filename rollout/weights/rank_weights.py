@@ -17,6 +17,7 @@ midway; a multi-call transaction holds what it staged until commit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.linear import copy_slices
@@ -432,10 +434,19 @@ class RankWeights:
         group = self.update_groups.get(msg.group_name)
         if group is None:
             return WeightResult.fail(f"no weight update group {msg.group_name!r}")
-        if self.probe_buffer is None or self.probe_buffer.numel() != msg.nbytes:  # reused, like receive buffers
-            self.probe_buffer = torch.empty(msg.nbytes, dtype=torch.uint8, device=self.device)
+        need = max(msg.nbytes, sum(msg.sizes))
+        if self.probe_buffer is None or self.probe_buffer.numel() != need:  # reused, like receive buffers
+            self.probe_buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
         t0 = time.perf_counter()
-        broadcast(group, self.probe_buffer)
+        if msg.sizes:  # one bare broadcast per tensor, all posted at once
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            offsets = [0, *itertools.accumulate(msg.sizes)]
+            works = [group.pg.broadcast([self.probe_buffer[a:b]], opts) for a, b in zip(offsets, offsets[1:])]
+            for work in works:
+                group.wait(work)
+        else:
+            broadcast(group, self.probe_buffer)
         return WeightResult.ok("probe received", num_bytes=msg.nbytes, value=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ reading weights back

@@ -161,10 +161,12 @@ class DestroyUpdateGroup:
 
 @dataclass(frozen=True)
 class ProbeUpdateGroup:
-    """Receive one bare broadcast of ``nbytes`` (the raw transport a benchmark compares against)."""
+    """Receive one bare broadcast of ``nbytes``, or one per entry of ``sizes`` (bytes), all posted
+    at once (the raw transport a benchmark compares against)."""
 
     group_name: str
     nbytes: int
+    sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
