@@ -515,15 +515,14 @@ class RolloutEngine:
         routes stage it instead: miles sends its bucket calls plain). The call's version, if any,
         becomes the transaction's; ``abort_all_requests`` aborts at once."""
         w = self._weights
-        if transaction or w.opened_by == "implicit":
-            pass
-        elif w.opened_by is None and self.config.stage_paused_updates and self._loop.call(lambda: self._loop.paused):
+        if not transaction and w.opened_by != "implicit":
+            if not (w.opened_by is None and self.config.stage_paused_updates
+                    and self._loop.call(lambda: self._loop.paused)):
+                return False
             opened = w.run(BeginTransaction())
             if not opened.success:
                 raise ValueError(opened.message)
             w.opened_by = "implicit"
-        else:
-            return False
         if weight_version is not None:
             w.transaction_version = weight_version
         if abort_all_requests:

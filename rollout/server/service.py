@@ -308,11 +308,9 @@ class EngineService:
                 return self.engine.update_weights_from_disk(folder, **kwargs)
 
         try:
-            result = await self.call(pin_and_update)
+            return await self.weight_update(pin_and_update)
         except FolderNotAllowed as exc:
             raise HTTPException(403, str(exc)) from None
-        self.metrics.weight_update(result)
-        return result_json(result)
 
     def token_text(self, token: int) -> Optional[str]:
         """One token's text as SGLang's ``return_text_in_logprobs`` gives it (the token decoded alone)."""
