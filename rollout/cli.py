@@ -116,7 +116,7 @@ def _cmd_serve(args) -> int:
                           stream_stall_timeout_s=args.stream_stall_timeout_s,
                           stream_max_pending_bytes=int(args.stream_max_pending_mb * 2**20),
                           incremental_streaming_output=args.incremental_streaming_output,
-                          enable_memory_saver=args.enable_memory_saver)
+                          enable_memory_saver=args.enable_memory_saver, host=args.host)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))

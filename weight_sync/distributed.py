@@ -27,7 +27,12 @@ DEFAULT_BUCKET_BYTES = 128 << 20
 DIRECT = "direct"  # SGLang's default: one broadcast per tensor, in the call's order, exactly its bytes
 FLATTENED = "flattened_bucket"  # SGLang's flattened bucket: one broadcast, the tensors' bytes in order
 ROLLOUT_BUCKET = "rollout_bucket"  # ours: buckets of bucket_bytes in wire order, 64-byte aligned
-LOAD_FORMATS = (DIRECT, FLATTENED, ROLLOUT_BUCKET)
+# vLLM's packed broadcast (``update_info.packed``): the tensors' bytes in the call's order, no padding,
+# cut into chunks greedily — a chunk ends with the tensor that takes it past bucket_bytes
+PACKED = "packed"
+LOAD_FORMATS = (DIRECT, FLATTENED, ROLLOUT_BUCKET, PACKED)
+EXACT_FORMATS = (DIRECT, FLATTENED, PACKED)  # each tensor's own bytes, in the call's order
+VLLM_PACKED_BUFFER_BYTES = 1 << 30  # vLLM's default packed_buffer_size_bytes
 CANARY = 8  # bytes: a gloo receive is checked against what its call announced (receive_exact)
 
 
@@ -36,17 +41,20 @@ class WeightGroupError(RuntimeError):
 
 
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float, group_name: str) -> WeightGroup:
-    """Join (rank 0: host) the group's rendezvous and build its process group."""
+               timeout_s: float, group_name: str, src: int = 0) -> WeightGroup:
+    """Join (rank 0: host) the group's rendezvous and build its process group. ``src``: the rank
+    that broadcasts the weights (the trainer: 0 for SGLang and vLLM clients, the last rank for TRL's).
+    A receiving rank builds its gloo group under whichever layout the trainer used (SGLang's recipe
+    or plain ``init_process_group``, ``weight_sync.process_group``)."""
     try:
         # NCCL's own watchdog may tear the whole process down on a timeout: give it twice ours,
         # so ``WeightGroup.wait`` times out first and aborts only this group.
         handle = new_process_group(master_address, master_port, rank, world_size, backend, timeout_s,
-                                   group_name, nccl_timeout_factor=2.0)
+                                   group_name, nccl_timeout_factor=2.0, peer_rank=None if rank == src else src)
     except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
         raise WeightGroupError(f"weight update group {group_name!r}: rendezvous at {master_address}:{master_port} "
                                f"as rank {rank}/{world_size} failed within {timeout_s}s ({exc})") from exc
-    return WeightGroup(handle.pg, handle.store, timeout_s, backend)
+    return WeightGroup(handle.pg, handle.store, timeout_s, backend, src)
 
 
 @dataclass
@@ -55,6 +63,7 @@ class WeightGroup:
     store: dist.Store  # the rendezvous lives as long as the group
     timeout_s: float = 60.0
     backend: str = "gloo"
+    src: int = 0  # the rank that broadcasts the weights
 
     def wait(self, work) -> None:
         """Wait for one operation within the group's timeout. Gloo enforces it itself; an NCCL
@@ -105,7 +114,7 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         placed = [None if place is None else place(metas, total) for metas, total in buckets]
         slots = [p if p is not None else slot for p, slot in zip(placed, slots)]
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = group.src
     posted, staged = {}, []
 
     def post(i: int) -> None:
@@ -137,26 +146,32 @@ class WeightSizeMismatch(WeightGroupError):
     """A broadcast carried another number of bytes than its call announced (names, dtypes, shapes)."""
 
 
-def exact_transfers(specs, flattened: bool) -> list[list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
-    """SGLang's layouts: per tensor (one transfer each) or flattened (one transfer of every tensor's
-    bytes back to back, in the call's order, no padding). Each entry: (name, dtype, shape, byte
-    offset in its transfer, bytes)."""
+def exact_transfers(specs, load_format: str = DIRECT, chunk_bytes: int = VLLM_PACKED_BUFFER_BYTES
+                    ) -> list[list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
+    """The layouts that send each tensor's own bytes in the call's order, no padding: ``direct``
+    (one transfer per tensor), ``flattened_bucket`` (one transfer of them all) and vLLM's ``packed``
+    (transfers of them back to back, each closed by the tensor that takes it past ``chunk_bytes``).
+    Each entry: (name, dtype, shape, byte offset in its transfer, bytes)."""
+    if load_format not in EXACT_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: not one of {EXACT_FORMATS}")
     out: list[list] = []
-    offset = 0
+    offset, closed = 0, True
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        if not flattened or not out:
+        if closed or load_format == DIRECT:
             out.append([])
-            offset = 0
+            offset, closed = 0, False
         out[-1].append((name, dtype, tuple(shape), offset, nbytes))
         offset += nbytes
+        closed = load_format == PACKED and offset > chunk_bytes
     return out
 
 
 def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: str, on_transfer,
-                  flattened: bool = False, pool: list | None = None) -> None:
-    """Receive a call sent SGLang's way (``exact_transfers``) and hand each transfer's (name, view)
-    pairs to ``on_transfer`` while the next is on the wire (two reused buffers, ``pool``).
+                  load_format: str = DIRECT, pool: list | None = None,
+                  chunk_bytes: int = VLLM_PACKED_BUFFER_BYTES) -> None:
+    """Receive a call sent SGLang's or vLLM's way (``exact_transfers``) and hand each transfer's
+    (name, view) pairs to ``on_transfer`` while the next is on the wire (two reused buffers, ``pool``).
 
     On gloo every transfer is checked against what the call announced: the buffer posted is twice
     the announced bytes plus ``CANARY`` (gloo accepts a shorter message silently and aborts the
@@ -165,7 +180,7 @@ def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: s
     overwritten (more arrived) raises ``WeightSizeMismatch`` naming the tensor, what was announced
     and what differed. A sender that sends more than twice what it announced takes gloo's own
     check, which ends the process. NCCL posts exactly the announced bytes (counts must match)."""
-    transfers = exact_transfers(specs, flattened)
+    transfers = exact_transfers(specs, load_format, chunk_bytes)
     checked = group.backend == "gloo"
     sizes = [sum(e[4] for e in t) for t in transfers]
     room = [2 * n + CANARY if checked else n for n in sizes]
@@ -175,13 +190,13 @@ def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: s
     if len(pool) < 2 or pool[0].numel() < need or pool[0].device != device:
         pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = group.src
     marks = torch.randint(0, 256, (2, CANARY), dtype=torch.uint8, device=device) if checked else None
     posted: dict = {}
 
     def what(i: int) -> str:
         names = [e[0] for e in transfers[i]]
-        head = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} tensors, flattened)"
+        head = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]} ({len(names)} tensors, {load_format})"
         return f"{head}: announced {sizes[i]} bytes ({', '.join(f'{e[1]} {list(e[2])}' for e in transfers[i][:3])})"
 
     def post(i: int) -> None:
@@ -270,16 +285,17 @@ class WeightUpdateSender:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              load_format: str = ROLLOUT_BUCKET) -> int:
         """Broadcast the tensors: in our buckets (``rollout_bucket``, the engine's call must say the
-        same ``bucket_bytes``), or SGLang's way — one broadcast per tensor (``direct``) or all of
-        them flattened into one (``flattened_bucket``).
+        same ``bucket_bytes``), SGLang's way — one broadcast per tensor (``direct``) or all of
+        them flattened into one (``flattened_bucket``) — or vLLM's ``packed`` chunks of
+        ``bucket_bytes``.
 
         A bucket whose tensors already lie in one buffer in bucket layout (views of a
         ``FlattenedTensorBucket`` holding the model) goes out from that memory, with no copy.
         Otherwise it is packed into one of two buffers, allocated once and reused: bucket i+1 is
         packed while bucket i is on the wire (broadcasts run asynchronously)."""
         named = list(named_tensors)
-        if load_format in (DIRECT, FLATTENED):
-            return self._send_exact(named, load_format == FLATTENED)
+        if load_format in EXACT_FORMATS:
+            return self._send_exact(named, load_format, bucket_bytes)
         if load_format != ROLLOUT_BUCKET:
             raise ValueError(f"load_format={load_format!r}: use one of {LOAD_FORMATS}")
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
@@ -321,15 +337,20 @@ class WeightUpdateSender:
                                    f"{len(buckets)} failed: {exc}") from exc
         return sent
 
-    def _send_exact(self, named: list[tuple[str, torch.Tensor]], flattened: bool) -> int:
-        """SGLang's layouts: each tensor's own bytes in order, per broadcast or concatenated into one."""
+    def _send_exact(self, named: list[tuple[str, torch.Tensor]], load_format: str, chunk_bytes: int) -> int:
+        """SGLang's and vLLM's layouts: each tensor's own bytes in order, per broadcast, concatenated
+        into one, or packed into chunks (``exact_transfers``)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        if flattened:
-            parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named]
-            payloads = [torch.cat(parts)] if parts else []
-        else:
-            payloads = [t.detach().contiguous() for _, t in named]
+        tensors = dict(named)
+        transfers = exact_transfers([(n, t.dtype, tuple(t.shape)) for n, t in named], load_format, chunk_bytes)
+        payloads = []
+        for entries in transfers:
+            if len(entries) == 1:
+                payloads.append(tensors[entries[0][0]].detach().contiguous())
+            else:
+                payloads.append(torch.cat([tensors[e[0]].detach().contiguous().reshape(-1).view(torch.uint8)
+                                           for e in entries]))
         try:
             works = [self.group.pg.broadcast([p], opts) for p in payloads]
             for work in works:

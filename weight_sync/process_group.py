@@ -14,6 +14,14 @@ with the public backend classes over exactly those keys: the helper itself regis
 per process, and a trainer and an engine in one process must both hold the group.
 ``tests/test_compat_sglang_clients.py`` forms groups with a trainer process running SGLang's recipe.
 
+A trainer may also build its side with plain ``torch.distributed.init_process_group(backend,
+init_method="tcp://host:port")`` (vLLM-side clients, TRL's protocol over gloo, any torch-only
+trainer): its keys lie under ``default_pg`` and a per-process counter. On gloo the engine's side
+does not need to be told which: every gloo rank writes its own key as soon as it builds its group,
+so the engine waits for the trainer's key under each layout and builds under the one it finds
+(``new_process_group(peer_rank=...)``). NCCL builds lazily (no key before the first collective), so
+an NCCL group is SGLang's recipe.
+
 Exposure: rank 0's rendezvous listens only on the address it was given (a socket bound here and
 handed to the store; torch's own store would listen on every interface). A group whose address is
 a loopback one is reachable from this machine alone, and its gloo transport binds loopback too. A
@@ -27,6 +35,7 @@ import datetime
 import ipaddress
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -99,8 +108,15 @@ class _KeyRecorder(dist.Store):
 
 
 _PREFIX_LOCK = threading.Lock()
-_PREFIX_TEMPLATE: list[str] = []  # [template with _MARKER for the group name], learned once per process
-_MARKER = f"rollout-probe-{uuid.uuid4().hex}"
+# learned once per process: the helper's key prefix with _STORE for the caller's PrefixStore and
+# _NAME for the group's name, and gloo's key for a rank with _RANK for the rank
+_LEARNED: dict[str, str] = {}
+_STORE = f"rollout-store-{uuid.uuid4().hex}"
+_NAME = f"rollout-name-{uuid.uuid4().hex}"
+# plain ``torch.distributed.init_process_group`` prefixes its store with this and names its group
+# by a per-process counter ("0" for a trainer's first group)
+DEFAULT_PG = "default_pg"
+DEFAULT_PG_COUNTERS = 8  # counters tried when looking for a plain torch trainer's group
 
 
 def _gloo_options(timeout: datetime.timedelta, loopback: bool):
@@ -112,31 +128,63 @@ def _gloo_options(timeout: datetime.timedelta, loopback: bool):
     return opts
 
 
-def torch_store_prefix(group_name: str, device_type: str) -> str:
-    """The prefix under which a backend's own keys lie when a group named ``group_name`` is built
-    SGLang's way (``PrefixStore(group_name, store)`` handed to torch's process-group helper), as
-    this torch lays it out — learned from torch itself (module docstring)."""
+def _learn() -> dict[str, str]:
     with _PREFIX_LOCK:
-        if not _PREFIX_TEMPLATE:
+        if not _LEARNED:
             from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
             timeout = datetime.timedelta(seconds=30)
             via_helper = _KeyRecorder()
-            pg, _ = _new_process_group_helper(1, 0, [], "gloo", dist.PrefixStore(_MARKER, via_helper),
-                                              group_name=_MARKER, timeout=timeout)
+            pg, _ = _new_process_group_helper(1, 0, [], "gloo", dist.PrefixStore(_STORE, via_helper),
+                                              group_name=_NAME, timeout=timeout)
             _world.pg_group_ranks[pg] = {0: 0}  # as SGLang's recipe records it; destroy reads it
             dist.destroy_process_group(pg)
             alone = _KeyRecorder()
             dist.ProcessGroupGloo(alone, 0, 1, _gloo_options(timeout, True))
             full, own = via_helper.first, alone.first
-            if full is None or own is None or not full.endswith(own) or _MARKER not in full:
+            if (full is None or own is None or not full.endswith(own) or _STORE not in full
+                    or not own.endswith("/0")):
                 raise RuntimeError(f"cannot learn torch's process-group key layout (helper wrote {full!r}, the "
                                    f"backend alone {own!r})")
-            _PREFIX_TEMPLATE.append(full[:-len(own)])
-    chain = _PREFIX_TEMPLATE[0].replace(_MARKER, group_name)
+            _LEARNED["prefix"] = full[:-len(own)]
+            _LEARNED["rank_key"] = own[:-1]  # + the rank: the key a gloo rank writes first
+    return _LEARNED
+
+
+def torch_store_prefix(group_name: str, device_type: str, store_prefix: Optional[str] = None) -> str:
+    """The prefix under which a backend's own keys lie when torch's process-group helper builds a
+    group named ``group_name`` over ``PrefixStore(store_prefix, store)`` — SGLang's recipe passes its
+    group name as both (the default); plain ``init_process_group`` passes ``"default_pg"`` and a
+    counter — as this torch lays it out, learned from torch itself (module docstring)."""
+    template = _learn()["prefix"]
+    chain = template.replace(_STORE, group_name if store_prefix is None else store_prefix).replace(_NAME, group_name)
     if device_type != "cpu":  # the helper prefixes each device type's backend with the type's name
         chain = chain.replace("/cpu/", f"/{device_type}/")
     return chain[:-1]  # a PrefixStore adds the "/" itself
+
+
+def trainer_layouts(group_name: str, device_type: str = "cpu") -> list[str]:
+    """Where a trainer's backend keys may lie: SGLang's recipe for ``group_name`` first, then the
+    default group of plain ``torch.distributed.init_process_group`` (its first few counters)."""
+    return [torch_store_prefix(group_name, device_type)] + [
+        torch_store_prefix(str(i), device_type, DEFAULT_PG) for i in range(DEFAULT_PG_COUNTERS)]
+
+
+def _await_peer_layout(store: dist.Store, peer_rank: int, group_name: str, timeout_s: float) -> str:
+    """The prefix under which gloo rank ``peer_rank`` (the trainer) has announced itself: it writes
+    its key as soon as it builds its group, before it waits for anyone (``trainer_layouts``)."""
+    candidates = trainer_layouts(group_name)
+    key = _learn()["rank_key"] + str(peer_rank)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for prefix in candidates:
+            if store.check([f"{prefix}/{key}"]):
+                return prefix
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {peer_rank} (the trainer) joined the rendezvous but built no gloo group within "
+                               f"{timeout_s}s, neither as group {group_name!r} (SGLang's recipe) nor as a default "
+                               "group (torch.distributed.init_process_group)")
+        time.sleep(0.01)
 
 
 @dataclass
@@ -147,13 +195,17 @@ class GroupHandle:
 
 def new_process_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
                       group_name: str, *, listening: socket.socket | None = None,
-                      nccl_timeout_factor: float = 1.0) -> GroupHandle:
+                      nccl_timeout_factor: float = 1.0, peer_rank: Optional[int] = None) -> GroupHandle:
     """Join (rank 0: host) the rendezvous at ``host:port`` and build the group named ``group_name``.
 
     ``listening``: rank 0's socket, already bound (see ``listen_socket``); rank 0 binds one itself
     when it is not given. The store takes the socket over (and closes it). ``nccl_timeout_factor``
     scales NCCL's own watchdog timeout (a caller that polls with ``timeout_s`` itself gives NCCL
-    more, so its own wait fails first and aborts only this group)."""
+    more, so its own wait fails first and aborts only this group).
+
+    ``peer_rank`` (a gloo weight group's trainer rank): build the group under whichever layout the
+    trainer used — SGLang's recipe named ``group_name``, or plain ``init_process_group`` — found by
+    waiting for the trainer's first key (``trainer_layouts``). Without it: SGLang's recipe."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:  # the store listens on the address given, not on every interface
         fd = (listening or listen_socket(host, port)).detach()
@@ -161,7 +213,11 @@ def new_process_group(host: str, port: int, rank: int, world_size: int, backend:
     else:
         store, _, _ = next(dist.rendezvous(f"tcp://{host}:{int(port)}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    prefixed = dist.PrefixStore(torch_store_prefix(group_name, "cuda" if backend == "nccl" else "cpu"), store)
+    if backend == "gloo" and peer_rank is not None and peer_rank != rank:
+        prefix = _await_peer_layout(store, peer_rank, group_name, timeout_s)
+    else:
+        prefix = torch_store_prefix(group_name, "cuda" if backend == "nccl" else "cpu")
+    prefixed = dist.PrefixStore(prefix, store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout * nccl_timeout_factor

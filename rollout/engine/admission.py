@@ -90,7 +90,9 @@ class Admission:
 
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                       logprob_start_len: int, rid, on_update=None,
-                      return_sampling_mask: Optional[bool] = None) -> list[Request]:
+                      return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None) -> list[Request]:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         if return_sampling_mask is None:
             return_sampling_mask = self.config.return_sampling_mask
         ids_list = self.prompt_ids(prompts, input_ids)
@@ -139,6 +141,7 @@ class Admission:
             params = sp.resolved(self.defaults).for_vocab(vocab, self.eos_ids)
             req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
                           return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
+            req.cache_salt = cache_salt or None
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs

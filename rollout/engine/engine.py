@@ -36,6 +36,7 @@ from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
+    BarrierUpdateGroup,
     BeginTransaction,
     CommitTransaction,
     DestroyUpdateGroup,
@@ -53,7 +54,7 @@ from rollout.worker.tp_external import ExternalLeaderWorker, ExternalTp
 from rollout.worker.tp_group import TpWorkerGroup
 from rollout.worker.tp_worker import TpModelWorker
 from weight_sync.bucket import FlattenedTensorBucket
-from weight_sync.distributed import DEFAULT_BUCKET_BYTES, DIRECT, LOAD_FORMATS
+from weight_sync.distributed import DEFAULT_BUCKET_BYTES, DIRECT, LOAD_FORMATS, PACKED, VLLM_PACKED_BUFFER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -235,18 +236,20 @@ class RolloutEngine:
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  rid: Union[str, list[str], None] = None,
-                 return_sampling_mask: Optional[bool] = None) -> list[RolloutOutput]:
+                 return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
         ``return_sampling_mask`` (default: the engine's option): every output token also carries the
         sorted ids that survived the processors (``output_token_sampling_mask``) and its logprob
         renormalised over them (``output_token_sampling_logprobs``), for trainer-side replay
-        (``trainer_bridge.replay``).
+        (``trainer_bridge.replay``). ``cache_salt`` (vLLM's): the request reuses and leaves cached KV
+        only among requests with the same salt (prefix-cache partitions, e.g. one per policy version).
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                             logprob_start_len, rid, return_sampling_mask=return_sampling_mask)
+                                             logprob_start_len, rid, return_sampling_mask=return_sampling_mask,
+                                             cache_salt=cache_salt)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -294,7 +297,8 @@ class RolloutEngine:
 
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
-                             stream: bool = False, return_sampling_mask: Optional[bool] = None):
+                             stream: bool = False, return_sampling_mask: Optional[bool] = None,
+                             cache_salt: Optional[str] = None):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -311,7 +315,7 @@ class RolloutEngine:
 
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                             logprob_start_len, rid, on_update, return_sampling_mask)
+                                             logprob_start_len, rid, on_update, return_sampling_mask, cache_salt)
         for r in reqs:
             self._loop.submit(r)
 
@@ -376,6 +380,9 @@ class RolloutEngine:
             self._loop.paused = True
         self._loop.call(pause)
 
+    def is_paused(self) -> bool:
+        return self._loop.call(lambda: self._loop.paused)
+
     def continue_generation(self) -> Optional[WeightResult]:
         """Resume generation. Update calls staged while it was paused are published first, all of them
         on every rank or none (their result is returned; on failure the old weights keep serving)."""
@@ -388,8 +395,14 @@ class RolloutEngine:
         self._loop.call(resume)
         return result
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> PromptIds:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> PromptIds:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
+
+    @property
+    def context_len(self) -> int:
+        """The most tokens one sequence may hold (prompt + output)."""
+        return self._admission.limits.max_req_len
 
     def get_stats(self) -> dict:
         return self._loop.call(self.scheduler.get_stats)
@@ -458,11 +471,18 @@ class RolloutEngine:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: Optional[str] = None,
-                                  timeout_s: float = 60.0) -> WeightResult:
-        """Join the trainer's weight-update group (engine TP rank r is rank ``rank_offset + r``).
-        Fails with a clear message (naming the group) if nobody joins within ``timeout_s``."""
+                                  timeout_s: float = 60.0, trainer_rank: int = 0) -> WeightResult:
+        """Join the trainer's weight-update group (engine TP rank r is rank ``rank_offset + r``; the
+        trainer, which broadcasts, is ``trainer_rank``: 0 for SGLang's and vLLM's clients, the last
+        rank for TRL's). The trainer may build its side with SGLang's recipe or, on gloo, with plain
+        ``torch.distributed.init_process_group`` (``weight_sync.process_group``). Fails with a clear
+        message (naming the group) if nobody joins within ``timeout_s``."""
+        ranks = range(int(rank_offset), int(rank_offset) + self.tp_size)
+        if not 0 <= int(trainer_rank) < int(world_size) or int(trainer_rank) in ranks:
+            raise ValueError(f"trainer_rank={trainer_rank} must be a rank of the group (world_size={world_size}) "
+                             f"other than the engine's ranks {list(ranks)}")
         return self._weights.run(InitUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size),
-                                                 group_name, backend, float(timeout_s)))
+                                                 group_name, backend, float(timeout_s), int(trainer_rank)))
 
     def destroy_weights_update_group(self, group_name: str) -> WeightResult:
         return self._weights.run(DestroyUpdateGroup(group_name))
@@ -478,10 +498,14 @@ class RolloutEngine:
         ``load_format`` says how the broadcasts lay them out: ``None``/``"direct"`` (SGLang's
         default): one broadcast per tensor, in this call's order, of exactly its announced bytes;
         ``"flattened_bucket"`` (SGLang's): one broadcast of every tensor's bytes back to back;
+        ``"packed"`` (vLLM's ``update_info.packed``): those bytes in chunks, each closed by the tensor
+        that takes it past ``bucket_bytes`` (default vLLM's 1 GiB);
         ``"rollout_bucket"`` (ours, ``weight_sync.WeightUpdateSender.send``'s default): buckets of
         ``bucket_bytes`` in wire order. On gloo a broadcast of another size than announced fails the
         update and says which tensor (``weight_sync.distributed.receive_exact``)."""
         load_format = DIRECT if load_format is None else load_format
+        if bucket_bytes is None:
+            bucket_bytes = VLLM_PACKED_BUFFER_BYTES if load_format == PACKED else DEFAULT_BUCKET_BYTES
         try:
             spec = (tuple(str(n) for n in names), tuple(str(d) for d in dtypes),
                     tuple(tuple(int(x) for x in s) for s in shapes), str(group_name),
@@ -490,11 +514,16 @@ class RolloutEngine:
             raise ValueError(f"names, dtypes and shapes must be lists (shapes: lists of ints): {exc}") from None
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: use None/'direct' (one broadcast per tensor), "
-                             "'flattened_bucket' (SGLang's) or 'rollout_bucket' (ours)")
+                             "'flattened_bucket' (SGLang's), 'packed' (vLLM's) or 'rollout_bucket' (ours)")
         if self._stages(transaction, weight_version, abort_all_requests):  # receive and stage only
             return self._weights.run(StageDistributed(*spec))
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
                                     abort_all_requests)
+
+    def weights_update_group_barrier(self, group_name: str) -> WeightResult:
+        """A barrier with the trainer on the weight-update group, every engine rank taking part (TRL's
+        protocol has one after each parameter's broadcast)."""
+        return self._weights.run(BarrierUpdateGroup(group_name))
 
     def probe_weights_update_group(self, group_name: str, nbytes: int, sizes: Optional[list[int]] = None) -> float:
         """Seconds to receive one bare broadcast of ``nbytes`` on the group (the trainer broadcasts
@@ -539,8 +568,11 @@ class RolloutEngine:
         return result
 
     def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
-                             abort_all_requests: bool = False) -> WeightResult:
+                             abort_all_requests: bool = False, weight_version: Optional[str] = None) -> WeightResult:
+        """Publish what the open transaction staged, on every rank or none, under ``weight_version``
+        (else the version its calls named, else the next one)."""
         version, self._weights.transaction_version = self._weights.transaction_version, None
+        version = weight_version if weight_version is not None else version
         self._weights.opened_by = None
         return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
 

@@ -18,12 +18,19 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        **template_kwargs) -> list[int]:
+    """The conversation rendered by the model's chat template and tokenized; ``template_kwargs``
+    reach the template (e.g. ``enable_thinking``, the ``chat_template_kwargs`` of vLLM and SGLang)."""
     if tokenizer is None:
         raise ValueError("this model folder has no tokenizer: pass input_ids instead of chat messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; tokenize the conversation yourself")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    reserved = {"tokenize", "add_generation_prompt", "conversation", "messages", "return_dict"} & set(template_kwargs)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **template_kwargs)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

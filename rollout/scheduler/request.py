@@ -79,6 +79,7 @@ class Request:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.return_sampling_mask = return_sampling_mask
+        self.cache_salt: Optional[str] = None  # prefix-cache partition (vLLM's cache_salt)
         # Replayed scoring: prompt_ids[score_from:] are given output tokens, scored under
         # ``score_params`` as generation would have (processed logprobs, masks); None otherwise.
         self.score_from: Optional[int] = None

@@ -100,6 +100,10 @@ class Scheduler:
         """What prefix-cache hashes are keyed by: KV is only reused under the very same weights."""
         return f"{self.weight_version}#{self.weights_epoch}"
 
+    def _cache_key(self, req) -> str:
+        """A request's prefix-cache key: the weights', and its ``cache_salt`` partition if any."""
+        return self.cache_key if req.cache_salt is None else f"{self.cache_key}\x00salt:{req.cache_salt}"
+
     # ------------------------------------------------------------------ weights and cache
 
     def publish_weights(self, weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
@@ -276,7 +280,7 @@ class Scheduler:
         limit = len(seq.token_ids) - 1  # at least one token must run to produce logits
         if seq.num_output_tokens == 0 and req.needs_input_logprobs:
             limit = min(limit, req.next_input_logprob_pos)
-        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self.cache_key)
+        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self._cache_key(req))
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         if seq.num_output_tokens == 0:
@@ -400,7 +404,7 @@ class Scheduler:
         first, last = start // self.block_size, min(end, seq.num_prompt_tokens) // self.block_size
         if last <= first:
             return
-        hashes = self.block_manager.block_hashes(seq.token_ids, last, self.cache_key)
+        hashes = self.block_manager.block_hashes(seq.token_ids, last, self._cache_key(seq.req))
         for i in range(first, last):
             self.block_manager.register(seq.block_table[i], hashes[i])
 

@@ -40,10 +40,13 @@ def _sampling(body, max_tokens: Optional[int]) -> dict[str, Any]:
 class _Tokens:
     """Token strings for logprobs (what OpenAI's ``token`` fields hold)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:123"
 
     def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])
@@ -101,7 +104,8 @@ def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict
 @router.get("/v1/models", dependencies=[Depends(user)])
 async def models(svc: EngineService = Depends(service_of)):
     return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
-                                        "owned_by": "rollout-worker"}]}
+                                        "owned_by": "rollout-worker", "root": svc.engine.config.model_path,
+                                        "max_model_len": svc.context_len}]}
 
 
 # ------------------------------------------------------------------ /v1/completions
@@ -119,9 +123,10 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
     if body.echo and body.stream:
         raise HTTPException(400, "echo is answered whole: send it without stream")
     kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens), return_logprob=want_lp,
-                  top_logprobs_num=body.logprobs or 0, logprob_start_len=0 if body.echo and want_lp else -1)
+                  top_logprobs_num=body.logprobs or 0, logprob_start_len=0 if body.echo and want_lp else -1,
+                  cache_salt=body.cache_salt)
     cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
-        svc.engine.tokenizer)
+        svc.engine.tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
         delta = TextDeltas()
 
@@ -176,7 +181,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                       DEFAULT_CHAT_MAX_TOKENS)
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
-                  top_logprobs_num=body.top_logprobs or 0)
+                  top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt)
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer)
     if body.stream:

@@ -86,7 +86,6 @@ NOT_HERE = {
     "bootstrap_port": "prefill/decode disaggregation is not supported",
     "bootstrap_room": "prefill/decode disaggregation is not supported",
     "background": "background requests are not supported: wait for the answer or stream it",
-    "extra_key": "extra_key (a prefix-cache partition key) is not supported yet",
 }
 
 
@@ -124,7 +123,8 @@ class GenerateRequest(Lenient):
     bootstrap_port: Any = None
     bootstrap_room: Any = None
     background: Any = False
-    extra_key: Any = None
+    # SGLang's prefix-cache partition key (vLLM's cache_salt): cached KV is reused only within it
+    extra_key: Optional[Union[str, list[Optional[str]]]] = None
 
     @model_validator(mode="after")
     def _supported(self) -> GenerateRequest:
@@ -170,6 +170,7 @@ class OpenAISampling(Lenient):
     logit_bias: Optional[dict[str, float]] = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    cache_salt: Optional[str] = None  # vLLM's prefix-cache partition (prime-rl salts with the policy version)
 
 
 class CompletionRequest(OpenAISampling):
@@ -177,6 +178,7 @@ class CompletionRequest(OpenAISampling):
     max_tokens: Optional[int] = Field(16, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:123" (AReaL reads them)
 
 
 class ContentPart(Lenient):

@@ -56,6 +56,9 @@ class ServerConfig:
     # /generate streams: each event carries only what is new since the sample's last one (SGLang's
     # --incremental-streaming-output); off: every event the whole output so far (SGLang's default)
     incremental_streaming_output: bool = False
+    # the address the server listens on: a weight group the server hosts (TRL's) binds here when the
+    # client names every interface ("0.0.0.0")
+    host: str = "127.0.0.1"
 
 
 def result_json(result: WeightResult) -> JSONResponse:
@@ -190,6 +193,7 @@ class EngineService:
         self.model_name = self.config.served_model_name or os.path.basename(os.path.normpath(engine.config.model_path))
         self.allowed_dirs = [os.path.realpath(d) for d in self.config.allowed_weight_dirs]
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+        self.sleeping: set[str] = set()  # what vLLM's /sleep released (and "paused"), until /wake_up
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
         # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
         # behind each other.
@@ -311,6 +315,10 @@ class EngineService:
             return await self.weight_update(pin_and_update)
         except FolderNotAllowed as exc:
             raise HTTPException(403, str(exc)) from None
+
+    @property
+    def context_len(self) -> int:
+        return self.engine.context_len
 
     def token_text(self, token: int) -> Optional[str]:
         """One token's text as SGLang's ``return_text_in_logprobs`` gives it (the token decoded alone)."""

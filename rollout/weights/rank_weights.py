@@ -37,6 +37,7 @@ from rollout.worker.messages import (
     ApplyDisk,
     ApplyHandle,
     ApplyTensors,
+    BarrierUpdateGroup,
     BeginTransaction,
     CommitTransaction,
     DestroyUpdateGroup,
@@ -54,7 +55,6 @@ from rollout.worker.messages import (
 )
 from weight_sync.checksum import checksum_named_tensors
 from weight_sync.distributed import (
-    FLATTENED,
     ROLLOUT_BUCKET,
     WeightGroup,
     WeightGroupError,
@@ -130,6 +130,16 @@ class RankWeights:
                 return WeightResult.ok(f"destroyed weight update group {msg.group_name!r}")
             case ProbeUpdateGroup():
                 return self._probe(msg)
+            case BarrierUpdateGroup():
+                group = self.update_groups.get(msg.group_name)
+                if group is None:
+                    return WeightResult.fail(f"no weight update group {msg.group_name!r}", kind=WeightResult.GROUP)
+                try:
+                    group.wait(group.pg.barrier())
+                except Exception as exc:  # noqa: BLE001 - the group is broken
+                    return WeightResult.fail(self._group_failed(msg.group_name, WeightGroupError(
+                        f"weight update group {msg.group_name!r}: barrier failed: {exc}")), kind=WeightResult.GROUP)
+                return WeightResult.ok("barrier passed")
             case ReleaseMemory():
                 if "weights" in msg.tags:
                     self.receive_pool = []  # the distributed path's receive buffers go with the weights
@@ -296,7 +306,7 @@ class RankWeights:
         rank = msg.rank_offset + self.tp_state.tp_rank
         try:
             self.update_groups[msg.group_name] = make_group(msg.master_address, msg.master_port, rank, msg.world_size,
-                                                            backend, msg.timeout_s, msg.group_name)
+                                                            backend, msg.timeout_s, msg.group_name, msg.trainer_rank)
         except WeightGroupError as exc:
             return WeightResult.fail(str(exc))
         return WeightResult.ok(f"joined weight update group {msg.group_name!r} as rank {rank}/{msg.world_size}")
@@ -420,8 +430,8 @@ class RankWeights:
                                 msg.group_name, write_bucket, pool=self.receive_pool, place=place)
             else:  # SGLang's layouts: per tensor, or flattened in the call's order
                 receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name,
-                              lambda named: write_bucket(named, False), flattened=msg.load_format == FLATTENED,
-                              pool=self.receive_pool)
+                              lambda named: write_bucket(named, False), load_format=msg.load_format,
+                              pool=self.receive_pool, chunk_bytes=msg.bucket_bytes)
         except WeightSizeMismatch as exc:  # the group still stands: only this update failed
             return f"{exc}; nothing was loaded", 0, None
         except WeightGroupError as exc:
@@ -440,13 +450,13 @@ class RankWeights:
         t0 = time.perf_counter()
         if msg.sizes:  # one bare broadcast per tensor, all posted at once
             opts = dist.BroadcastOptions()
-            opts.rootRank = 0
+            opts.rootRank = group.src
             offsets = [0, *itertools.accumulate(msg.sizes)]
             works = [group.pg.broadcast([self.probe_buffer[a:b]], opts) for a, b in zip(offsets, offsets[1:])]
             for work in works:
                 group.wait(work)
         else:
-            broadcast(group, self.probe_buffer)
+            broadcast(group, self.probe_buffer, group.src)
         return WeightResult.ok("probe received", num_bytes=msg.nbytes, value=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ reading weights back

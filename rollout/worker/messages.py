@@ -96,7 +96,7 @@ class ReceiveDistributed:
     shapes: tuple[tuple[int, ...], ...]
     group_name: str
     bucket_bytes: int
-    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "rollout_bucket" (ours)
+    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "packed" (vLLM's), "rollout_bucket" (ours)
     check_finite: bool = True
     partial: bool = False
     reply_timeout_s: float = 120.0
@@ -124,7 +124,7 @@ class StageDistributed:
     shapes: tuple[tuple[int, ...], ...]
     group_name: str
     bucket_bytes: int
-    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "rollout_bucket" (ours)
+    load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "packed" (vLLM's), "rollout_bucket" (ours)
     reply_timeout_s: float = 120.0
 
 
@@ -148,6 +148,7 @@ class InitUpdateGroup:
     group_name: str
     backend: Optional[str] = None
     timeout_s: float = 60.0
+    trainer_rank: int = 0  # the rank that broadcasts (TRL's client is the group's last rank)
 
     @property
     def reply_timeout_s(self) -> float:
@@ -167,6 +168,13 @@ class ProbeUpdateGroup:
     group_name: str
     nbytes: int
     sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BarrierUpdateGroup:
+    """A barrier with the trainer on the group (TRL's protocol: after each parameter's broadcast)."""
+
+    group_name: str
 
 
 @dataclass(frozen=True)
@@ -195,7 +203,8 @@ class WeightsChecksum:
 
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
                    StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
-                   DestroyUpdateGroup, ProbeUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight, WeightsChecksum)
+                   DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight,
+                   WeightsChecksum)
 LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe
 
 

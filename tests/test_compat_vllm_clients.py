@@ -1,0 +1,376 @@
+"""The vLLM-side frameworks' requests (prime-rl, SkyRL, TRL's async GRPO and ``trl vllm-serve``, AReaL's
+vLLM backend), replayed as ``../shared/docs/CLIENTS.md`` records them against a real ``rollout serve``,
+checking every field each one reads back; and their weight pushes from a trainer process that builds its
+side of the group with plain ``torch.distributed`` (vLLM's own trainer side and TRL's need vLLM's
+PyNccl: the protocol is the same, over gloo)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+
+import httpx
+import pytest
+from helpers import random_prompts
+
+KEY = "vllm-compat-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = random_prompts(300, [9, 14, 11, 7], seed=11)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def model_b(model_dir):
+    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def srv(model, module_servers):
+    server = module_servers(model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _ok(r: httpx.Response) -> httpx.Response:
+    assert r.status_code == 200, (r.request.url, r.status_code, r.text)
+    return r
+
+
+def _tokens(http, ids, cache_salt=None, **sampling):
+    body = {"model": "m", "token_ids": ids, "sampling_params": {"max_tokens": 8, "temperature": 0.0, **sampling},
+            "cache_salt": cache_salt}
+    return _ok(http.post("/inference/v1/generate", json=body)).json()
+
+
+def _greedy(http):
+    return [_tokens(http, p)["choices"][0]["token_ids"] for p in PROMPTS]
+
+
+def _restore(http, model):
+    _ok(http.post("/update_weights_from_disk", json={"model_path": model, "weight_version": "default"}))
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def test_skyrl_inference_generate_reads_token_ids_finish_reason_and_logprobs(srv):
+    """SkyRL's /inference/v1/generate (vLLM keys, cache_salt, X-Session-ID): choices[0].token_ids,
+    finish_reason (a string) and logprobs.content[i].logprob — the same tokens and logprobs as /generate."""
+    body = {"sampling_params": {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
+                                "max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                "logprobs": 0, "stop": None},
+            "model": "m", "token_ids": PROMPTS[0], "cache_salt": "3"}
+    out = _ok(srv.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "episode-1"})).json()
+    choice = out["choices"][0]
+    assert isinstance(out["request_id"], str) and out["prompt_logprobs"] is None
+    assert choice["finish_reason"] in ("stop", "length") and len(choice["token_ids"]) == 12
+    content = choice["logprobs"]["content"]
+    assert len(content) == 12 and all(isinstance(c["logprob"], float) and c["top_logprobs"] == [] for c in content)
+    ref = _ok(srv.post("/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 12, "temperature": 0}})).json()
+    assert choice["token_ids"] == ref["output_ids"]
+    assert [c["logprob"] for c in content] == pytest.approx([e[0] for e in ref["meta_info"]["output_token_logprobs"]],
+                                                            abs=1e-5)
+    two = _tokens(srv, PROMPTS[0], n=2, temperature=1.0, seed=7, logprobs=2)
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert all(len(c["top_logprobs"]) == 2 for c in two["choices"][0]["logprobs"]["content"])
+
+
+def test_prime_rl_prefill_scoring_reads_prompt_logprobs(srv):
+    """prime-rl scores by prefill: max_tokens 1, prompt_logprobs 1 -> prompt_logprobs[i] is null for the
+    first token, else {token_id: {"logprob": ...}} holding the prompt's own token (the same logprob as
+    SGLang's input_token_logprobs)."""
+    ids = PROMPTS[1]
+    out = _tokens(srv, ids, max_tokens=1, temperature=1.0, top_p=1.0, prompt_logprobs=1)
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    ref = _ok(srv.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": {"max_new_tokens": 1}})).json()
+    want = [e[0] for e in ref["meta_info"]["input_token_logprobs"][1:]]
+    got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert all(1 <= len(entry) <= 2 for entry in plp[1:])  # the prompt token and the top-1
+
+
+def test_tokenize_detokenize_and_models(srv, tok):
+    """/tokenize (a prompt, or chat messages), /detokenize; /v1/models' id and max_model_len (TRL async)."""
+    out = _ok(srv.post("/tokenize", json={"model": "m", "prompt": "hello world", "add_special_tokens": False})).json()
+    assert out["tokens"] == tok.encode("hello world", add_special_tokens=False) and out["count"] == len(out["tokens"])
+    assert isinstance(out["max_model_len"], int) and out["max_model_len"] > 0
+    assert _ok(srv.post("/detokenize", json={"tokens": out["tokens"]})).json()["prompt"] == "hello world"
+    model = _ok(srv.get("/v1/models")).json()["data"][0]
+    assert isinstance(model["id"], str) and model["max_model_len"] == out["max_model_len"]
+    assert srv.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
+
+
+def test_areal_vllm_completions_return_tokens_as_token_ids(srv):
+    """AReaL's vLLM backend: /v1/completions with token ids and return_tokens_as_token_ids reads
+    choices[0].logprobs.tokens as "token_id:N" strings and token_logprobs."""
+    body = {"prompt": PROMPTS[2], "top_p": 1.0, "top_k": 100000000, "max_tokens": 6, "temperature": 0.0,
+            "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
+            "return_tokens_as_token_ids": True, "logprobs": 0, "use_beam_search": False, "stream": False}
+    choice = _ok(srv.post("/v1/completions", json=body)).json()["choices"][0]
+    ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    ref = _ok(srv.post("/generate", json={"input_ids": PROMPTS[2],
+                                          "sampling_params": {"max_new_tokens": 6, "temperature": 0}})).json()
+    assert ids == ref["output_ids"] and len(choice["logprobs"]["token_logprobs"]) == 6
+
+
+def test_cache_salt_partitions_the_prefix_cache(srv):
+    """Requests share cached KV only within one salt (vLLM's cache_salt, SGLang's extra_key)."""
+    prompt = random_prompts(300, [64], seed=99)[0]
+
+    def cached(**salt):
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, **salt}
+        return _ok(srv.post("/generate", json=body)).json()["meta_info"]["cached_tokens"]
+
+    assert cached(extra_key="v1") == 0
+    assert cached(extra_key="v1") > 0
+    assert cached(extra_key="v2") == 0 and cached() == 0
+    _tokens(srv, prompt, max_tokens=1, cache_salt="v3")
+    assert cached(extra_key="v3") > 0
+
+
+# ---------------------------------------------------------------------------------------------- control
+
+
+def test_pause_keep_freezes_requests_and_resume_finishes_them(srv):
+    """prime-rl / SkyRL / TRL async: POST /pause?mode=keep&clear_cache=false with no body -> {"status": "paused"};
+    a request in flight is kept (not aborted) and finishes after POST /resume -> {"status": "resumed"}."""
+    import threading
+
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(srv, PROMPTS[3], max_tokens=3000,
+                                                                    ignore_eos=True)))
+    t.start()
+    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        time.sleep(0.01)
+    assert _ok(srv.post("/pause?mode=keep&clear_cache=false")).json() == {"status": "paused"}
+    assert srv.get("/is_paused").json() == {"is_paused": True}
+    t.join(2)
+    assert t.is_alive()  # frozen, not aborted
+    assert _ok(srv.post("/resume")).json() == {"status": "resumed"}
+    t.join(120)
+    choice = box["r"]["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 3000
+    assert srv.get("/is_paused").json() == {"is_paused": False}
+    assert srv.post("/pause?mode=sideways").status_code == 400
+    r = srv.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokenz": 3}})
+    assert r.status_code == 400 and "max_tokenz" in r.text
+
+
+def test_sleep_and_wake_up(srv):
+    """/sleep?level=1 keeps the weights on the host and drops the KV; /wake_up?tags=weights&tags=kv_cache
+    (AReaL's query string) restores them: the same greedy tokens. /reset_prefix_cache with SkyRL's body."""
+    before = _greedy(srv)[:2]
+    _ok(srv.post("/sleep?level=1"))
+    assert srv.get("/is_sleeping").json() == {"is_sleeping": True}
+    _ok(srv.post("/wake_up?tags=weights&tags=kv_cache"))
+    assert srv.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert _greedy(srv)[:2] == before
+    _ok(srv.post("/reset_prefix_cache", json={"reset_running_requests": False}))
+    _ok(srv.post("/reset_prefix_cache"))
+    assert srv.get("/get_world_size").json() == {"world_size": 1}
+
+
+def test_prime_rl_weight_dir_update_between_pause_and_resume(srv, model, model_b):
+    """prime-rl: /pause?mode=keep&clear_cache=false, /update_weights {"weight_dir"} -> {"status": "ok"},
+    /resume; a salted request then runs on model B."""
+    before = _greedy(srv)
+    _ok(srv.post("/pause?mode=keep&clear_cache=false"))
+    assert _ok(srv.post("/update_weights", json={"weight_dir": model_b})).json() == {"status": "ok"}
+    _ok(srv.post("/resume"))
+    after = _greedy(srv)
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    assert after != before and _greedy(srv) == after
+    _restore(srv, model)
+    assert srv.post("/update_weights", json={"weight_dir": "/nonexistent/dir"}).status_code in (400, 403)
+
+
+# ---------------------------------------------------------------------------------------------- weight pushes
+
+
+def _vllm_chunks(tensors, chunk_bytes):
+    """vLLM's packed producer: bytes in order, a chunk closed by the tensor that takes it past the size."""
+    import torch
+
+    chunks, cur, size = [], [], 0
+    for _, t in tensors:
+        cur.append(t.contiguous().view(-1).view(torch.uint8))
+        size += cur[-1].numel()
+        if size > chunk_bytes:
+            chunks.append(torch.cat(cur))
+            cur, size = [], 0
+    if cur:
+        chunks.append(torch.cat(cur))
+    return chunks
+
+
+def _torch_trainer(url: str, model_b: str, port: int, plan: dict, q) -> None:
+    """A trainer process with a torch-only weight path: the group built with plain
+    torch.distributed.init_process_group on tcp://, then vLLM's native calls (TRL async GRPO's and SkyRL's
+    order) or TRL vllm-serve's."""
+    import threading
+
+    import httpx as hx
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    try:
+        tensors = [(n, v.float()) for n, v in load_file(f"{model_b}/model.safetensors").items()]
+        if plan.get("wrong"):
+            tensors = [(n, v.double() if n == plan["wrong"] else v) for n, v in tensors]
+        with hx.Client(base_url=url, headers=AUTH, timeout=120) as http:
+            if plan["kind"] == "trl":
+                r = http.post("/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2,
+                                                           "client_device_uuid": "cpu"})
+                out["init"] = r.json()
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+                for name, v in tensors:
+                    dtype = "torch.float32" if name != plan.get("wrong") else "torch.float32"
+                    http.post("/update_named_param/", json={"name": name, "dtype": dtype, "shape": list(v.shape)})
+                    dist.broadcast(v, src=1)
+                    dist.barrier()
+                r = http.post("/reset_prefix_cache/")
+                out["reset"] = (r.status_code, r.json())
+                out["close"] = http.post("/close_communicator/").json()
+            else:
+                box: dict = {}
+                init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                      "world_size": 2}}
+                t = threading.Thread(target=lambda: box.setdefault("init", http.post("/init_weight_transfer_engine",
+                                                                                     json=init)))
+                t.start()
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+                t.join()
+                out["init"] = box["init"].json()
+                out["pause"] = http.post("/pause?mode=keep").json()
+                info = {"names": [n for n, _ in tensors], "dtype_names": [str(v.dtype).split(".")[-1] for _, v in tensors],
+                        "shapes": [list(v.shape) for _, v in tensors], "packed": plan["packed"]}
+                if plan["packed"]:
+                    info["packed_buffer_size_bytes"] = plan["chunk"]
+                if plan["kind"] == "skyrl":
+                    calls = [("/collective_rpc", {"method": "skyrl_start_weight_update",
+                                                  "kwargs": {"is_checkpoint_format": True}}),
+                             ("/collective_rpc", {"method": "update_weights_nccl", "kwargs": {"update_info": info}}),
+                             ("/collective_rpc", {"method": "skyrl_finish_weight_update", "kwargs": {}})]
+                else:
+                    calls = [("/start_weight_update", {"is_checkpoint_format": True}),
+                             ("/update_weights", {"update_info": info}),
+                             ("/finish_weight_update", {"weight_version": plan.get("version")})]
+                out["start"] = http.post(*[calls[0][0]], json=calls[0][1]).json()
+                send = threading.Thread(target=lambda: box.setdefault("update", http.post(calls[1][0], json=calls[1][1])))
+                send.start()
+                payloads = _vllm_chunks(tensors, plan["chunk"]) if plan["packed"] else [v for _, v in tensors]
+                out["transfers"] = len(payloads)
+                for p in payloads:
+                    dist.broadcast(p, src=0)
+                send.join()
+                out["update"] = (box["update"].status_code, box["update"].json())
+                r = http.post(calls[2][0], json=calls[2][1])
+                out["finish"] = (r.status_code, r.json())
+                out["resume"] = http.post("/resume").json()
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = repr(exc)
+    q.put(out)
+
+
+def _push(url: str, model_b: str, **plan) -> dict:
+    from weight_sync.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_torch_trainer, args=(url, model_b, free_port(), plan, q))
+    proc.start()
+    out = q.get(timeout=240)
+    proc.join(30)
+    assert "error" not in out, out
+    return out
+
+
+@pytest.mark.parametrize("kind,packed", [("trl-async", True), ("skyrl", False)])
+def test_vllm_native_push_from_a_plain_torch_trainer(srv, model, model_b, kind, packed):
+    """TRL's async GRPO (packed) and SkyRL (per tensor, through /collective_rpc): /init_weight_transfer_engine
+    while the trainer runs init_process_group, /pause?mode=keep, start, update_weights during the broadcasts,
+    finish, /resume -> model B's greedy tokens (packed: vLLM's chunking, several chunks)."""
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    out = _push(url, model_b, kind=kind, packed=packed, chunk=96 << 10, version="vllm-7")
+    assert out["init"]["message"] == "Weight transfer initialized" and out["pause"] == {"status": "paused"}
+    assert out["update"][0] == 200 and out["finish"][0] == 200, out
+    assert out["resume"] == {"status": "resumed"}
+    if packed:
+        assert out["transfers"] > 3
+        assert srv.get("/weight_info").json()["weight_version"] == "vllm-7"
+    pushed = _greedy(srv)
+    assert pushed != before
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    assert _greedy(srv) == pushed
+    _restore(srv, model)
+
+
+def test_trl_vllm_serve_routes_and_push(srv, model, model_b, tok):
+    """TRL's vllm-serve: /health/, /get_world_size/, /generate/ (text prompts, n) and /chat/ with prompt_ids,
+    completion_ids, logprobs and logprob_token_ids; the weight path with the client as the last rank:
+    /init_communicator/ (host 0.0.0.0), /update_named_param/ (dtype "torch.float32") + broadcast + barrier per
+    parameter, /reset_prefix_cache/ publishes them all -> model B."""
+    assert _ok(srv.get("/health/")).json() == {"status": "ok"}
+    assert _ok(srv.get("/get_world_size/")).json() == {"world_size": 1}
+    body = {"prompts": ["hello there", "a b c"], "images": None, "n": 2, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 5, "logprobs": 0,
+            "structured_outputs_regex": None, "generation_kwargs": {"seed": 3}}
+    out = _ok(srv.post("/generate/", json=body)).json()
+    assert out["prompt_ids"] == [tok.encode("hello there"), tok.encode("a b c")]
+    assert len(out["completion_ids"]) == 4 and all(len(c) == 5 for c in out["completion_ids"])
+    assert all(len(tokens) == 5 and all(len(entry) == 1 for entry in tokens) for tokens in out["logprobs"])
+    assert [[ids[0] for ids in tokens] for tokens in out["logprob_token_ids"]] == out["completion_ids"]
+    chat = {"messages": [[{"role": "user", "content": "hi"}]], "n": 1, "temperature": 0.0, "max_tokens": 4,
+            "logprobs": 1, "chat_template_kwargs": {}, "tools": None}
+    out = _ok(srv.post("/chat/", json=chat)).json()
+    assert len(out["completion_ids"]) == 1 and all(1 <= len(e) <= 2 for e in out["logprobs"][0])
+
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    out = _push(url, model_b, kind="trl")
+    assert out["reset"] == (200, {"message": "Request received, resetting prefix cache status: True"}), out
+    pushed = _greedy(srv)
+    assert pushed != before
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    assert _greedy(srv) == pushed
+    _restore(srv, model)
+    # a parameter broadcast in another dtype than announced: the publish fails naming it, nothing changes
+    out = _push(url, model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight")
+    status, answer = out["reset"]
+    assert status == 400 and "model.layers.0.mlp.up_proj.weight" in answer["detail"], answer
+    assert _greedy(srv) == before
+
+
+def test_packed_chunks_follow_vllms_rule():
+    """Our reading of vLLM's packed layout equals its producer's chunking (a chunk closes with the tensor
+    that takes it past the buffer size)."""
+    import torch
+
+    from weight_sync.distributed import exact_transfers
+
+    specs = [(f"t{i}", torch.float32, (n,)) for i, n in enumerate([10, 30, 5, 40, 1, 1, 64])]
+    transfers = exact_transfers(specs, "packed", 100)
+    tensors = [(n, torch.zeros(shape)) for n, _, shape in specs]
+    chunks = _vllm_chunks(tensors, 100)
+    assert [sum(e[4] for e in t) for t in transfers] == [c.numel() for c in chunks]
+    assert sum(len(t) for t in transfers) == len(specs) and math.prod([1]) == 1
