@@ -18,6 +18,7 @@ class RolloutOutput:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[Optional[float]] = field(default_factory=list)  # from logprob_start_len; first may be None
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_ranks: list[Optional[int]] = field(default_factory=list)  # with top logprobs: 1 + tokens more likely
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"; None while running
     matched_stop: Optional[Union[int, str]] = None  # the EOS/stop token id or stop string that ended it
     stop_text_offset: Optional[int] = None  # where the stop string began in the untrimmed text

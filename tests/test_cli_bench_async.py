@@ -99,6 +99,8 @@ def test_fidelity_and_server_load_benchmarks_through_the_cli(tmp_path):
     load = json.load(open(tmp_path / "server_load_tiny_float32.json"))
     assert load["server"]["tokens_per_s"] > 0 and load["in_process"]["tokens_per_s"] > 0
     assert load["server_with_refreshes"]["errors"] == [] and os.path.isfile(tmp_path / "server_load_tiny_float32.png")
+    assert load["router"]["kind"] == "sglang-router" and load["router"]["tokens_per_s"] > 0  # the test extra has it
+    assert load["router_fraction_of_server_tokens_per_s"] > 0 and load["machine"]["cpu"]
 
 
 def test_the_trainer_side_benchmarks_through_the_cli(tmp_path):

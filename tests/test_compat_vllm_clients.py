@@ -171,6 +171,29 @@ def test_pause_keep_freezes_requests_and_resume_finishes_them(srv):
     assert r.status_code == 400 and "max_tokenz" in r.text
 
 
+def test_pause_wait_lets_requests_in_flight_finish(srv):
+    """/pause?mode=wait: the request in flight finishes whole (finish_reason length, not abort) before the
+    pause answers; a request sent while paused waits and runs after /resume."""
+    import threading
+
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(srv, PROMPTS[2], max_tokens=400,
+                                                                    ignore_eos=True)))
+    t.start()
+    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        time.sleep(0.01)
+    assert _ok(srv.post("/pause?mode=wait")).json() == {"status": "paused"}
+    t.join(5)
+    assert box["r"]["choices"][0]["finish_reason"] == "length" and len(box["r"]["choices"][0]["token_ids"]) == 400
+    late = threading.Thread(target=lambda: box.setdefault("late", _tokens(srv, PROMPTS[1], max_tokens=4)))
+    late.start()
+    late.join(1.5)
+    assert late.is_alive()  # queued while paused
+    _ok(srv.post("/resume"))
+    late.join(60)
+    assert len(box["late"]["choices"][0]["token_ids"]) == 4
+
+
 def test_sleep_and_wake_up(srv):
     """/sleep?level=1 keeps the weights on the host and drops the KV; /wake_up?tags=weights&tags=kv_cache
     (AReaL's query string) restores them: the same greedy tokens. /reset_prefix_cache with SkyRL's body."""
@@ -374,3 +397,66 @@ def test_packed_chunks_follow_vllms_rule():
     chunks = _vllm_chunks(tensors, 100)
     assert [sum(e[4] for e in t) for t in transfers] == [c.numel() for c in chunks]
     assert sum(len(t) for t in transfers) == len(specs) and math.prod([1]) == 1
+
+
+def test_trl_newest_client_over_vllm_routes(srv, tok):
+    """TRL's newest VLLMClient (after CLIENTS.md's commit) speaks vLLM's routes: /v1/completions with
+    return_token_ids and return_tokens_as_token_ids (prompt_token_ids, token_ids, "token_id:N" logprob
+    tokens), teacher scoring by prompt_logprobs (max_tokens 1; entries sorted by their exact rank) and
+    /v1/chat/completions with return_token_ids."""
+    seqs = [PROMPTS[0] + PROMPTS[1], PROMPTS[2]]
+    body = {"model": "m", "prompt": seqs, "return_token_ids": True, "return_tokens_as_token_ids": True, "n": 2,
+            "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 5,
+            "logprobs": 0, "seed": 4}
+    choices = _ok(srv.post("/v1/completions", json=body)).json()["choices"]
+    assert [c["prompt_token_ids"] for c in choices[::2]] == seqs
+    for c in choices:
+        assert len(c["token_ids"]) == 5
+        assert [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]] == c["token_ids"]
+    k, start = 3, len(PROMPTS[0])
+    scored = {"model": "m", "prompt": seqs[:1], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+    plp = _ok(srv.post("/v1/completions", json=scored)).json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(seqs[0]) and plp[0] is None
+    for pos in range(start, len(seqs[0])):
+        entries = sorted(plp[pos].items(), key=lambda item: item[1]["rank"])  # TRL sorts by rank
+        ranks = [e["rank"] for _, e in entries]
+        assert ranks[:k] == [1, 2, 3] and all(isinstance(r, int) for r in ranks)
+        actual = plp[pos][str(seqs[0][pos])]
+        above = sum(e["logprob"] > actual["logprob"] for _, e in entries[:k])
+        assert actual["rank"] == 1 + above if above < k else k < actual["rank"] <= 320
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 1, "temperature": 0.0,
+            "max_tokens": 4, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    out = _ok(srv.post("/v1/chat/completions", json=chat)).json()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    assert out["prompt_token_ids"] == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    choice = out["choices"][0]
+    assert [int(c["token"].split(":")[1]) for c in choice["logprobs"]["content"]] == choice["token_ids"]
+
+
+def test_trl_get_sequence_logprobs(srv):
+    """TRL's /get_sequence_logprobs/ (distillation): the completion region's top-k logprobs at a temperature,
+    padded to k, and the actual token's, as JSON or as base64 float32/int32 arrays of (sequences, longest, k)."""
+    import base64
+    import struct
+
+    seqs = [PROMPTS[0] + PROMPTS[3], PROMPTS[1] + PROMPTS[2][:4]]
+    lens = [len(PROMPTS[0]), len(PROMPTS[1])]
+    body = {"sequences": seqs, "prompt_lengths": lens, "top_logprobs": 4, "temperature": 0.7,
+            "response_format": "json"}
+    js = _ok(srv.post("/get_sequence_logprobs/", json=body)).json()
+    assert [len(x) for x in js["logprobs"]] == [len(PROMPTS[3]), 4]
+    assert all(len(pos) == 4 for seq in js["logprobs"] for pos in seq)
+    assert js["actual_token_ids"][0] == [[t] for t in PROMPTS[3]]
+    ref = _ok(srv.post("/generate", json={"input_ids": seqs[0], "return_logprob": True, "logprob_start_len": lens[0],
+                                          "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}})).json()
+    assert [a[0] for a in js["actual_logprobs"][0]] == pytest.approx(
+        [e[0] for e in ref["meta_info"]["input_token_logprobs"]], abs=1e-5)
+    binary = _ok(srv.post("/get_sequence_logprobs/", json={**body, "response_format": "binary"})).json()
+    n, longest, k = binary["shape"]
+    assert (n, longest, k) == (2, len(PROMPTS[3]), 4) and binary["completion_lengths"] == [len(PROMPTS[3]), 4]
+    values = struct.unpack(f"<{n * longest * k}f", base64.b64decode(binary["logprobs_b64"]))
+    assert list(values[:4]) == pytest.approx(js["logprobs"][0][0], abs=1e-6)
+    second = values[longest * k: longest * k + 4 * k]  # the second sequence's rows, then padding (-inf)
+    assert list(second[:4]) == pytest.approx(js["logprobs"][1][0], abs=1e-6)
+    assert all(v == float("-inf") for v in values[longest * k + 4 * k:])

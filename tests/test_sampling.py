@@ -64,6 +64,11 @@ def test_prompt_logprobs_and_top_logprobs(engine, llama_path):
     assert out.input_logprobs[0] is None
     assert out.input_logprobs[1:] == pytest.approx(ref[1:], abs=1e-4)
     assert len(out.input_top_logprobs) == len(prompt)
+    # each prompt token's rank (vLLM's prompt_logprobs rank): 1 + the tokens the reference finds more likely
+    ranks = [None] + [int((lp[p - 1] > lp[p - 1, prompt[p]]).sum()) + 1 for p in range(1, len(prompt))]
+    assert len(out.input_ranks) == len(prompt) and out.input_ranks[0] is None
+    assert sum(abs(a - b) <= 1 for a, b in zip(out.input_ranks[1:], ranks[1:])) == len(prompt) - 1  # ties may swap
+    assert max(ranks[1:]) > 3  # some prompt tokens lie outside the top 3
     # greedy: the sampled token is the first top logprob, with the same value
     for tok, lpv, top in zip(out.output_token_ids, out.output_logprobs, out.output_top_logprobs):
         assert top[0][0] == tok and top[0][1] == pytest.approx(lpv, abs=1e-6)

@@ -176,7 +176,7 @@ class Admission:
             req.score_params = sp.resolved(self.defaults).for_vocab(self.vocab_size, self.eos_ids)
             req.logprob_start_len = len(prompt)
             req.next_input_logprob_pos = len(prompt) - 1
-            req.input_logprobs, req.input_top_logprobs = [], []
+            req.input_logprobs, req.input_top_logprobs, req.input_ranks = [], [], []
         return reqs
 
     def _check_step_form(self, req: Request, i: int) -> None:
@@ -208,6 +208,7 @@ class Admission:
             output_logprobs=list(seq.output_logprobs), text=text,
             output_top_logprobs=list(seq.output_top_logprobs),
             input_logprobs=list(req.input_logprobs), input_top_logprobs=list(req.input_top_logprobs),
+            input_ranks=list(req.input_ranks) if len(req.input_ranks) == len(req.input_logprobs) else [],
             finish_reason=seq.finish_reason, matched_stop=seq.matched_stop, stop_text_offset=seq.stop_text_offset,
             logprob_mode=self.config.logprob_mode,
             weight_version=seq.output_versions[-1] if seq.output_versions else current_version,

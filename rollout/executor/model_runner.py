@@ -245,7 +245,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_input_logprobs(self, logits: torch.Tensor, batch: ModelWorkerBatch):
-        """Logprob of each scored prompt token under logits / temperature -> ([N], top ids, top lps)."""
+        """Logprob of each scored prompt token under logits / temperature -> ([N], top ids, top lps, ranks)."""
         idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
         temps = torch.tensor(batch.input_logprob_temps, dtype=torch.float32, device=self.device)
         targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)

@@ -268,10 +268,12 @@ def score_processed(rows: torch.Tensor, targets: torch.Tensor, info: SamplingBat
 
 
 def temperature_logprobs(rows: torch.Tensor, temperatures: torch.Tensor, targets: torch.Tensor, top_n: int = 0):
-    """Logprob of each target under its row's logits / temperature -> ([N], top ids, top lps)."""
+    """Logprob of each target under its row's logits / temperature -> ([N], top ids, top lps, ranks);
+    with ``top_n`` each target's rank too (1 + the tokens more likely than it, vLLM's ``rank``)."""
     lp = torch.log_softmax(rows / temperatures.unsqueeze(1), dim=-1)
     picked = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
     if top_n > 0:
         top_lp, top_ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
-        return picked, top_ids, top_lp
-    return picked, None, None
+        ranks = (lp > picked.unsqueeze(1)).sum(dim=1) + 1
+        return picked, top_ids, top_lp, ranks
+    return picked, None, None, None

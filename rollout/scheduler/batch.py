@@ -220,6 +220,7 @@ class GenerationBatchResult:
     input_logprobs: Optional[torch.Tensor] = None  # [N_in]
     input_top_ids: Optional[torch.Tensor] = None
     input_top_logprobs: Optional[torch.Tensor] = None
+    input_ranks: Optional[torch.Tensor] = None  # [N_in], with input top logprobs (not for replayed scoring)
     input_sampling_masks: Optional[list] = None  # replayed scoring: per mask row of input_logprob_sampling
     input_sampling_logprobs: Optional[torch.Tensor] = None
     sampling_masks: Optional[list] = None  # per row of SamplingInputs.mask_rows: sorted kept ids, None past the cap

@@ -93,6 +93,8 @@ class Request:
         self.next_input_logprob_pos = max(self.logprob_start_len - 1, 0) if wants_input else len(prompt_ids)
         self.input_logprobs: list[Optional[float]] = [None] if wants_input and logprob_start_len == 0 else []
         self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if self.input_logprobs else []
+        # each scored prompt token's rank (with top logprobs); None for the first
+        self.input_ranks: list[Optional[int]] = [None] if self.input_logprobs else []
         self.seqs = [Sequence(sid, self, i, seed + i) for i, sid in enumerate(seq_ids)]
         self.pending_followers: list[Sequence] = self.seqs[1:]  # forked off seqs[0] after its prefill
         self.on_update = on_update

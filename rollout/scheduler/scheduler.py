@@ -524,11 +524,14 @@ class Scheduler:
         values = result.input_logprobs.tolist()
         top_ids = result.input_top_ids.tolist() if result.input_top_ids is not None else None
         top_lps = result.input_top_logprobs.tolist() if result.input_top_logprobs is not None else None
+        ranks = result.input_ranks.tolist() if result.input_ranks is not None else None
         for i, req in enumerate(batch.input_owners):
             req.input_logprobs.append(values[i])
             if top_ids is not None:
                 k = req.top_logprobs_num
                 req.input_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])) if k else [])
+            if ranks is not None and req.top_logprobs_num:
+                req.input_ranks.append(ranks[i])
 
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.params

@@ -194,6 +194,11 @@ async def loads(svc: EngineService = Svc):
     return await svc.loads()
 
 
+@router.get("/get_load", dependencies=USER)
+async def get_load(svc: EngineService = Svc):
+    return await svc.get_load()
+
+
 @router.get("/metrics", dependencies=USER)
 async def prometheus_metrics(svc: EngineService = Svc):
     body, content_type = await svc.read(svc.metrics.render)

@@ -66,12 +66,29 @@ def _top(token_str: _Tokens, top) -> dict:
     return {token_str(t): openai_logprob(lp) for t, lp in top}
 
 
-def _completion_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0, echo: bool = False) -> dict:
-    """OpenAI's completion logprobs from token ``start`` on; with ``echo``, the prompt's tokens first
-    (the first has no logprob: nothing precedes it)."""
+def prompt_logprob_dicts(token_str, o: RolloutOutput, k: int) -> list[Optional[dict]]:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per position ``{token_id: {logprob,
+    rank, decoded_token}}`` holding the prompt's own token (with its exact rank) and the top ``k``.
+    The request must have asked for at least one top logprob (the ranks come with them)."""
+    tops = o.input_top_logprobs or [[] for _ in o.input_logprobs]
+    ranks = o.input_ranks or [None] * len(o.input_logprobs)
+    out: list[Optional[dict]] = [None]
+    for actual, lp, top, rank in zip(o.prompt_token_ids[1:], o.input_logprobs[1:], tops[1:], ranks[1:]):
+        entry = {str(t): {"logprob": openai_logprob(v), "rank": r + 1, "decoded_token": token_str(t)}
+                 for r, (t, v) in enumerate(top[:k])}
+        if str(actual) not in entry:
+            entry[str(actual)] = {"logprob": openai_logprob(lp), "rank": rank, "decoded_token": token_str(actual)}
+        out.append(entry)
+    return out
+
+
+def _completion_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0, echo: bool = False,
+                         k: Optional[int] = None) -> dict:
+    """OpenAI's completion logprobs from token ``start`` on (the top ``k`` of each, all asked for when
+    None); with ``echo``, the prompt's tokens first (the first has no logprob: nothing precedes it)."""
     ids, lps = o.output_token_ids[start:], [openai_logprob(x) for x in o.output_logprobs[start:]]
     with_tops = bool(o.output_top_logprobs or (echo and o.input_top_logprobs))
-    tops: Optional[list] = [_top(token_str, top) for top in o.output_top_logprobs[start:]] if with_tops else None
+    tops: Optional[list] = [_top(token_str, top[:k]) for top in o.output_top_logprobs[start:]] if with_tops else None
     if echo:
         prompt = o.prompt_token_ids
         scored = [None] * (len(prompt) - len(o.input_logprobs)) + [openai_logprob(x) for x in o.input_logprobs]
@@ -120,10 +137,13 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
     else:
         source = dict(input_ids=prompt)
     want_lp = body.logprobs is not None
-    if body.echo and body.stream:
-        raise HTTPException(400, "echo is answered whole: send it without stream")
-    kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens), return_logprob=want_lp,
-                  top_logprobs_num=body.logprobs or 0, logprob_start_len=0 if body.echo and want_lp else -1,
+    prompt_k = None if body.prompt_logprobs is None else (20 if body.prompt_logprobs < 0 else body.prompt_logprobs)
+    if (body.echo or prompt_k is not None) and body.stream:
+        raise HTTPException(400, "echo and prompt_logprobs are answered whole: send them without stream")
+    kwargs = dict(**source, sampling_params=_sampling(body, body.max_tokens),
+                  return_logprob=want_lp or prompt_k is not None,
+                  top_logprobs_num=max(body.logprobs or 0, prompt_k or 0, int(prompt_k is not None)),
+                  logprob_start_len=0 if (body.echo and want_lp) or prompt_k is not None else -1,
                   cache_salt=body.cache_salt)
     cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer, body.return_tokens_as_token_ids)
@@ -140,7 +160,13 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
     prompt_text = _prompt_texts(svc, prompt, outs) if body.echo else {}
     choices = [{"index": _index(o, body.n), "text": prompt_text.get(o.prompt_index, "") + (o.text or ""),
                 "finish_reason": o.finish_reason,
-                "logprobs": _completion_logprobs(token_str, o, echo=body.echo) if want_lp else None} for o in outs]
+                "logprobs": _completion_logprobs(token_str, o, echo=body.echo, k=body.logprobs) if want_lp else None}
+               for o in outs]
+    for c, o in zip(choices, outs):
+        if prompt_k is not None:
+            c["prompt_logprobs"] = prompt_logprob_dicts(token_str, o, prompt_k)
+        if body.return_token_ids:  # vLLM's: what TRL's newest client reads
+            c["prompt_token_ids"], c["token_ids"] = o.prompt_token_ids, o.output_token_ids
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
 
@@ -183,7 +209,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
                   top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt)
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
-        svc.engine.tokenizer)
+        svc.engine.tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
         delta = TextDeltas()
         started: set[int] = set()
@@ -203,5 +229,10 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
     choices = [{"index": _index(o, body.n), "message": {"role": "assistant", "content": o.text or ""},
                 "finish_reason": o.finish_reason, "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None}
                for o in outs]
+    extra: dict[str, Any] = {}
+    if body.return_token_ids:  # vLLM's: the rendered prompt's ids and each choice's
+        extra["prompt_token_ids"] = ids
+        for c, o in zip(choices, outs):
+            c["token_ids"] = o.output_token_ids
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs)}
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs), **extra}

@@ -171,6 +171,8 @@ class OpenAISampling(Lenient):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     cache_salt: Optional[str] = None  # vLLM's prefix-cache partition (prime-rl salts with the policy version)
+    return_token_ids: bool = False  # vLLM's: prompt and completion token ids in the answer
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:123" (AReaL, TRL read them)
 
 
 class CompletionRequest(OpenAISampling):
@@ -178,7 +180,7 @@ class CompletionRequest(OpenAISampling):
     max_tokens: Optional[int] = Field(16, ge=0)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:123" (AReaL reads them)
+    prompt_logprobs: Optional[int] = Field(None, ge=-1, le=20)  # vLLM's: per prompt position (TRL's teacher scoring)
 
 
 class ContentPart(Lenient):

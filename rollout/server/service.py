@@ -194,6 +194,9 @@ class EngineService:
         self.allowed_dirs = [os.path.realpath(d) for d in self.config.allowed_weight_dirs]
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
         self.sleeping: set[str] = set()  # what vLLM's /sleep released (and "paused"), until /wake_up
+        # closed while vLLM's /pause?mode=wait lets the requests in flight finish: new ones wait here
+        self.admission = asyncio.Event()
+        self.admission.set()
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
         # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
         # behind each other.
@@ -205,6 +208,7 @@ class EngineService:
     async def generate(self, request: Request, kwargs: dict) -> list[RolloutOutput]:
         """All samples of a request, aborted if the client leaves or the timeout passes."""
         t0 = time.perf_counter()
+        await self.admission.wait()
         try:
             task = asyncio.ensure_future(self.engine.async_generate(**kwargs))
         except ValueError as exc:
@@ -237,6 +241,7 @@ class EngineService:
                      shape: Callable[[RolloutOutput], Iterable[dict]]) -> StreamingResponse:
         """Server-sent events: ``shape(snapshot)`` per update, then ``[DONE]``; a client that
         leaves closes the iterator, which aborts its requests."""
+        await self.admission.wait()
         try:
             events = await self.engine.async_generate(stream=True, **kwargs)
         except ValueError as exc:
@@ -341,6 +346,17 @@ class EngineService:
         return {"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
                            "num_total_reqs": running + waiting, "num_used_blocks": used,
                            "token_usage": used / max(1, stats["num_blocks"])}]}
+
+    async def get_load(self) -> list[dict]:
+        """SGLang's ``/get_load`` (one entry per data-parallel rank; one here): what sglang-router and
+        SMG poll to balance load (they sum ``num_tokens``)."""
+        stats = await self.read(self.engine.get_stats)
+        running, waiting = stats["num_running"], stats["num_waiting"]
+        block = self.engine.config.block_size
+        used = stats["num_blocks"] - stats["num_free_blocks"]
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_running_reqs": running,
+                 "num_waiting_reqs": waiting, "num_tokens": used * block, "num_used_tokens": used * block,
+                 "max_total_num_tokens": stats["num_blocks"] * block}]
 
     def model_info(self) -> dict:
         engine, mc = self.engine, self.engine.model_config

@@ -22,10 +22,14 @@ then listens on the address the client reached the server at, never on every int
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import contextlib
+import math
+import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import Field
@@ -201,6 +205,67 @@ async def chat(body: TrlChatRequest, request: Request, svc: EngineService = Svc)
         except (ValueError, TypeError) as exc:
             raise HTTPException(400, str(exc)) from None
     return await _generate(svc, request, ids, body)
+
+
+class SequenceLogprobsRequest(P.Lenient):
+    sequences: list[list[int]] = Field(min_length=1)
+    prompt_lengths: list[int]
+    top_logprobs: int = Field(100, ge=1, le=1000)
+    temperature: float = Field(1.0, gt=0)
+    response_format: Literal["binary", "json"] = "binary"
+
+
+@router.post("/get_sequence_logprobs/", dependencies=USER)
+async def get_sequence_logprobs(body: SequenceLogprobsRequest, request: Request, svc: EngineService = Svc):
+    """TRL's teacher scoring (distillation): for each sequence, from ``prompt_lengths[i]`` on, the top
+    ``top_logprobs`` logprobs at ``temperature`` (sorted, padded with -inf and token id 0) and the
+    actual token's; ``binary`` packs them as base64 arrays of shape (sequences, longest completion, k)."""
+    svc.metrics.started(request.url.path)
+    if len(body.prompt_lengths) != len(body.sequences):
+        raise HTTPException(400, f"{len(body.prompt_lengths)} prompt_lengths for {len(body.sequences)} sequences")
+    if any(not 1 <= n < len(s) for n, s in zip(body.prompt_lengths, body.sequences)):
+        raise HTTPException(400, "each prompt length must be at least 1 and shorter than its sequence")
+    k = body.top_logprobs
+
+    async def score(seq: list[int], start: int):
+        kwargs = dict(input_ids=[seq], sampling_params={"max_new_tokens": 0, "temperature": body.temperature},
+                      return_logprob=True, top_logprobs_num=k, logprob_start_len=start)
+        return (await svc.generate(request, kwargs))[0]
+
+    outs = await asyncio.gather(*(score(s, n) for s, n in zip(body.sequences, body.prompt_lengths)))
+    lps, ids, actual, actual_ids = [], [], [], []
+    for o, seq, start in zip(outs, body.sequences, body.prompt_lengths):
+        tops = o.input_top_logprobs[-(len(seq) - start):]
+        lps.append([[v for _, v in top] + [-math.inf] * (k - len(top)) for top in tops])
+        ids.append([[t for t, _ in top] + [0] * (k - len(top)) for top in tops])
+        actual.append([[v if v is not None else -math.inf] for v in o.input_logprobs[-(len(seq) - start):]])
+        actual_ids.append([[t] for t in seq[start:]])
+    if body.response_format == "json":
+        return {"logprobs": _finite(lps), "logprob_token_ids": ids, "actual_logprobs": _finite(actual),
+                "actual_token_ids": actual_ids}
+    lengths = [len(x) for x in lps]
+    longest = max(lengths)
+
+    def packed(rows, width, fill, code: str) -> str:
+        """(sequences, longest, width) little-endian float32 ("f") or int32 ("i"), row-major, padded."""
+        flat = array.array(code)
+        for r in rows:
+            for pos in r:
+                flat.extend(pos)
+            flat.extend([fill] * (width * (longest - len(r))))
+        if sys.byteorder != "little":
+            flat.byteswap()
+        return base64.b64encode(flat.tobytes()).decode("ascii")
+
+    return {"shape": [len(lps), longest, k], "completion_lengths": lengths,
+            "logprobs_b64": packed(lps, k, -math.inf, "f"), "token_ids_b64": packed(ids, k, 0, "i"),
+            "actual_logprobs_b64": packed(actual, 1, -math.inf, "f"),
+            "actual_token_ids_b64": packed(actual_ids, 1, 0, "i")}
+
+
+def _finite(rows):
+    """JSON has no -inf: a position past the top list (or ruled out) is null."""
+    return [[[v if math.isfinite(v) else None for v in pos] for pos in seq] for seq in rows]
 
 
 # ------------------------------------------------------------------ the weight path

@@ -29,6 +29,7 @@ from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse, openai_logprob
+from rollout.server.openai_routes import prompt_logprob_dicts
 from rollout.server.service import EngineService, service_of
 from rollout.worker.messages import WeightResult
 from weight_sync.distributed import DIRECT, PACKED
@@ -56,10 +57,13 @@ async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: b
     queue meanwhile. ``clear_cache`` drops the prefix cache after an abort or wait (not with keep)."""
     if wait_for_inflight_requests:
         mode = "wait"
-    if mode == "wait":
-        await _drain(svc)
-        # anything that arrived between the drain and the pause is sent back to the queue, not lost
-        await svc.call(svc.engine.pause_generation, "retract")
+    if mode == "wait":  # new requests wait at the server's door while those in flight finish
+        svc.admission.clear()
+        try:
+            await _drain(svc)
+            await svc.call(svc.engine.pause_generation, "abort")  # nothing runs: aborts nothing
+        finally:
+            svc.admission.set()  # what waited now queues in the paused engine until /resume
     else:
         await svc.call(svc.engine.pause_generation, "in_place" if mode == "keep" else "abort")
     if clear_cache and mode != "keep":
@@ -415,17 +419,6 @@ def _k(requested: Optional[int], vocab: int) -> Optional[int]:
     return min(vocab, 20) if requested < 0 else requested
 
 
-def _logprob_dict(token_str, actual: int, lp: Optional[float], top: list[tuple[int, float]], k: int) -> dict:
-    """vLLM's per-position ``{token_id: {logprob, rank, decoded_token}}``: the actual token and the
-    top ``k`` (ranks known only within the top list)."""
-    ranked = {t: (v, r + 1) for r, (t, v) in enumerate(top[:k])}
-    out = {str(t): {"logprob": openai_logprob(v), "rank": r, "decoded_token": token_str(t)} for t, (v, r) in
-           ranked.items()}
-    if str(actual) not in out:
-        out[str(actual)] = {"logprob": openai_logprob(lp), "rank": None, "decoded_token": token_str(actual)}
-    return out
-
-
 @router.post("/inference/v1/generate", dependencies=USER)
 async def generate_tokens(body: TokensRequest, request: Request, svc: EngineService = Svc):
     """Token ids in, token ids out (vLLM's disaggregated-serving API, SkyRL's and prime-rl's
@@ -444,7 +437,7 @@ async def generate_tokens(body: TokensRequest, request: Request, svc: EngineServ
     out_k, prompt_k = _k(sp.logprobs, vocab), _k(sp.prompt_logprobs, vocab)
     want = out_k is not None or prompt_k is not None
     kwargs = dict(input_ids=[body.token_ids], sampling_params=sp.ours(len(body.token_ids), svc.context_len),
-                  return_logprob=want, top_logprobs_num=max(out_k or 0, prompt_k or 0),
+                  return_logprob=want, top_logprobs_num=max(out_k or 0, prompt_k or 0, int(prompt_k is not None)),
                   logprob_start_len=0 if prompt_k is not None else -1, cache_salt=body.cache_salt)
     outs = await svc.generate(request, kwargs)
     token_str = svc.token_text
@@ -457,12 +450,7 @@ async def generate_tokens(body: TokensRequest, request: Request, svc: EngineServ
                                     for t, lp, top in zip(o.output_token_ids, o.output_logprobs, tops)]}
         choices.append({"index": o.sample_index, "logprobs": logprobs, "finish_reason": o.finish_reason or "stop",
                         "token_ids": o.output_token_ids})
-    prompt_logprobs = None
-    if prompt_k is not None:
-        o = outs[0]
-        tops = o.input_top_logprobs or [[] for _ in o.input_logprobs]
-        prompt_logprobs = [None] + [_logprob_dict(token_str, t, lp, top, prompt_k) for t, lp, top in
-                                    zip(o.prompt_token_ids[1:], o.input_logprobs[1:], tops[1:])]
+    prompt_logprobs = prompt_logprob_dicts(token_str, outs[0], prompt_k) if prompt_k is not None else None
     return {"request_id": body.request_id or f"generate-tokens-{uuid.uuid4().hex}", "choices": choices,
             "prompt_logprobs": prompt_logprobs, "kv_transfer_params": None}
 

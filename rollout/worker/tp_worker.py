@@ -96,7 +96,7 @@ class TpModelWorker(BaseTpWorker):
             (result.input_logprobs, result.input_top_ids, result.input_top_logprobs, result.input_sampling_logprobs,
              result.input_sampling_masks) = runner.score_processed(logits, batch)
         elif batch.input_logprob_idx:
-            result.input_logprobs, result.input_top_ids, result.input_top_logprobs = \
+            result.input_logprobs, result.input_top_ids, result.input_top_logprobs, result.input_ranks = \
                 runner.compute_input_logprobs(logits, batch)
         result.forward_time_s = time.perf_counter() - t0
         if batch.is_prefill_only:

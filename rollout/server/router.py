@@ -1,0 +1,93 @@
+"""The field's router in front of ``rollout serve`` replicas: ``sglang-router`` or SMG (PyPI ``smg``),
+both the same Rust gateway, started as a child process on a loopback port (the test extra installs
+both; ``pip install sglang-router`` or ``pip install smg`` elsewhere). We never route ourselves here.
+
+    router = launch_router([a.url, b.url], kind="sglang-router", api_key="KEY")
+    httpx.post(router.url + "/generate", json=...)   # SGLang's routes, cache-aware by default
+    router.stop()
+
+Both packages install a console script named ``smg``; the router is run from its Python module
+(``sglang_router.cli`` / ``smg.cli``), so either works whichever script won.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import IO, Optional
+
+import httpx
+
+MODULES = {"sglang-router": "sglang_router.cli", "smg": "smg.cli"}
+
+
+def router_available(kind: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(MODULES[kind].split(".")[0]) is not None
+
+
+class RouterProcess:
+    def __init__(self, worker_urls: list[str], kind: str = "sglang-router", port: Optional[int] = None,
+                 api_key: Optional[str] = None, policy: str = "cache_aware", log_path: Optional[str] = None,
+                 extra_args: tuple[str, ...] = ()):
+        from weight_sync.process_group import free_port
+
+        if kind not in MODULES:
+            raise ValueError(f"kind={kind!r}: use one of {sorted(MODULES)}")
+        self.kind = kind
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-c", f"import sys; from {MODULES[kind]} import main; sys.exit(main())", "launch",
+               "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls, "--policy", policy,
+               "--log-level", "warn", *(("--api-key", api_key) if api_key else ()), *extra_args]
+        self._log: Optional[IO[str]] = open(log_path or "/dev/null", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, workers: int, timeout_s: float = 60.0) -> RouterProcess:
+        """Until the router answers and lists ``workers`` healthy workers."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.kind} exited with code {code} before it was ready")
+            try:
+                listed = httpx.get(self.url + "/workers", headers=headers, timeout=2).json().get("workers", [])
+                if sum(1 for w in listed if w.get("is_healthy", True)) >= workers:
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"{self.kind} did not list {workers} healthy workers within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_router(worker_urls: list[str], kind: str = "sglang-router", ready_timeout_s: float = 60.0,
+                  **kw) -> RouterProcess:
+    router = RouterProcess(worker_urls, kind, **kw)
+    try:
+        return router.wait_ready(len(worker_urls), ready_timeout_s)
+    except BaseException:
+        router.stop()
+        raise
