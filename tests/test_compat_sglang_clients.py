@@ -297,6 +297,14 @@ def test_legacy_skyrl_batched_generate_is_a_list(srv):
     assert all(isinstance(i["output_ids"], list) and i["meta_info"]["finish_reason"]["type"] for i in items)
 
 
+def test_legacy_skyrl_one_tensor_update_is_refused_saying_what_to_send(srv):
+    """Legacy SkyRL's /update_weights_from_distributed {"name", "dtype", "shape"} (a schema SGLang removed): a
+    400 that names the list form, not a missing-field error."""
+    r = srv.post("/update_weights_from_distributed", json={"name": "lm_head.weight", "dtype": "bfloat16",
+                                                           "shape": [320, 64]})
+    assert r.status_code == 400 and "names, dtypes and shapes" in r.text
+
+
 def test_per_prompt_sampling_params_in_one_batch(srv):
     """SGLang takes a list of sampling_params, one per prompt, in a batched /generate."""
     body = {"input_ids": PROMPTS, "sampling_params": [{"max_new_tokens": 2, "temperature": 0},
@@ -459,6 +467,22 @@ def test_slime_and_areal_push_into_a_group_formed_their_way(srv, model, model_b)
     assert all(status == 200 for status, _ in out["buckets"]) and out["continue"][0] == 200
     assert _greedy(srv) == pushed
     _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+
+
+def test_slime_and_miles_weights_checker(srv, model, model_b):
+    """/weights_checker (check mode): snapshot, compare equal; after a push of other weights compare answers 400
+    with success false; back on the snapshot's weights it matches again. reset_tensors is refused, saying why."""
+    assert _post(srv, "/weights_checker", {"action": "snapshot"}).json()["success"] is True
+    r = _post(srv, "/weights_checker", {"action": "compare", "allow_quant_error": False, "selector": "all",
+                                        "skip_tensor_list": []}).json()
+    assert r["success"] is True
+    _post(srv, "/update_weights_from_disk", {"model_path": model_b})
+    r = srv.post("/weights_checker", json={"action": "compare"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    assert _post(srv, "/weights_checker", {"action": "compare"}).json()["success"] is True
+    r = srv.post("/weights_checker", json={"action": "reset_tensors"})
+    assert r.status_code == 400 and "snapshot" in r.text
 
 
 def test_miles_bracket_stages_until_end_weight_update(srv, model, model_b):

@@ -259,7 +259,28 @@ def _torch_trainer(url: str, model_b: str, port: int, plan: dict, q) -> None:
         if plan.get("wrong"):
             tensors = [(n, v.double() if n == plan["wrong"] else v) for n, v in tensors]
         with hx.Client(base_url=url, headers=AUTH, timeout=120) as http:
-            if plan["kind"] == "trl":
+            if plan["kind"] == "areal":  # AReaL's vLLM server extension (areal_vllm_server.py)
+                box: dict = {}
+                init = {"master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
+                        "backend": "gloo", "group_name": "areal-g"}
+                t = threading.Thread(target=lambda: box.setdefault("init", http.post(
+                    "/areal_init_weights_update_group", json=init)))
+                t.start()
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+                t.join()
+                out["init"] = box["init"].json()
+                out["pause"] = http.post("/areal_pause_generation").json()
+                meta = {"names": [n for n, _ in tensors], "dtypes": ["float32"] * len(tensors),
+                        "shapes": [list(v.shape) for _, v in tensors], "group_name": "areal-g"}
+                out["meta"] = http.post("/areal_set_update_weight_meta", json=meta).json()
+                send = threading.Thread(target=lambda: box.setdefault("update", http.post("/areal_update_weights_xccl")))
+                send.start()
+                for _, v in tensors:
+                    dist.broadcast(v, src=0)
+                send.join()
+                out["update"] = (box["update"].status_code, box["update"].json())
+                out["continue"] = http.post("/areal_continue_generation").json()
+            elif plan["kind"] == "trl":
                 r = http.post("/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2,
                                                            "client_device_uuid": "cpu"})
                 out["init"] = r.json()
@@ -346,6 +367,26 @@ def test_vllm_native_push_from_a_plain_torch_trainer(srv, model, model_b, kind, 
     _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
     assert _greedy(srv) == pushed
     _restore(srv, model)
+
+
+def test_areal_vllm_extension_push(srv, model, model_b):
+    """AReaL's vLLM backend: /areal_init_weights_update_group (port as a string) while the trainer joins,
+    /areal_pause_generation, /areal_set_update_weight_meta, /areal_update_weights_xccl during the per-tensor
+    broadcasts, /areal_continue_generation -> {"success": true} each, and model B serves."""
+    url = str(srv.base_url).rstrip("/")
+    before = _greedy(srv)
+    out = _push(url, model_b, kind="areal")
+    assert out["init"]["success"] and out["pause"]["success"] and out["meta"]["success"], out
+    assert out["update"][0] == 200 and out["update"][1]["success"] and out["continue"]["success"], out
+    pushed = _greedy(srv)
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    assert pushed != before and _greedy(srv) == pushed
+    _restore(srv, model)
+    r = srv.post("/areal_update_weights", json={"model_path": model_b})
+    assert r.status_code == 200 and r.json()["success"] and _greedy(srv) == pushed
+    _restore(srv, model)
+    r = srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert r.status_code == 400 and "LoRA" in r.text
 
 
 def test_trl_vllm_serve_routes_and_push(srv, model, model_b, tok):

@@ -102,6 +102,30 @@ async def get_weights_by_name(body: P.GetWeightsRequest, svc: EngineService = Sv
     return await svc.call(svc.engine.get_weights_by_name, body.name, body.truncate_size)
 
 
+@router.post("/weights_checker", dependencies=ADMIN)
+async def weights_checker(body: P.WeightsCheckerRequest, svc: EngineService = Svc):
+    """SGLang's weight check (slime's and miles' check mode): ``snapshot`` keeps a checksum of every
+    weight, ``compare`` answers whether the weights equal the snapshot (400 if not), ``checksum``
+    returns it. ``reset_tensors`` (overwrite the served weights with noise) is refused: a push is
+    verified by comparing against a snapshot taken of the weights it should deliver."""
+    if body.action == "reset_tensors":
+        raise HTTPException(400, "reset_tensors is not run by this server (it would serve noise until the next "
+                                 "update): compare against a snapshot of the weights the push should deliver, or "
+                                 "against weight_sync.checksum_named_tensors on the trainer")
+    checksum = await svc.call(svc.engine.get_weights_checksum)
+    if body.action == "snapshot":
+        svc.weights_snapshot = checksum
+        return {"success": True, "message": "snapshot taken", "checksum": checksum}
+    if body.action == "checksum":
+        return {"success": True, "message": "checksum", "checksum": checksum}
+    if svc.weights_snapshot is None:
+        raise HTTPException(400, "no snapshot: call /weights_checker {\"action\": \"snapshot\"} first")
+    same = checksum == svc.weights_snapshot
+    return JSONResponse({"success": same, "message": "the weights equal the snapshot" if same else
+                         "the weights differ from the snapshot", "checksum": checksum,
+                         "snapshot": svc.weights_snapshot}, status_code=200 if same else 400)
+
+
 @router.api_route("/get_weight_version", methods=["GET", "POST"], dependencies=USER)
 async def get_weight_version(svc: EngineService = Svc):
     return {"weight_version": svc.engine.get_weight_version()}

@@ -258,6 +258,14 @@ class InitGroupRequest(Lenient):
 
 
 class UpdateFromDistributedRequest(Lenient):
+    @model_validator(mode="before")
+    @classmethod
+    def _one_tensor_schema(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" in data and "names" not in data:
+            raise ValueError("the one-tensor body (name, dtype, shape; legacy SkyRL) was removed from SGLang and is "
+                             "not read here: send names, dtypes and shapes as lists (one entry per tensor)")
+        return data
+
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -279,6 +287,13 @@ class GroupNameRequest(Lenient):
 class GetWeightsRequest(Lenient):
     name: str
     truncate_size: int = Field(100, ge=0, le=1_000_000)
+
+
+class WeightsCheckerRequest(Lenient):
+    """SGLang's ``/weights_checker``; miles adds ``allow_quant_error``, ``selector``, ``skip_tensor_list``
+    (accepted; every weight is checked)."""
+
+    action: Literal["snapshot", "compare", "checksum", "reset_tensors"]
 
 
 class VersionRequest(Lenient):

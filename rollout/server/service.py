@@ -197,6 +197,8 @@ class EngineService:
         # closed while vLLM's /pause?mode=wait lets the requests in flight finish: new ones wait here
         self.admission = asyncio.Event()
         self.admission.set()
+        self.weights_snapshot: Optional[str] = None  # /weights_checker's snapshot (a checksum)
+        self.areal_meta = None  # AReaL's /areal_set_update_weight_meta, read by /areal_update_weights_xccl
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
         # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
         # behind each other.

@@ -530,3 +530,96 @@ def rollout_outputs_by_prompt(outs: list[RolloutOutput]) -> dict[int, list[Rollo
     for o in sorted(outs, key=lambda o: (o.prompt_index, o.sample_index)):
         by.setdefault(o.prompt_index, []).append(o)
     return by
+
+
+# ------------------------------------------------------------------ AReaL's vLLM server extension
+
+
+class ArealGroupRequest(P.Lenient):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)  # AReaL sends a string
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    group_name: str = "update_weight_group"
+
+
+class ArealMetaRequest(P.Lenient):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "update_weight_group"
+
+
+class ArealDiskRequest(P.Lenient):
+    model_path: str
+    load_format: Optional[str] = "auto"
+    abort_all_requests: bool = False
+
+
+def _areal(result: WeightResult) -> JSONResponse:
+    """AReaL's answers: ``{"success", "message"}``, 400 on failure."""
+    return JSONResponse({"success": result.success, "message": result.message},
+                        status_code=200 if result.success else 400)
+
+
+@router.post("/areal_pause_generation", dependencies=ADMIN)
+async def areal_pause_generation(svc: EngineService = Svc):
+    await svc.call(svc.engine.pause_generation, "abort")
+    return {"success": True, "message": "Generation paused and all requests aborted"}
+
+
+@router.post("/areal_continue_generation", dependencies=ADMIN)
+async def areal_continue_generation(svc: EngineService = Svc):
+    result = await svc.call(svc.engine.continue_generation)
+    if result is not None:
+        svc.metrics.weight_update(result)
+        if not result.success:
+            return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
+                                 f"{result.message}"}, status_code=400)
+    return {"success": True, "message": "Generation continued"}
+
+
+@router.post("/areal_init_weights_update_group", dependencies=ADMIN)
+async def areal_init_weights_update_group(body: ArealGroupRequest, svc: EngineService = Svc):
+    return _areal(await svc.call(svc.engine.init_weights_update_group, body.master_address, body.master_port,
+                                 body.rank_offset, body.world_size, body.group_name, body.backend))
+
+
+@router.post("/areal_set_update_weight_meta", dependencies=ADMIN)
+async def areal_set_update_weight_meta(body: ArealMetaRequest, svc: EngineService = Svc):
+    """What the next ``/areal_update_weights_xccl`` receives (one broadcast per tensor, in this order)."""
+    if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
+        raise HTTPException(400, "names, dtypes and shapes must have the same length")
+    svc.areal_meta = body
+    return {"success": True, "message": f"metadata of {len(body.names)} tensors set"}
+
+
+@router.post("/areal_update_weights_xccl", dependencies=ADMIN)
+async def areal_update_weights_xccl(svc: EngineService = Svc):
+    """Aborts what runs (as AReaL's server does), then receives the tensors the metadata announced."""
+    meta = svc.areal_meta
+    if meta is None:
+        raise HTTPException(400, "no weight metadata: call /areal_set_update_weight_meta first")
+    response = await svc.weight_update(svc.engine.update_weights_from_distributed, meta.names,
+                                       [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes, meta.group_name,
+                                       abort_all_requests=True)
+    return JSONResponse({"success": response.status_code == 200, "message": _message(response)},
+                        status_code=response.status_code)
+
+
+@router.post("/areal_update_weights", dependencies=ADMIN)
+async def areal_update_weights(body: ArealDiskRequest, svc: EngineService = Svc):
+    response = await svc.update_from_disk(body.model_path, abort_all_requests=True)
+    return JSONResponse({"success": response.status_code == 200, "message": _message(response)},
+                        status_code=response.status_code)
+
+
+@router.post("/areal_update_weights_lora", dependencies=ADMIN)
+@router.post("/areal_update_weights_lora_xccl", dependencies=ADMIN)
+@router.post("/areal_set_update_weight_meta_lora", dependencies=ADMIN)
+@router.post("/v1/load_lora_adapter", dependencies=ADMIN)
+@router.post("/load_lora_adapter", dependencies=ADMIN)
+@router.post("/v1/unload_lora_adapter", dependencies=ADMIN)
+async def lora_not_yet():
+    raise HTTPException(400, "LoRA adapters are not supported by this server yet")
