@@ -116,7 +116,8 @@ def _cmd_serve(args) -> int:
                           stream_stall_timeout_s=args.stream_stall_timeout_s,
                           stream_max_pending_bytes=int(args.stream_max_pending_mb * 2**20),
                           incremental_streaming_output=args.incremental_streaming_output,
-                          enable_memory_saver=args.enable_memory_saver, host=args.host)
+                          enable_memory_saver=args.enable_memory_saver, host=args.host,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     with RolloutEngine(options.pop("model_path"), **options) as engine:
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
@@ -192,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-memory-saver", action="store_true",
                    help="SGLang's flag, reported by /get_server_info (slime compares it with its own launch "
                         "arguments); release/resume_memory_occupation work either way")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json"],
+                   help="how /v1/chat/completions reads tool calls out of a reply (auto: from the chat template)")
+    s.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think"],
+                   help="split <think>...</think> into reasoning_content (auto: when the chat template has it)")
     s.add_argument("--stream-max-pending-mb", type=float, default=8.0,
                    help="the most bytes of a stream's events that wait in the server for a reader that falls behind "
                         "(an event is sent in pieces within it)")

@@ -75,6 +75,8 @@ class EngineConfig:
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request
     tp_timeout_s: float = 30.0  # rendezvous and every TP collective: a dead or hung rank fails within this
+    # a session (multi-turn history and its KV) idle this long is closed; None: never
+    session_timeout_s: Optional[float] = 600.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):

@@ -30,6 +30,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def compat_model(model_dir):
+    """A tiny Qwen2 with a 4096-token context: what the compatibility, router and session tests serve."""
+    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
+def compat_model_b(model_dir):
+    """The same shape with other weights: what their pushes deliver."""
+    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
 def llama_path(model_dir):
     return model_dir("llama-default", "llama")
 

@@ -52,8 +52,13 @@ def test_throughput_benchmark_writes_json_and_png(tmp_path):
     assert "torch" in res["machine"]["versions"] and res["machine"]["cpu_count"] >= 1
     score = main(common + ["--workload", "score", "--prefix", "off"])
     assert score["engine"]["tokens"] == score["hf"]["tokens"] == 3 * 2 * 8
+    agentic = main(["--model", "tiny", "--num-prompts", "2", "--max-new-tokens", "4", "--dtype", "float32",
+                    "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "models"), "--workload", "agentic"])
+    e = agentic["engine"]
+    assert e["same_tokens"] is True and e["tokens"] == 2 * 6 * 4  # sessions give what resending gives
+    assert e["sessions"]["prefill_tokens"] < e["resend"]["prefill_tokens"]  # only what each turn appends
     files = sorted(os.listdir(tmp_path))
-    assert sum(f.endswith(".json") for f in files) == 2 and sum(f.endswith(".png") for f in files) == 2
+    assert sum(f.endswith(".json") for f in files) == 3 and sum(f.endswith(".png") for f in files) == 3
 
 
 def test_limits_and_rl_step_benchmarks_and_compare(tmp_path):

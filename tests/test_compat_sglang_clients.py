@@ -22,22 +22,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def model(model_dir):
-    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def srv(model, module_servers):
-    server = module_servers(model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
+def srv(compat_model, module_servers):
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
         yield http
 
 
 @pytest.fixture(scope="module")
-def tok(model):
+def tok(compat_model):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(compat_model)
 
 
 def _post(http, path, body=None, **kw):
@@ -334,7 +329,7 @@ def test_what_the_router_adds_is_accepted(srv, tok):
     ("return_routed_experts", True, "routed experts"),
     ("lora_path", "adapter-v1", "LoRA"),
     ("custom_logit_processor", "x", "custom logit processors"),
-    ("session_params", {"id": "s"}, "sessions"),
+    ("session_params", {"id": "s", "rid": "turn-1"}, "linear"),
 ])
 def test_features_we_do_not_have_are_refused_naming_them(srv, field, value, says):
     r = srv.post("/generate", json={"input_ids": PROMPTS[0], field: value})
@@ -355,7 +350,7 @@ def test_sampling_fields_we_do_not_have_are_refused(srv, sampling, says):
 # ---------------------------------------------------------------------------------------------- weight pushes
 
 
-def _sglang_trainer(url: str, model_b: str, port: int, group: str, plan: dict, q) -> None:
+def _sglang_trainer(url: str, compat_model_b: str, port: int, group: str, plan: dict, q) -> None:
     """A trainer process that does what slime's (and AReaL's) does: forms the weight group with
     SGLang's ``init_custom_process_group`` recipe — torch's rendezvous, the store prefixed with the
     group's name, torch's own process-group helper — while the server joins over
@@ -385,7 +380,7 @@ def _sglang_trainer(url: str, model_b: str, port: int, group: str, plan: dict, q
             _world.pg_group_ranks[pg] = {0: 0, 1: 1}
             t.join()
             out["init_status"] = out.pop("init").status_code
-            tensors = [(n, v.float()) for n, v in load_file(f"{model_b}/model.safetensors").items()]
+            tensors = [(n, v.float()) for n, v in load_file(f"{compat_model_b}/model.safetensors").items()]
             if plan.get("pause"):
                 out["pause"] = http.post("/pause_generation", json=plan.get("pause_body", {})).status_code
                 for _ in range(60):
@@ -420,14 +415,14 @@ def _sglang_trainer(url: str, model_b: str, port: int, group: str, plan: dict, q
     q.put(out)
 
 
-def _push(url, model_b, group, **plan):
+def _push(url, compat_model_b, group, **plan):
     import multiprocessing as mp
 
     from weight_sync.process_group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_sglang_trainer, args=(url, model_b, free_port(), group, plan, q))
+    proc = ctx.Process(target=_sglang_trainer, args=(url, compat_model_b, free_port(), group, plan, q))
     proc.start()
     out = q.get(timeout=180)
     proc.join(30)
@@ -435,72 +430,67 @@ def _push(url, model_b, group, **plan):
     return out
 
 
-@pytest.fixture(scope="module")
-def model_b(model_dir):
-    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
-
-
 def _greedy(http):
     body = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
     return [i["output_ids"] for i in _post(http, "/generate", body).json()]
 
 
-def test_slime_and_areal_push_into_a_group_formed_their_way(srv, model, model_b):
+def test_slime_and_areal_push_into_a_group_formed_their_way(srv, compat_model, compat_model_b):
     """slime's update: pause {}, GET /flush_cache until 200, three bucket calls each carrying a part of
     the model (flush_cache false, weight_version "3") with one broadcast per tensor, continue {}: the
     calls are staged while paused and published together at continue — model B's greedy tokens under
     version "3". AReaL's (abort_all_requests, no version) then lands under the server's next version."""
     url = str(srv.base_url).rstrip("/")
     before = _greedy(srv)
-    out = _push(url, model_b, "slime-pp_0", pause=True,
+    out = _push(url, compat_model_b, "slime-pp_0", pause=True,
                 body={"flush_cache": False, "weight_version": "3"})
     assert out["init_status"] == 200 and out["pause"] == 200
     assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
     assert out["continue"][0] == 200 and out["continue"][1]["weight_version"] == "3"
     pushed = _greedy(srv)
     assert pushed != before and srv.get("/get_weight_version").json()["weight_version"] == "3"
-    _post(srv, "/update_weights_from_disk", {"model_path": model_b, "weight_version": "b-from-disk"})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model_b, "weight_version": "b-from-disk"})
     assert _greedy(srv) == pushed  # the push delivered model B exactly
-    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
     assert _greedy(srv) == before
-    out = _push(url, model_b, "update_weight_group", pause=True, body={"abort_all_requests": True})
+    out = _push(url, compat_model_b, "update_weight_group", pause=True, body={"abort_all_requests": True})
     assert all(status == 200 for status, _ in out["buckets"]) and out["continue"][0] == 200
     assert _greedy(srv) == pushed
-    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
 
 
-def test_slime_and_miles_weights_checker(srv, model, model_b):
+def test_slime_and_miles_weights_checker(srv, compat_model, compat_model_b):
     """/weights_checker (check mode): snapshot, compare equal; after a push of other weights compare answers 400
     with success false; back on the snapshot's weights it matches again. reset_tensors is refused, saying why."""
     assert _post(srv, "/weights_checker", {"action": "snapshot"}).json()["success"] is True
     r = _post(srv, "/weights_checker", {"action": "compare", "allow_quant_error": False, "selector": "all",
                                         "skip_tensor_list": []}).json()
     assert r["success"] is True
-    _post(srv, "/update_weights_from_disk", {"model_path": model_b})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model_b})
     r = srv.post("/weights_checker", json={"action": "compare"})
     assert r.status_code == 400 and r.json()["success"] is False
-    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
     assert _post(srv, "/weights_checker", {"action": "compare"}).json()["success"] is True
     r = srv.post("/weights_checker", json={"action": "reset_tensors"})
     assert r.status_code == 400 and "snapshot" in r.text
 
 
-def test_miles_bracket_stages_until_end_weight_update(srv, model, model_b):
+def test_miles_bracket_stages_until_end_weight_update(srv, compat_model, compat_model_b):
     """miles: pause {"mode": "retract"}, GET /flush_cache, /begin_weight_update {"selector": "all"}, bucket
     calls with "selector" (plain: no transaction flag), /update_weight_version {"new_version"}, /end_weight_update,
     continue: the buckets stage inside the bracket and land together at its end."""
     url = str(srv.base_url).rstrip("/")
     before = _greedy(srv)
-    out = _push(url, model_b, "miles-g", pause=True, pause_body={"mode": "retract"}, miles=True,
+    out = _push(url, compat_model_b, "miles-g", pause=True, pause_body={"mode": "retract"}, miles=True,
                 body={"flush_cache": False, "weight_version": "4", "selector": "all"})
     assert out["begin"]["success"] and out["end"]["success"], out
     assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
     assert out["version"]["new_version"] == "4" and out["continue"][0] == 200
     assert _greedy(srv) != before and srv.get("/get_weight_version").json()["weight_version"] == "4"
-    _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
 
 
-def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, model, model_b):
+def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, compat_model, compat_model_b):
     """A sender that announces float32 but broadcasts one tensor in bfloat16 (half the bytes) or in
     float64 (twice): the update fails naming the tensor and what differed, the rest of the push is still
     drained (the sender completes), and the old weights keep serving."""
@@ -508,12 +498,12 @@ def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, m
     before = _greedy(srv)
     name = "model.layers.0.mlp.up_proj.weight"
     for wrong, says in ((torch_dtype("bfloat16"), "fewer bytes"), (torch_dtype("float64"), "more bytes")):
-        out = _push(url, model_b, f"bad-{says[:4]}", pause=False, wrong_name=name, wrong_dtype=wrong,
+        out = _push(url, compat_model_b, f"bad-{says[:4]}", pause=False, wrong_name=name, wrong_dtype=wrong,
                     body={"partial": True})
         failed = [r for status, r in out["buckets"] if status != 200]
         assert len(failed) == 1 and not failed[0]["success"], out["buckets"]
         assert name in failed[0]["message"] and says in failed[0]["message"]
-        _post(srv, "/update_weights_from_disk", {"model_path": model, "weight_version": "default"})
+        _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
         assert _greedy(srv) == before
 
 

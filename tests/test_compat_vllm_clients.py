@@ -20,27 +20,17 @@ PROMPTS = random_prompts(300, [9, 14, 11, 7], seed=11)
 
 
 @pytest.fixture(scope="module")
-def model(model_dir):
-    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def model_b(model_dir):
-    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def srv(model, module_servers):
-    server = module_servers(model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
+def srv(compat_model, module_servers):
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
         yield http
 
 
 @pytest.fixture(scope="module")
-def tok(model):
+def tok(compat_model):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(compat_model)
 
 
 def _ok(r: httpx.Response) -> httpx.Response:
@@ -58,8 +48,8 @@ def _greedy(http):
     return [_tokens(http, p)["choices"][0]["token_ids"] for p in PROMPTS]
 
 
-def _restore(http, model):
-    _ok(http.post("/update_weights_from_disk", json={"model_path": model, "weight_version": "default"}))
+def _restore(http, compat_model):
+    _ok(http.post("/update_weights_from_disk", json={"model_path": compat_model, "weight_version": "default"}))
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -110,8 +100,8 @@ def test_tokenize_detokenize_and_models(srv, tok):
     assert out["tokens"] == tok.encode("hello world", add_special_tokens=False) and out["count"] == len(out["tokens"])
     assert isinstance(out["max_model_len"], int) and out["max_model_len"] > 0
     assert _ok(srv.post("/detokenize", json={"tokens": out["tokens"]})).json()["prompt"] == "hello world"
-    model = _ok(srv.get("/v1/models")).json()["data"][0]
-    assert isinstance(model["id"], str) and model["max_model_len"] == out["max_model_len"]
+    listed = _ok(srv.get("/v1/models")).json()["data"][0]
+    assert isinstance(listed["id"], str) and listed["max_model_len"] == out["max_model_len"]
     assert srv.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
 
 
@@ -208,17 +198,17 @@ def test_sleep_and_wake_up(srv):
     assert srv.get("/get_world_size").json() == {"world_size": 1}
 
 
-def test_prime_rl_weight_dir_update_between_pause_and_resume(srv, model, model_b):
+def test_prime_rl_weight_dir_update_between_pause_and_resume(srv, compat_model, compat_model_b):
     """prime-rl: /pause?mode=keep&clear_cache=false, /update_weights {"weight_dir"} -> {"status": "ok"},
     /resume; a salted request then runs on model B."""
     before = _greedy(srv)
     _ok(srv.post("/pause?mode=keep&clear_cache=false"))
-    assert _ok(srv.post("/update_weights", json={"weight_dir": model_b})).json() == {"status": "ok"}
+    assert _ok(srv.post("/update_weights", json={"weight_dir": compat_model_b})).json() == {"status": "ok"}
     _ok(srv.post("/resume"))
     after = _greedy(srv)
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
     assert after != before and _greedy(srv) == after
-    _restore(srv, model)
+    _restore(srv, compat_model)
     assert srv.post("/update_weights", json={"weight_dir": "/nonexistent/dir"}).status_code in (400, 403)
 
 
@@ -241,7 +231,7 @@ def _vllm_chunks(tensors, chunk_bytes):
     return chunks
 
 
-def _torch_trainer(url: str, model_b: str, port: int, plan: dict, q) -> None:
+def _torch_trainer(url: str, compat_model_b: str, port: int, plan: dict, q) -> None:
     """A trainer process with a torch-only weight path: the group built with plain
     torch.distributed.init_process_group on tcp://, then vLLM's native calls (TRL async GRPO's and SkyRL's
     order) or TRL vllm-serve's."""
@@ -255,7 +245,7 @@ def _torch_trainer(url: str, model_b: str, port: int, plan: dict, q) -> None:
     torch.set_num_threads(1)
     out: dict = {}
     try:
-        tensors = [(n, v.float()) for n, v in load_file(f"{model_b}/model.safetensors").items()]
+        tensors = [(n, v.float()) for n, v in load_file(f"{compat_model_b}/model.safetensors").items()]
         if plan.get("wrong"):
             tensors = [(n, v.double() if n == plan["wrong"] else v) for n, v in tensors]
         with hx.Client(base_url=url, headers=AUTH, timeout=120) as http:
@@ -335,12 +325,12 @@ def _torch_trainer(url: str, model_b: str, port: int, plan: dict, q) -> None:
     q.put(out)
 
 
-def _push(url: str, model_b: str, **plan) -> dict:
+def _push(url: str, compat_model_b: str, **plan) -> dict:
     from weight_sync.process_group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_torch_trainer, args=(url, model_b, free_port(), plan, q))
+    proc = ctx.Process(target=_torch_trainer, args=(url, compat_model_b, free_port(), plan, q))
     proc.start()
     out = q.get(timeout=240)
     proc.join(30)
@@ -349,13 +339,13 @@ def _push(url: str, model_b: str, **plan) -> dict:
 
 
 @pytest.mark.parametrize("kind,packed", [("trl-async", True), ("skyrl", False)])
-def test_vllm_native_push_from_a_plain_torch_trainer(srv, model, model_b, kind, packed):
+def test_vllm_native_push_from_a_plain_torch_trainer(srv, compat_model, compat_model_b, kind, packed):
     """TRL's async GRPO (packed) and SkyRL (per tensor, through /collective_rpc): /init_weight_transfer_engine
     while the trainer runs init_process_group, /pause?mode=keep, start, update_weights during the broadcasts,
     finish, /resume -> model B's greedy tokens (packed: vLLM's chunking, several chunks)."""
     url = str(srv.base_url).rstrip("/")
     before = _greedy(srv)
-    out = _push(url, model_b, kind=kind, packed=packed, chunk=96 << 10, version="vllm-7")
+    out = _push(url, compat_model_b, kind=kind, packed=packed, chunk=96 << 10, version="vllm-7")
     assert out["init"]["message"] == "Weight transfer initialized" and out["pause"] == {"status": "paused"}
     assert out["update"][0] == 200 and out["finish"][0] == 200, out
     assert out["resume"] == {"status": "resumed"}
@@ -364,32 +354,32 @@ def test_vllm_native_push_from_a_plain_torch_trainer(srv, model, model_b, kind, 
         assert srv.get("/weight_info").json()["weight_version"] == "vllm-7"
     pushed = _greedy(srv)
     assert pushed != before
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
     assert _greedy(srv) == pushed
-    _restore(srv, model)
+    _restore(srv, compat_model)
 
 
-def test_areal_vllm_extension_push(srv, model, model_b):
+def test_areal_vllm_extension_push(srv, compat_model, compat_model_b):
     """AReaL's vLLM backend: /areal_init_weights_update_group (port as a string) while the trainer joins,
     /areal_pause_generation, /areal_set_update_weight_meta, /areal_update_weights_xccl during the per-tensor
     broadcasts, /areal_continue_generation -> {"success": true} each, and model B serves."""
     url = str(srv.base_url).rstrip("/")
     before = _greedy(srv)
-    out = _push(url, model_b, kind="areal")
+    out = _push(url, compat_model_b, kind="areal")
     assert out["init"]["success"] and out["pause"]["success"] and out["meta"]["success"], out
     assert out["update"][0] == 200 and out["update"][1]["success"] and out["continue"]["success"], out
     pushed = _greedy(srv)
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
     assert pushed != before and _greedy(srv) == pushed
-    _restore(srv, model)
-    r = srv.post("/areal_update_weights", json={"model_path": model_b})
+    _restore(srv, compat_model)
+    r = srv.post("/areal_update_weights", json={"model_path": compat_model_b})
     assert r.status_code == 200 and r.json()["success"] and _greedy(srv) == pushed
-    _restore(srv, model)
+    _restore(srv, compat_model)
     r = srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
     assert r.status_code == 400 and "LoRA" in r.text
 
 
-def test_trl_vllm_serve_routes_and_push(srv, model, model_b, tok):
+def test_trl_vllm_serve_routes_and_push(srv, compat_model, compat_model_b, tok):
     """TRL's vllm-serve: /health/, /get_world_size/, /generate/ (text prompts, n) and /chat/ with prompt_ids,
     completion_ids, logprobs and logprob_token_ids; the weight path with the client as the last rank:
     /init_communicator/ (host 0.0.0.0), /update_named_param/ (dtype "torch.float32") + broadcast + barrier per
@@ -411,15 +401,15 @@ def test_trl_vllm_serve_routes_and_push(srv, model, model_b, tok):
 
     url = str(srv.base_url).rstrip("/")
     before = _greedy(srv)
-    out = _push(url, model_b, kind="trl")
+    out = _push(url, compat_model_b, kind="trl")
     assert out["reset"] == (200, {"message": "Request received, resetting prefix cache status: True"}), out
     pushed = _greedy(srv)
     assert pushed != before
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": model_b}))
+    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
     assert _greedy(srv) == pushed
-    _restore(srv, model)
+    _restore(srv, compat_model)
     # a parameter broadcast in another dtype than announced: the publish fails naming it, nothing changes
-    out = _push(url, model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight")
+    out = _push(url, compat_model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight")
     status, answer = out["reset"]
     assert status == 400 and "model.layers.0.mlp.up_proj.weight" in answer["detail"], answer
     assert _greedy(srv) == before

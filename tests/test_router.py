@@ -21,19 +21,9 @@ KINDS = ["sglang-router", "smg"]
 
 
 @pytest.fixture(scope="module")
-def model(model_dir):
-    return model_dir("compat", "qwen2", seed=5, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def model_b(model_dir):
-    return model_dir("compat-b", "qwen2", seed=6, max_position_embeddings=4096)
-
-
-@pytest.fixture(scope="module")
-def replicas(model, module_servers):
+def replicas(compat_model, module_servers):
     args = ("--dtype", "float32", "--kv-cache-tokens", "16384", "--api-key", KEY, "--served-model-name", "policy")
-    return [module_servers(model, *args), module_servers(model, *args)]
+    return [module_servers(compat_model, *args), module_servers(compat_model, *args)]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -132,15 +122,15 @@ def test_router_polls_our_load(router, replicas):
     assert isinstance(load, list) and {"num_tokens", "num_reqs", "num_waiting_reqs"} <= set(load[0])
 
 
-def test_a_push_to_every_replica_shows_through_the_router(router, replicas, model, model_b):
+def test_a_push_to_every_replica_shows_through_the_router(router, replicas, compat_model, compat_model_b):
     """The scale-out recipe: the trainer updates every replica (here from disk), then rollouts through
     the router run on the new weights, whichever replica serves them."""
     before = [_generate(router, p)[0] for p in PROMPTS[:3]]
     with httpx.Client(headers=AUTH, timeout=120) as http:
         for s in replicas:
-            _ok(http.post(s.url + "/update_weights_from_disk", json={"model_path": model_b, "weight_version": "b"}))
+            _ok(http.post(s.url + "/update_weights_from_disk", json={"model_path": compat_model_b, "weight_version": "b"}))
         after = [_generate(router, p)[0] for p in PROMPTS[:3]]
         direct = [_direct(http, replicas[1].url, p)[0] for p in PROMPTS[:3]]
         for s in replicas:
-            _ok(http.post(s.url + "/update_weights_from_disk", json={"model_path": model, "weight_version": "a"}))
+            _ok(http.post(s.url + "/update_weights_from_disk", json={"model_path": compat_model, "weight_version": "a"}))
     assert after == direct and after != before

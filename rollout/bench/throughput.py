@@ -8,7 +8,10 @@ Workloads (fixed and named, so results can be cited; ``--num-prompts`` etc. over
 - ``grpo-long``: 16 chat prompts x n=8, up to 1024 new tokens, otherwise the same;
 - ``score``: prefill-only logprobs of given sequences (64 prompts x 8 completions of 256 tokens,
   the scoring pass of an RL step): the engine's ``score`` against a ``transformers`` forward +
-  log-softmax in micro-batches of ``--hf-batch`` sequences.
+  log-softmax in micro-batches of ``--hf-batch`` sequences;
+- ``agentic``: 16 episodes x 6 turns, each turn appending a 48-token tool result and sampling 32
+  tokens: sessions against resending the whole history each turn with the prefix cache on, in one
+  engine (``rollout.bench.agentic``; no ``transformers`` side).
 
 Generation on the ``transformers`` side is one ``generate`` call over all prompts (``n`` as
 ``num_return_sequences``; left padding), so padding and finished rows it keeps computing are
@@ -57,12 +60,15 @@ class Workload:
     max_new_tokens: int
     ignore_eos: bool = False
     score: bool = False  # prefill-only logprobs of prompt + max_new_tokens given tokens
+    turns: int = 0  # agentic: turns per episode
+    tool_len: int = 0  # agentic: tokens each tool result appends
 
 
 WORKLOADS = {
     "grpo-short": Workload("grpo-short", 64, 8, 256),
     "grpo-long": Workload("grpo-long", 16, 8, 1024),
     "score": Workload("score", 64, 8, 256, score=True),
+    "agentic": Workload("agentic", 16, 1, 32, ignore_eos=True, turns=6, tool_len=48),
 }
 
 
@@ -168,7 +174,13 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
     from rollout import SamplingParams
 
     kv_tokens = min(len(prompts) * w.n, max_num_seqs) * (max(map(len, prompts)) + w.max_new_tokens + 32)
+    if w.turns:
+        kv_tokens = len(prompts) * (max(map(len, prompts)) + w.turns * (w.max_new_tokens + w.tool_len) + 64)
     with _engine(path, dtype, features, max_num_seqs, kv_tokens, engine_args) as engine:
+        if w.turns:
+            from rollout.bench.agentic import run_agentic
+
+            return run_agentic(engine, prompts, w)
         if w.score:
             pairs = completions(prompts, w.n, w.max_new_tokens, engine.model_config.vocab_size)
             sp = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0)
@@ -224,7 +236,7 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     with tqdm(total=1 if skip_hf else 2, desc=f"throughput {w.name} {label}") as bar:
         result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs, engine_args)
         bar.update(1)
-        if not skip_hf:
+        if not skip_hf and not w.turns:
             hf_b = result["config"]["hf_batch"]
             if w.score:
                 vocab = ModelConfig.from_pretrained(path).vocab_size
@@ -238,7 +250,12 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     hf_part = f"_hf-{hf_dtype}" if hf_dtype and hf_dtype != dtype else ""
     stem = (f"throughput_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
             f"_prefix-{'on' if f.prefix else 'off'}{hf_part}{tag}")
-    write_result(result, out_dir, stem, plot)
+    if w.turns:
+        from rollout.bench.agentic import plot as agentic_plot
+
+        write_result(result, out_dir, stem, agentic_plot)
+    else:
+        write_result(result, out_dir, stem, plot)
     return result
 
 
@@ -303,6 +320,10 @@ def main(argv=None) -> dict:
               args.hf_dtype)
     e = res["engine"]
     line = f"{args.workload}: engine {e['tokens_per_s']:.0f} tok/s"
+    if "sessions" in e:
+        line += (f" with sessions, {e['resend']['tokens_per_s']:.0f} resending the history ({e['sessions_speedup']:.2f}x; "
+                 f"prefill tokens {e['sessions']['prefill_tokens']} vs {e['resend']['prefill_tokens']}, same tokens: "
+                 f"{e['same_tokens']})")
     if "hf" in res:
         line += f", transformers {res['hf']['tokens_per_s']:.0f} tok/s, ratio {res['ratio']:.2f}x"
     print(line)

@@ -90,9 +90,16 @@ class Admission:
 
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                       logprob_start_len: int, rid, on_update=None,
-                      return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None) -> list[Request]:
+                      return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
+                      session_id: Optional[str] = None) -> list[Request]:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if session_id is not None:
+            if not isinstance(session_id, str) or not session_id:
+                raise ValueError("session_id must be a non-empty string")
+            if logprob_start_len != -1:
+                raise ValueError("a session turn returns no prompt logprobs (logprob_start_len must be -1): its "
+                                 "prompt is the session's history")
         if return_sampling_mask is None:
             return_sampling_mask = self.config.return_sampling_mask
         ids_list = self.prompt_ids(prompts, input_ids)
@@ -142,6 +149,10 @@ class Admission:
             req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
                           return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
             req.cache_salt = cache_salt or None
+            if session_id is not None:
+                if len(ids_list) != 1 or sp.n != 1:
+                    raise ValueError("a session turn is one prompt (the tokens it appends) with n=1")
+                req.session_id = session_id
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs

@@ -30,6 +30,7 @@ from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.request import Request, Sequence
 from rollout.scheduler.scheduler import Scheduler
+from rollout.scheduler.sessions import SessionError
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder
 from rollout.worker.messages import (
@@ -236,7 +237,8 @@ class RolloutEngine:
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  rid: Union[str, list[str], None] = None,
-                 return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None) -> list[RolloutOutput]:
+                 return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
+                 session_id: Optional[str] = None) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
         ``return_sampling_mask`` (default: the engine's option): every output token also carries the
@@ -244,12 +246,15 @@ class RolloutEngine:
         renormalised over them (``output_token_sampling_logprobs``), for trainer-side replay
         (``trainer_bridge.replay``). ``cache_salt`` (vLLM's): the request reuses and leaves cached KV
         only among requests with the same salt (prefix-cache partitions, e.g. one per policy version).
+        ``session_id`` (``open_session``): a turn of that session — the prompt is the tokens it appends
+        to the session's history, the engine generates after the whole history (its KV kept between
+        turns) and the turn's output reports the history as ``prompt_token_ids``.
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                              logprob_start_len, rid, return_sampling_mask=return_sampling_mask,
-                                             cache_salt=cache_salt)
+                                             cache_salt=cache_salt, session_id=session_id)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -298,7 +303,7 @@ class RolloutEngine:
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
                              stream: bool = False, return_sampling_mask: Optional[bool] = None,
-                             cache_salt: Optional[str] = None):
+                             cache_salt: Optional[str] = None, session_id: Optional[str] = None):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -315,7 +320,8 @@ class RolloutEngine:
 
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                             logprob_start_len, rid, on_update, return_sampling_mask, cache_salt)
+                                             logprob_start_len, rid, on_update, return_sampling_mask, cache_salt,
+                                             session_id)
         for r in reqs:
             self._loop.submit(r)
 
@@ -379,6 +385,29 @@ class RolloutEngine:
                 self.scheduler.retract_all()
             self._loop.paused = True
         self._loop.call(pause)
+
+    # ------------------------------------------------------------------ sessions (rollout.scheduler.sessions)
+
+    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        """A conversation whose token history and KV the engine keeps between turns (``generate(...,
+        session_id=)``); closed by ``close_session`` or after ``timeout_s`` idle (default: the
+        engine's ``session_timeout_s``). Returns its id."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        return self._session_call(lambda: self.scheduler.open_session(session_id, timeout_s))
+
+    def close_session(self, session_id: str) -> None:
+        self._session_call(lambda: self.scheduler.close_session(session_id))
+
+    def session_info(self, session_id: str) -> dict:
+        """The session's history (``token_ids``), turns, and how much of it has KV held."""
+        return self._session_call(lambda: self.scheduler.session_info(session_id))
+
+    def _session_call(self, fn):
+        try:
+            return self._loop.call(fn)
+        except SessionError as exc:
+            raise ValueError(str(exc)) from None
 
     def is_paused(self) -> bool:
         return self._loop.call(lambda: self._loop.paused)

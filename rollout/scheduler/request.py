@@ -43,6 +43,7 @@ class Sequence:
         self.text: Optional[str] = None
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.kv_key: Optional[str] = None  # the prefix-cache key this sequence's KV is computed under
         self.first_token_time: Optional[float] = None
 
     @property
@@ -80,6 +81,7 @@ class Request:
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.return_sampling_mask = return_sampling_mask
         self.cache_salt: Optional[str] = None  # prefix-cache partition (vLLM's cache_salt)
+        self.session_id: Optional[str] = None  # a session turn: the session's history is prepended
         # Replayed scoring: prompt_ids[score_from:] are given output tokens, scored under
         # ``score_params`` as generation would have (processed logprobs, masks); None otherwise.
         self.score_from: Optional[int] = None

@@ -15,6 +15,7 @@ depend only on seed and position).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from rollout.sampling_params import SamplingParams
 from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
 from rollout.scheduler.block_manager import BlockManager
 from rollout.scheduler.request import Request, SeqStatus, Sequence
+from rollout.scheduler.sessions import Session, SessionError, SessionTable
 from rollout.worker.tp_worker import BaseTpWorker
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class Scheduler:
         # thread that runs forwards and delayed samplings in launch order.
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
+        self.sessions = SessionTable(config.session_timeout_s)
+        self._sessions_checked = time.monotonic()
 
     @property
     def cache_key(self) -> str:
@@ -148,6 +152,12 @@ class Scheduler:
             self._reject(req, QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
                                              f"max_queued_requests={limit}); retry later"))
             return
+        if req.session_id is not None:
+            try:
+                self._begin_turn(req)
+            except SessionError as exc:
+                self._reject(req, exc)
+                return
         self.requests[req.rid] = req
         self.waiting.append(req.seqs[0])
 
@@ -183,6 +193,110 @@ class Scheduler:
         for req in list(self.requests.values()):
             req.error = error
             self.abort(req.rid)
+
+    # ------------------------------------------------------------------ sessions (rollout.scheduler.sessions)
+
+    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        return self.sessions.open(session_id, timeout_s).sid
+
+    def close_session(self, session_id: str) -> None:
+        """Forget the session and free its KV; a turn still running finishes, and keeps nothing."""
+        s = self.sessions.close(session_id)
+        self._drop_session_kv(s)
+
+    def session_info(self, session_id: str) -> dict:
+        s = self.sessions.get(session_id)
+        return {"session_id": s.sid, "num_tokens": len(s.token_ids), "num_turns": s.num_turns,
+                "num_cached_tokens": s.num_computed if s.block_table else 0, "busy": not s.idle,
+                "token_ids": list(s.token_ids)}
+
+    def drop_session_kv(self) -> None:
+        """Every session's KV freed (the KV cache is being released); histories are kept."""
+        for s in list(self.sessions.sessions.values()):
+            self._drop_session_kv(s)
+
+    def _drop_session_kv(self, s: Session) -> None:
+        self.block_manager.free(s.block_table)
+        s.block_table, s.num_computed, s.cache_key = [], 0, None
+
+    def _begin_turn(self, req: Request) -> None:
+        """A session turn: its prompt becomes the session's history plus the tokens it appends."""
+        s = self.sessions.get(req.session_id)
+        if not s.idle:
+            raise SessionError(f"session {s.sid!r} is running a turn ({s.busy_rid!r}); one turn at a time")
+        if len(req.seqs) != 1:
+            raise SessionError("a session turn takes one sample (n=1)")
+        history = s.token_ids
+        total = len(history) + len(req.prompt_ids)
+        limit = self.worker.max_req_len  # the context, and what the KV pool can hold for one sequence
+        if total >= limit:
+            raise SessionError(f"session {s.sid!r}: its {len(history)} tokens plus this turn's {len(req.prompt_ids)} "
+                               f"reach the context limit ({limit} tokens): the episode is over")
+        if total + req.params.max_new_tokens > limit:  # the turn ends with finish_reason "length" at the limit
+            req.params = dataclasses.replace(req.params, max_new_tokens=limit - total)
+        req.prompt_ids = history + req.prompt_ids
+        seq = req.seqs[0]
+        seq.token_ids = list(req.prompt_ids)
+        seq.num_prompt_tokens = len(req.prompt_ids)
+        req.logprob_start_len = req.next_input_logprob_pos = len(req.prompt_ids)  # no prompt logprobs in a turn
+        req.input_logprobs, req.input_top_logprobs, req.input_ranks = [], [], []
+        s.busy_rid = req.rid
+        s.last_used = time.monotonic()
+
+    def _adopt_session_kv(self, seq: Sequence, limit: int) -> bool:
+        """Hand the session's KV to its turn if it was computed under the weights (and salt) the turn
+        runs with; otherwise drop it (the history is recomputed). True if adopted."""
+        s = self.sessions.sessions.get(seq.req.session_id)
+        if s is None or not s.block_table:
+            return False
+        if s.cache_key != seq.kv_key:  # computed under other weights: never reused
+            self._drop_session_kv(s)
+            return False
+        n = min(s.num_computed, limit)
+        keep = -(-n // self.block_size)
+        self.block_manager.free(s.block_table[keep:])
+        seq.block_table, seq.num_computed_tokens = s.block_table[:keep], n
+        seq.num_cached_tokens = n
+        s.block_table, s.num_computed, s.cache_key = [], 0, None
+        self.block_manager.stats.num_queries += len(seq.token_ids)
+        self.block_manager.stats.num_hit_tokens += n
+        return True
+
+    def _end_turn(self, seq: Sequence) -> None:
+        """A turn ended: a normal end appends its tokens to the history and leaves its KV with the
+        session (if computed under the current weights throughout); an abort or error keeps the
+        history as it was, without KV."""
+        req = seq.req
+        s = self.sessions.sessions.get(req.session_id)
+        if s is None or s.busy_rid != req.rid:
+            return  # closed while the turn ran: the turn's blocks are freed as any request's
+        s.busy_rid, s.last_used = None, time.monotonic()
+        if seq.finish_reason not in ("stop", "length") or req.error is not None:
+            return
+        s.num_turns += 1
+        s.token_ids = list(seq.token_ids)
+        if seq.kv_key != self._cache_key(req) or not seq.block_table:
+            return  # the weights changed during the turn: nothing kept; the next turn recomputes
+        n = min(seq.num_computed_tokens, len(seq.token_ids))
+        keep = -(-n // self.block_size)
+        s.block_table, s.num_computed, s.cache_key = seq.block_table[:keep], n, seq.kv_key
+        seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
+
+    def _release_session_kv(self) -> bool:
+        """Free the KV of the least recently used idle session that holds some (its history stays)."""
+        holding = self.sessions.holding_kv()
+        if not holding:
+            return False
+        self._drop_session_kv(holding[0])
+        return True
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        if now - self._sessions_checked < 1.0:
+            return
+        self._sessions_checked = now
+        for s in self.sessions.expired(now):
+            self.close_session(s.sid)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -260,6 +374,8 @@ class Scheduler:
         if need == 0:
             return True
         blocks = self.block_manager.allocate(need)
+        while blocks is None and self._release_session_kv():  # idle sessions' KV goes before any preemption
+            blocks = self.block_manager.allocate(need)
         if blocks is None:
             return False
         seq.block_table.extend(blocks)
@@ -277,16 +393,21 @@ class Scheduler:
 
     def _admit_prefix(self, seq: Sequence) -> None:
         req = seq.req
+        seq.kv_key = self._cache_key(req)
         limit = len(seq.token_ids) - 1  # at least one token must run to produce logits
         if seq.num_output_tokens == 0 and req.needs_input_logprobs:
             limit = min(limit, req.next_input_logprob_pos)
-        blocks = self.block_manager.match_prefix(seq.token_ids, limit, self._cache_key(req))
+        if req.session_id is not None and self._adopt_session_kv(seq, limit):
+            return
+        blocks = self.block_manager.match_prefix(seq.token_ids, limit, seq.kv_key)
         seq.block_table = blocks
         seq.num_computed_tokens = len(blocks) * self.block_size
         if seq.num_output_tokens == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def schedule(self) -> Optional[ScheduledBatch]:
+        if self.sessions.sessions:
+            self._expire_sessions()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         in_batch: set[int] = set()
@@ -563,6 +684,8 @@ class Scheduler:
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+        if seq.req.session_id is not None:
+            self._end_turn(seq)
         self.block_manager.free(seq.block_table)
         seq.block_table = []
         req = seq.req

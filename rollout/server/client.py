@@ -95,19 +95,34 @@ class RolloutClient:
     def generate(self, prompts: Union[str, list[str], None] = None, input_ids=None,
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
-                 return_sampling_mask: Optional[bool] = None) -> list[RolloutOutput]:
-        """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``."""
+                 return_sampling_mask: Optional[bool] = None, session_id: Optional[str] = None) -> list[RolloutOutput]:
+        """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``. A session
+        turn's ``prompt_token_ids`` are the tokens it appended (``session_info`` has the history)."""
         if input_ids is not None and input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
         if isinstance(prompts, str):
             prompts = [prompts]
         body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask}
+                "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask,
+                "session_params": {"id": session_id} if session_id is not None else None}
         items = self._json(self._post("/generate", {k: v for k, v in body.items() if v is not None}))
         items = items if isinstance(items, list) else [items]
         return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None)
                 for it in items]
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        body = {k: v for k, v in {"session_id": session_id, "timeout_s": timeout_s}.items() if v is not None}
+        return self._json(self._post("/open_session", body))
+
+    def close_session(self, session_id: str) -> None:
+        self._check(self._post("/close_session", {"session_id": session_id}))
+
+    def session_info(self, session_id: str) -> dict:
+        return self._json(self.http.get("/session_info", params={"session_id": session_id},
+                                        headers=self._headers(False)))
 
     # ------------------------------------------------------------------ weights
 

@@ -4,12 +4,14 @@ logprobs in OpenAI's shapes; streaming as ``chat.completion.chunk`` / ``text_com
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
+from rollout.engine.tool_calls import has_reasoning, parse_reply, parser_for_template
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import user
@@ -186,26 +188,91 @@ def _prompt_texts(svc: EngineService, prompt, outs: list[RolloutOutput]) -> dict
 # ------------------------------------------------------------------ /v1/chat/completions
 
 
-def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
+def _messages(body: P.ChatCompletionRequest) -> list[dict]:
+    """The request's messages as chat templates take them (text parts joined; tool calls' JSON
+    arguments as objects, which templates render)."""
     messages = []
     for m in body.messages:
         content = m.content
         if isinstance(content, list):  # content parts: the text ones, joined
             content = "".join(part.text or "" for part in content if part.type == "text")
-        messages.append({"role": m.role, "content": content or ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        for name in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(m, name) is not None:
+                msg[name] = getattr(m, name)
+        messages.append(msg)
+    return messages
+
+
+def _template_call(call: dict) -> dict:
+    fn = dict(call.get("function") or call)
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            raise HTTPException(400, "a tool call's arguments must be a JSON object (or its JSON text)") from None
+    return {**call, "function": fn} if "function" in call else fn
+
+
+def _template_kwargs(body: P.ChatCompletionRequest) -> dict:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = body.tools
+    return kwargs
+
+
+def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
     try:
-        return svc.engine.apply_chat_template(messages)
-    except ValueError as exc:
+        return svc.engine.apply_chat_template(_messages(body), True, **_template_kwargs(body))
+    except (ValueError, TypeError) as exc:
         raise HTTPException(400, str(exc)) from None
+
+
+def _parsers(svc: EngineService, body: P.ChatCompletionRequest) -> tuple[Optional[str], bool]:
+    """(tool-call parser or None, whether to split reasoning) for this request's replies."""
+    if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
+        raise HTTPException(400, "tool_choice that forces a call needs constrained decoding, which this server does not "
+                                 "have: send \"auto\" (or \"none\")")
+    template = getattr(svc.engine.tokenizer, "chat_template", None) if svc.engine.tokenizer is not None else None
+    cfg = svc.config
+    parser = None
+    if body.tools and body.tool_choice != "none" and cfg.tool_call_parser != "none":
+        parser = parser_for_template(template) if cfg.tool_call_parser == "auto" else cfg.tool_call_parser
+    reasoning = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and has_reasoning(template))
+    return parser, reasoning
+
+
+def _reply(svc: EngineService, o: RolloutOutput, parser: Optional[str], reasoning: bool) -> tuple[dict, str]:
+    """The assistant message of a reply (tool calls and reasoning parsed out when asked) and its
+    finish reason ("tool_calls" when it called any)."""
+    if parser is None and not reasoning:
+        return {"role": "assistant", "content": o.text or ""}, o.finish_reason
+    ids = o.output_token_ids
+    if o.finish_reason == "stop" and isinstance(o.matched_stop, int) and ids and ids[-1] == o.matched_stop:
+        ids = ids[:-1]
+    text = svc.engine.tokenizer.decode(ids, skip_special_tokens=False)  # tool-call markers may be special tokens
+    parsed = parse_reply(text, parser, reasoning)
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning_content is not None:
+        msg["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        msg["tool_calls"] = parsed.tool_calls
+        return msg, "tool_calls"
+    return msg, o.finish_reason
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(user)])
 async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc: EngineService = Depends(service_of)):
     svc.metrics.started(request.url.path)
-    ids = _chat_ids(svc, body)
     # 0 is a limit like any other (a prefill-only request), not "unset"
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                       DEFAULT_CHAT_MAX_TOKENS)
+    session_key = request.headers.get("x-session-id") or body.session_id
+    if session_key is not None:
+        return await _session_turn(svc, body, request, session_key, max_tokens)
+    ids = _chat_ids(svc, body)
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
                   top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt)
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
@@ -226,9 +293,12 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
                                 "logprobs": _chat_logprobs(token_str, o, first) if body.logprobs else None}]}
         return await svc.stream(request, kwargs, shape)
     outs = await svc.generate(request, kwargs)
-    choices = [{"index": _index(o, body.n), "message": {"role": "assistant", "content": o.text or ""},
-                "finish_reason": o.finish_reason, "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None}
-               for o in outs]
+    parser, reasoning = _parsers(svc, body)
+    choices = []
+    for o in outs:
+        message, finish = _reply(svc, o, parser, reasoning)
+        choices.append({"index": _index(o, body.n), "message": message, "finish_reason": finish,
+                        "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None})
     extra: dict[str, Any] = {}
     if body.return_token_ids:  # vLLM's: the rendered prompt's ids and each choice's
         extra["prompt_token_ids"] = ids
@@ -236,3 +306,38 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
             c["token_ids"] = o.output_token_ids
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(outs), **extra}
+
+
+async def _session_turn(svc: EngineService, body: P.ChatCompletionRequest, request: Request, key: str,
+                        max_tokens: int):
+    """A turn of chat session ``key`` (``rollout.server.chat_sessions``): only the new messages are
+    rendered and appended; ``prompt_token_ids`` is the whole conversation as the engine holds it."""
+    if body.n != 1 or body.stream:
+        raise HTTPException(400, "a chat session turn takes n=1 and no stream")
+    messages = _messages(body)
+    parser, reasoning = _parsers(svc, body)
+    try:
+        session, turn = await svc.read(svc.chat_sessions.turn_input, key, messages, body.chat_template_kwargs or {},
+                                       body.tools)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+    kwargs = dict(input_ids=[turn.token_ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
+                  top_logprobs_num=body.top_logprobs or 0, session_id=session.engine_session)
+    outs = await svc.generate(request, kwargs)
+    o = outs[0]
+    svc.chat_sessions.record(session, messages, o)
+    token_str = _Tokens(svc.engine.tokenizer, body.return_tokens_as_token_ids)
+    message, finish = _reply(svc, o, parser, reasoning)
+    choice = {"index": 0, "message": message, "finish_reason": finish,
+              "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None, "token_ids": o.output_token_ids}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": svc.model_name, "choices": [choice], "usage": _usage(outs),
+            "prompt_token_ids": o.prompt_token_ids, "session_id": key, "session_restarted": turn.restarted,
+            "render_mode": turn.mode, "cached_tokens": o.num_cached_tokens}
+
+
+@router.post("/finish_session", dependencies=[Depends(user)])
+async def finish_session(body: P.FinishSessionRequest, svc: EngineService = Depends(service_of)):
+    """SkyRL's: the chat session's history and KV are freed."""
+    closed = await svc.read(svc.chat_sessions.close, body.session_id)
+    return {"success": closed, "session_id": body.session_id}

@@ -81,12 +81,41 @@ NOT_HERE = {
     "lora_path": "LoRA adapters are not supported yet",
     "lora_id": "LoRA adapters are not supported yet",
     "custom_logit_processor": "custom logit processors are not supported (they would run pickled code)",
-    "session_params": "sessions are not supported yet",
     "bootstrap_host": "prefill/decode disaggregation is not supported",
     "bootstrap_port": "prefill/decode disaggregation is not supported",
     "bootstrap_room": "prefill/decode disaggregation is not supported",
     "background": "background requests are not supported: wait for the answer or stream it",
 }
+
+
+class SessionParams(Lenient):
+    """SGLang's ``session_params``: ``id`` names the session; a turn appends to its history. Branching
+    (``rid`` of an earlier turn), ``offset``/``replace`` rewrites and ``drop_previous_output`` are
+    not supported: a session here is one linear conversation."""
+
+    id: str = Field(min_length=1)
+    rid: Optional[str] = None
+    offset: Optional[int] = None
+    replace: Optional[bool] = None
+    drop_previous_output: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _linear(self) -> SessionParams:
+        branching = [n for n in ("rid", "offset", "replace", "drop_previous_output") if getattr(self, n)]
+        if branching:
+            raise ValueError(f"session_params {branching}: sessions here are linear (each turn appends); "
+                             "open another session to branch")
+        return self
+
+
+class OpenSessionRequest(Lenient):
+    capacity_of_str_len: Optional[int] = None  # SGLang's; the context limit bounds a session here
+    session_id: Optional[str] = Field(None, min_length=1)
+    timeout_s: Optional[float] = Field(None, gt=0)
+
+
+class CloseSessionRequest(Lenient):
+    session_id: str = Field(min_length=1)
 
 
 class GenerateRequest(Lenient):
@@ -123,6 +152,8 @@ class GenerateRequest(Lenient):
     bootstrap_port: Any = None
     bootstrap_room: Any = None
     background: Any = False
+    # SGLang's session turn: {"id": the session from /open_session}; the input appends to its history
+    session_params: Optional[SessionParams] = None
     # SGLang's prefix-cache partition key (vLLM's cache_salt): cached KV is reused only within it
     extra_key: Optional[Union[str, list[Optional[str]]]] = None
 
@@ -193,6 +224,10 @@ class ContentPart(Lenient):
 class ChatMessage(Lenient):
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: Optional[str] = None  # a tool result's call
+    name: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -201,6 +236,15 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # reach the template (enable_thinking, ...)
+    tools: Optional[list[dict[str, Any]]] = None  # rendered by the chat template
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None  # "auto" / "none"; forcing a call is refused
+    # a chat session (also SkyRL's X-Session-ID header): token-exact turns, the history's KV kept
+    session_id: Optional[str] = Field(None, min_length=1)
+
+
+class FinishSessionRequest(Lenient):
+    session_id: str = Field(min_length=1)
 
 
 # ---------------------------------------------------------------------------------------------

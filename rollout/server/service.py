@@ -25,6 +25,7 @@ from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from rollout.outputs import RolloutOutput
+from rollout.server.chat_sessions import ChatSessions
 from rollout.server.encoding import JSONResponse, sse
 from rollout.server.http import TRANSPORT
 from rollout.server.metrics import ServerMetrics
@@ -59,6 +60,10 @@ class ServerConfig:
     # the address the server listens on: a weight group the server hosts (TRL's) binds here when the
     # client names every interface ("0.0.0.0")
     host: str = "127.0.0.1"
+    # /v1/chat/completions: tool calls ("auto": the chat template's format; "none"; "hermes"; "llama3_json")
+    # and <think> reasoning ("auto": when the template has it; "none"; "think") parsed out of replies
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
 
 def result_json(result: WeightResult) -> JSONResponse:
@@ -197,6 +202,7 @@ class EngineService:
         # closed while vLLM's /pause?mode=wait lets the requests in flight finish: new ones wait here
         self.admission = asyncio.Event()
         self.admission.set()
+        self.chat_sessions = ChatSessions(engine)  # /v1/chat/completions turns named by a session id
         self.weights_snapshot: Optional[str] = None  # /weights_checker's snapshot (a checksum)
         self.areal_meta = None  # AReaL's /areal_set_update_weight_meta, read by /areal_update_weights_xccl
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls

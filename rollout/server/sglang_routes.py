@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
@@ -101,7 +101,8 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
         kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
                       return_logprob=return_logprob, top_logprobs_num=body.one("top_logprobs_num", 0),
                       logprob_start_len=body.one("logprob_start_len", -1), rid=body.rid,
-                      return_sampling_mask=body.return_sampling_mask, cache_salt=body.one("extra_key", None))
+                      return_sampling_mask=body.return_sampling_mask, cache_salt=body.one("extra_key", None),
+                      session_id=body.session_params.id if body.session_params else None)
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from None
     text_of = svc.token_text if body.return_text_in_logprobs else _no_text
@@ -116,6 +117,25 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
     single = isinstance(body.text, str) or (body.input_ids is not None and body.input_ids
                                             and isinstance(body.input_ids[0], int))
     return items[0] if single and len(items) == 1 else items
+
+
+@router.post("/open_session", dependencies=[Depends(user)])
+async def open_session(body: P.OpenSessionRequest, svc: EngineService = Depends(service_of)):
+    """SGLang's: the new session's id (a JSON string). Turns: ``/generate`` with ``session_params:
+    {"id": ...}`` and the tokens (or text) they append."""
+    return await svc.call(svc.engine.open_session, body.session_id, body.timeout_s)
+
+
+@router.post("/close_session", dependencies=[Depends(user)])
+async def close_session(body: P.CloseSessionRequest, svc: EngineService = Depends(service_of)):
+    await svc.call(svc.engine.close_session, body.session_id)
+    return Response(status_code=200)
+
+
+@router.get("/session_info", dependencies=[Depends(user)])
+async def session_info(session_id: str, svc: EngineService = Depends(service_of)):
+    """The session's history as token ids (what a trainer trains on), its turns and cached tokens."""
+    return await svc.call(svc.engine.session_info, session_id)
 
 
 @router.get("/health_generate", dependencies=[Depends(user)])

@@ -18,6 +18,7 @@ folder like ``/update_weights_from_disk`` (same allowed directories).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any, Literal, Optional
 
@@ -203,8 +204,6 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
 
 
 def _message(response: JSONResponse) -> str:
-    import json
-
     return json.loads(response.body).get("message", "failed")
 
 

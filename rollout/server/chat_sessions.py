@@ -1,0 +1,99 @@
+"""Chat sessions on ``/v1/chat/completions``: an agent that names its conversation (SkyRL's
+``X-Session-ID`` header, or ``session_id`` in the body) gets token-exact turns. The server keeps the
+conversation's tokens in an engine session; each request still sends the whole message list, as
+OpenAI clients do, and the server takes from it only what is new since the previous turn (after the
+assistant reply the client echoes back), appends it rendered by ``rollout.engine.chat.ChatRenderer``
+(never re-rendering or re-tokenizing earlier turns) and generates on the session's cached KV.
+
+A request whose earlier messages differ from the session's (an edited history) starts the session
+over from its messages (``session_restarted`` in the answer). ``/finish_session`` (SkyRL) closes one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollout.engine.chat import ChatRenderer, RenderError
+from rollout.outputs import RolloutOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatSession:
+    key: str
+    engine_session: str
+    renderer: ChatRenderer
+    messages: list[dict] = field(default_factory=list)  # what the last turn was prompted with
+    history_ids: list[int] = field(default_factory=list)  # the last turn's prompt tokens
+    completion_ids: list[int] = field(default_factory=list)  # the last turn's sampled tokens
+
+
+@dataclass
+class TurnInput:
+    token_ids: list[int]  # what this turn appends to the engine session
+    restarted: bool
+    mode: str  # "first", "template", "per-message"
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
+
+
+class ChatSessions:
+    """The server's chat sessions by key; one turn at a time each (the engine refuses a second)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.sessions: dict[str, ChatSession] = {}
+        self._lock = threading.Lock()
+
+    def turn_input(self, key: str, messages: list[dict], template_kwargs: dict, tools: Optional[list]) -> tuple[
+            ChatSession, TurnInput]:
+        """The tokens this request appends to session ``key`` (opened on its first request)."""
+        with self._lock:
+            return self._turn_input(key, messages, template_kwargs, tools)
+
+    def _turn_input(self, key: str, messages: list[dict], template_kwargs: dict, tools: Optional[list]) -> tuple[
+            ChatSession, TurnInput]:
+        s = self.sessions.get(key)
+        existed = s is not None
+        if s is not None:
+            n = len(s.messages)
+            prefix_ok = (len(messages) > n + 1 and all(_same(a, b) for a, b in zip(messages[:n], s.messages))
+                         and messages[n].get("role") == "assistant")
+            if prefix_ok and s.completion_ids:
+                try:
+                    appended = s.renderer.append(s.history_ids, s.messages, s.completion_ids, messages[n + 1:])
+                    return s, TurnInput(appended.token_ids, False, appended.mode)
+                except RenderError as exc:
+                    logger.warning("chat session %s starts over: %s", key, exc)
+            self._close(key)
+        renderer = ChatRenderer(self.engine.tokenizer, template_kwargs, tools, list(self.engine.eos_token_ids))
+        s = ChatSession(key, self.engine.open_session(), renderer)
+        self.sessions[key] = s
+        return s, TurnInput(renderer.prompt(messages), existed, "first")
+
+    def record(self, s: ChatSession, messages: list[dict], out: RolloutOutput) -> None:
+        """After a turn: what the next request's messages continue from."""
+        if out.finish_reason not in ("stop", "length"):
+            return  # an aborted turn left the session as it was
+        s.messages, s.history_ids, s.completion_ids = list(messages), list(out.prompt_token_ids), list(
+            out.output_token_ids)
+
+    def close(self, key: str) -> bool:
+        with self._lock:
+            return self._close(key)
+
+    def _close(self, key: str) -> bool:
+        s = self.sessions.pop(key, None)
+        if s is None:
+            return False
+        try:
+            self.engine.close_session(s.engine_session)
+        except ValueError:
+            pass  # timed out in the engine already
+        return True
