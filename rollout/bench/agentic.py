@@ -2,7 +2,11 @@
 tool result of fixed length and samples a reply), run in one engine two ways — as sessions (the
 history's KV kept between turns, ``RolloutEngine.open_session``) and by resending the whole history
 as a new request every turn with the prefix cache on — reporting tokens/s, the prompt tokens each
-way computed, and whether both gave the same tokens (they must: draws depend on seed and position).
+way computed, and whether both gave the same tokens. Draws depend only on seed and position, so they
+do bitwise in the batch-invariant mode (``--engine-arg deterministic=true``); otherwise a token's KV
+computed in a decode step and recomputed in a prefill chunk can differ in the last bits (GEMM kernels
+are chosen by row count), which now and then flips a sampled token and the episode goes another way
+(measured on SmolLM2: fp32 and bf16 differ, the batch-invariant mode does not).
 All episodes' turn k run concurrently.
 """
 
