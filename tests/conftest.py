@@ -42,6 +42,24 @@ def compat_model_b(model_dir):
 
 
 @pytest.fixture(scope="session")
+def compat_tok(compat_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(compat_model)
+
+
+@pytest.fixture(scope="module")
+def compat_srv(compat_model, module_servers, request):
+    """A server of ``compat_model`` behind the test module's ``KEY``, and an HTTP client holding the key."""
+    import httpx
+
+    key = request.module.KEY
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", key)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="session")
 def llama_path(model_dir):
     return model_dir("llama-default", "llama")
 

@@ -13,26 +13,11 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 from helpers import random_prompts
 
 KEY = "compat-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def srv(compat_model, module_servers):
-    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def tok(compat_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(compat_model)
 
 
 def _post(http, path, body=None, **kw):
@@ -56,7 +41,7 @@ PROMPTS = random_prompts(300, [7, 12], seed=3)
 # ---------------------------------------------------------------------------------------------- slime
 
 
-def test_slime_generate_body_and_what_it_reads(srv):
+def test_slime_generate_body_and_what_it_reads(compat_srv):
     """slime's /generate (``sglang_rollout.generate``): explicit nulls, no_stop_trim, spaces_between_special_tokens,
     custom_params (top-p replay) and sampling_seed; it reads text, output_token_logprobs (item[0], item[1]),
     finish_reason.type, weight_version, cached_tokens and prompt_tokens."""
@@ -66,7 +51,7 @@ def test_slime_generate_body_and_what_it_reads(srv):
                                 "spaces_between_special_tokens": False,
                                 "custom_params": {"return_top_p_token_ids": True}, "sampling_seed": 1234},
             "return_logprob": True}
-    out = _post(srv, "/generate", body).json()
+    out = _post(compat_srv, "/generate", body).json()
     meta = out["meta_info"]
     assert isinstance(out["text"], str)
     _triples(meta["output_token_logprobs"], out["output_ids"])
@@ -77,53 +62,53 @@ def test_slime_generate_body_and_what_it_reads(srv):
     assert meta["prompt_tokens"] == len(PROMPTS[0]) and meta["completion_tokens"] == len(out["output_ids"])
     # sampling_seed is SGLang's name for the seed: the same draw as our own name gives
     ours = {"temperature": 1.0, "max_new_tokens": 16, "seed": 1234, "skip_special_tokens": False}
-    assert _post(srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": ours}).json()["output_ids"] == \
+    assert _post(compat_srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": ours}).json()["output_ids"] == \
         out["output_ids"]
 
 
-def test_slime_streaming_is_cumulative(srv):
+def test_slime_streaming_is_cumulative(compat_srv):
     """slime's streaming rollout parses each chunk's text and output_token_logprobs as cumulative."""
     body = {"input_ids": PROMPTS[1], "stream": True, "return_logprob": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "stop": None, "no_stop_trim": True}}
-    with srv.stream("POST", "/generate", json=body) as r:
+    with compat_srv.stream("POST", "/generate", json=body) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
-    whole = _post(srv, "/generate", {**body, "stream": False}).json()
+    whole = _post(compat_srv, "/generate", {**body, "stream": False}).json()
     assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
     lengths = [len(c["meta_info"]["output_token_logprobs"]) for c in chunks]
     assert lengths == sorted(lengths) and lengths[-1] == 8  # each chunk holds everything so far
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_slime_teacher_logprobs_by_prefill(srv):
+def test_slime_teacher_logprobs_by_prefill(compat_srv):
     """slime's on-policy distillation: max_new_tokens 0, logprob_start_len 0; it reads
     input_token_logprobs[1:], item[0] of each (the first entry's logprob is null and dropped)."""
     seq = PROMPTS[0] + PROMPTS[1]
     body = {"input_ids": seq, "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
             "return_logprob": True, "logprob_start_len": 0}
-    meta = _post(srv, "/generate", body).json()["meta_info"]
+    meta = _post(compat_srv, "/generate", body).json()["meta_info"]
     entries = meta["input_token_logprobs"]
     assert len(entries) == len(seq) and entries[0][0] is None and [e[1] for e in entries] == seq
     _triples(entries[1:])
 
 
-def test_slime_abort_drain_through_v1_loads(srv):
+def test_slime_abort_drain_through_v1_loads(compat_srv):
     """slime's end-of-step abort: POST /abort_request {"abort_all": true} (an empty body back), then
     GET /v1/loads?include=core until the request count is 0; the aborted request comes back with
     finish_reason.type "abort" and its partial output_token_logprobs."""
     box = {}
     body = {"input_ids": PROMPTS[0], "return_logprob": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 3000, "ignore_eos": True}}
-    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json=body)))
+    t = threading.Thread(target=lambda: box.setdefault("r", compat_srv.post("/generate", json=body)))
     t.start()
     deadline = time.monotonic() + 30
-    while srv.get("/v1/loads", params={"include": "core"}).json()["loads"][0]["num_total_reqs"] == 0:
+    while compat_srv.get("/v1/loads", params={"include": "core"}).json()["loads"][0]["num_total_reqs"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(0.2)
-    r = srv.post("/abort_request", json={"abort_all": True})
+    r = compat_srv.post("/abort_request", json={"abort_all": True})
     assert r.status_code == 200 and r.content == b""
     while True:
-        loads = srv.get("/v1/loads", params={"include": "core"}).json()["loads"]
+        loads = compat_srv.get("/v1/loads", params={"include": "core"}).json()["loads"]
         if sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads) == 0:
             break
         assert time.monotonic() < deadline
@@ -136,36 +121,36 @@ def test_slime_abort_drain_through_v1_loads(srv):
     _triples(meta["output_token_logprobs"], out["output_ids"])
 
 
-def test_slime_update_bracket_controls(srv):
+def test_slime_update_bracket_controls(compat_srv):
     """slime's bracket around an update: pause {} (SGLang's default mode: abort), GET /flush_cache polled
     until 200 (400 while requests run, plain text), continue {}; every control answer is JSON."""
     box = {}
     body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
-    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json=body)))
+    t = threading.Thread(target=lambda: box.setdefault("r", compat_srv.post("/generate", json=body)))
     t.start()
-    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+    while compat_srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
         time.sleep(0.02)
-    busy = srv.get("/flush_cache")
+    busy = compat_srv.get("/flush_cache")
     assert busy.status_code == 400 and "not flushed" in busy.text
-    r = _post(srv, "/pause_generation", {})
+    r = _post(compat_srv, "/pause_generation", {})
     assert isinstance(r.json(), dict)
     t.join(30)
     assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"  # paused in abort mode
     for _ in range(60):
-        r = srv.get("/flush_cache")
+        r = compat_srv.get("/flush_cache")
         if r.status_code == 200:
             break
         time.sleep(0.1)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert isinstance(_post(srv, "/continue_generation", {}).json(), dict)
-    assert _post(srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert isinstance(_post(compat_srv, "/continue_generation", {}).json(), dict)
+    assert _post(compat_srv, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}).json()
 
 
-def test_slime_external_engine_server_info(srv):
+def test_slime_external_engine_server_info(compat_srv):
     """slime's external-engine mode: GET /server_info (falling back to /get_server_info) and reads the
     parallel layout and the fields it compares with its launch arguments."""
     for path in ("/server_info", "/get_server_info"):
-        info = srv.get(path).json()
+        info = compat_srv.get(path).json()
         assert info["tp_size"] == info["tensor_parallel_size"] == 1
         assert info["pp_size"] == 1 and info["ep_size"] == 1 and info["moe_dp_size"] == 1
         assert info["enable_memory_saver"] is False and info["disaggregation_mode"] == "null"
@@ -173,21 +158,21 @@ def test_slime_external_engine_server_info(srv):
         assert isinstance(info["num_gpus"], int)
 
 
-def test_colocated_pickled_tensors_are_refused_with_what_to_send(srv):
+def test_colocated_pickled_tensors_are_refused_with_what_to_send(compat_srv):
     """slime, miles and veRL send base64 pickles (MultiprocessingSerializer) to /update_weights_from_tensor:
     never unpickled here, refused with a 400 that says what to send instead."""
     blob = base64.b64encode(b"\x80\x04not really a pickle").decode()
     for body in ({"serialized_named_tensors": [blob], "load_format": "flattened_bucket", "flush_cache": False,
                   "weight_version": "3"},
                  {"serialized_named_tensors": [blob], "load_format": None, "flush_cache": True}):
-        r = srv.post("/update_weights_from_tensor", json=body)
+        r = compat_srv.post("/update_weights_from_tensor", json=body)
         assert r.status_code == 400 and "never unpickles" in r.text and "SharedMemoryBucket" in r.text
 
 
 # ---------------------------------------------------------------------------------------------- miles
 
 
-def test_miles_generate_and_prefill_recompute(srv):
+def test_miles_generate_and_prefill_recompute(compat_srv):
     """miles always sends return_routed_experts: false and return_indexer_topk: false (an sglang-miles
     field); its logprob recompute is a batched prefill (input_ids a list of lists, logprob_start_len
     prompt_len - 1) that checks item[1] against the response tokens and that no item[0] is null."""
@@ -196,13 +181,13 @@ def test_miles_generate_and_prefill_recompute(srv):
                                                          "stop_token_ids": None, "skip_special_tokens": False,
                                                          "top_p": 1.0, "top_k": -1},
             "return_logprob": True, "return_routed_experts": False, "return_indexer_topk": False}
-    out = _post(srv, "/generate", body).json()
+    out = _post(compat_srv, "/generate", body).json()
     response = out["output_ids"]
     seqs = [PROMPTS[0] + response, PROMPTS[0] + response]
     recompute = {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0, "temperature": 0,
                                                         "skip_special_tokens": False},
                  "return_logprob": True, "logprob_start_len": len(PROMPTS[0]) - 1}
-    items = _post(srv, "/generate", recompute).json()
+    items = _post(compat_srv, "/generate", recompute).json()
     assert isinstance(items, list) and len(items) == 2
     for item in items:
         tail = item["meta_info"]["input_token_logprobs"][-len(response):]
@@ -212,67 +197,68 @@ def test_miles_generate_and_prefill_recompute(srv):
         assert got == pytest.approx(want, abs=2e-4)  # the recompute scores what generation drew
 
 
-def test_miles_version_and_prefix_abort(srv):
+def test_miles_version_and_prefix_abort(compat_srv):
     """miles: /update_weight_version {"new_version", "abort_all_requests": false}; /model_info then
     /get_weight_version; the multi-LoRA abort {"rid": prefix, "prefix": true} aborts by id prefix."""
-    r = _post(srv, "/update_weight_version", {"new_version": "7", "abort_all_requests": False}).json()
+    r = _post(compat_srv, "/update_weight_version", {"new_version": "7", "abort_all_requests": False}).json()
     assert r["success"] is True and r["new_version"] == "7"
-    assert srv.get("/model_info").json()["weight_version"] == "7"
-    assert srv.get("/get_weight_version").json() == {"weight_version": "7"}
+    assert compat_srv.get("/model_info").json()["weight_version"] == "7"
+    assert compat_srv.get("/get_weight_version").json() == {"weight_version": "7"}
     box = {}
     long = {"sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
-    runs = [threading.Thread(target=lambda rid=rid: box.setdefault(rid, srv.post(
+    runs = [threading.Thread(target=lambda rid=rid: box.setdefault(rid, compat_srv.post(
         "/generate", json={"input_ids": PROMPTS[0], "rid": rid, **long}))) for rid in ("lora-a-1", "lora-a-2", "keep-1")]
     for t in runs:
         t.start()
-    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 3:
+    while compat_srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] < 3:
         time.sleep(0.02)
-    assert srv.post("/abort_request", json={"rid": "lora-a-", "prefix": True}).status_code == 200
+    assert compat_srv.post("/abort_request", json={"rid": "lora-a-", "prefix": True}).status_code == 200
     for t in runs[:2]:
         t.join(30)
     assert box["lora-a-1"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert box["lora-a-2"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert runs[2].is_alive()  # another prefix runs on
-    assert srv.post("/abort_request", json={"rid": "", "abort_all": False}).status_code == 200  # veRL: a no-op
+    assert compat_srv.post("/abort_request", json={"rid": "", "abort_all": False}).status_code == 200  # veRL: a no-op
     assert runs[2].is_alive()
-    srv.post("/abort_request", json={"rid": "keep-1"})
+    compat_srv.post("/abort_request", json={"rid": "keep-1"})
     runs[2].join(30)
-    _post(srv, "/update_weight_version", {"new_version": "default"})
+    _post(compat_srv, "/update_weight_version", {"new_version": "default"})
 
 
 # ---------------------------------------------------------------------------------------------- AReaL
 
 
-def test_areal_generate_body(srv, tok):
+def test_areal_generate_body(compat_srv, compat_tok):
     """AReaL's /generate: image_data [] (its default), top_k 1e8, stop_token_ids (eos + pad),
     frequency_penalty 0.0, stream false; it reads finish_reason.type and .message, output_token_logprobs,
     prompt_tokens and completion_tokens (text is not read)."""
     body = {"input_ids": PROMPTS[1], "image_data": [],
             "sampling_params": {"top_p": 1.0, "top_k": 100000000, "max_new_tokens": 10, "temperature": 0.0,
-                                "stop_token_ids": [tok.eos_token_id, tok.pad_token_id or tok.eos_token_id],
+                                "stop_token_ids": [compat_tok.eos_token_id,
+                                                   compat_tok.pad_token_id or compat_tok.eos_token_id],
                                 "ignore_eos": False, "skip_special_tokens": True, "frequency_penalty": 0.0},
             "return_logprob": True, "stream": False}
-    out = _post(srv, "/generate", body).json()
+    out = _post(compat_srv, "/generate", body).json()
     meta = out["meta_info"]
     assert meta["finish_reason"]["type"] in ("stop", "length") and isinstance(meta["finish_reason"].get("message", ""), str)
     _triples(meta["output_token_logprobs"], out["output_ids"])
     assert meta["prompt_tokens"] == len(PROMPTS[1]) and meta["completion_tokens"] == len(out["output_ids"])
     greedy = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
-    assert _post(srv, "/generate", greedy).json()["output_ids"][:len(out["output_ids"])] == out["output_ids"]
+    assert _post(compat_srv, "/generate", greedy).json()["output_ids"][:len(out["output_ids"])] == out["output_ids"]
 
 
-def test_areal_abort_before_prefill_says_so(srv):
+def test_areal_abort_before_prefill_says_so(compat_srv):
     """AReaL reads a finish_reason.message starting "Abort before prefill" as "no token was generated"."""
-    _post(srv, "/pause_generation", {"mode": "in_place"})
+    _post(compat_srv, "/pause_generation", {"mode": "in_place"})
     box = {}
-    t = threading.Thread(target=lambda: box.setdefault("r", srv.post("/generate", json={
+    t = threading.Thread(target=lambda: box.setdefault("r", compat_srv.post("/generate", json={
         "input_ids": PROMPTS[0], "image_data": [], "sampling_params": {"max_new_tokens": 5}, "return_logprob": True})))
     t.start()
-    while srv.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 0:
+    while compat_srv.get("/v1/loads").json()["loads"][0]["num_waiting_reqs"] == 0:
         time.sleep(0.02)
-    srv.post("/abort_request", json={"abort_all": True})
+    compat_srv.post("/abort_request", json={"abort_all": True})
     t.join(30)
-    _post(srv, "/continue_generation", {})
+    _post(compat_srv, "/continue_generation", {})
     meta = box["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"].startswith("Abort before prefill")
     assert meta["output_token_logprobs"] == []
@@ -281,34 +267,34 @@ def test_areal_abort_before_prefill_says_so(srv):
 # ---------------------------------------------------------------------------------------------- SkyRL, veRL, router
 
 
-def test_legacy_skyrl_batched_generate_is_a_list(srv):
+def test_legacy_skyrl_batched_generate_is_a_list(compat_srv):
     """Legacy SkyRL: batched /generate without return_logprob; reads output_ids and finish_reason.type
     from a JSON list."""
     body = {"input_ids": PROMPTS, "sampling_params": {"skip_special_tokens": True, "no_stop_trim": True,
                                                       "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0,
                                                       "top_k": -1, "min_p": 0.0}}
-    items = _post(srv, "/generate", body).json()
+    items = _post(compat_srv, "/generate", body).json()
     assert isinstance(items, list) and len(items) == 2
     assert all(isinstance(i["output_ids"], list) and i["meta_info"]["finish_reason"]["type"] for i in items)
 
 
-def test_legacy_skyrl_one_tensor_update_is_refused_saying_what_to_send(srv):
+def test_legacy_skyrl_one_tensor_update_is_refused_saying_what_to_send(compat_srv):
     """Legacy SkyRL's /update_weights_from_distributed {"name", "dtype", "shape"} (a schema SGLang removed): a
     400 that names the list form, not a missing-field error."""
-    r = srv.post("/update_weights_from_distributed", json={"name": "lm_head.weight", "dtype": "bfloat16",
+    r = compat_srv.post("/update_weights_from_distributed", json={"name": "lm_head.weight", "dtype": "bfloat16",
                                                            "shape": [320, 64]})
     assert r.status_code == 400 and "names, dtypes and shapes" in r.text
 
 
-def test_per_prompt_sampling_params_in_one_batch(srv):
+def test_per_prompt_sampling_params_in_one_batch(compat_srv):
     """SGLang takes a list of sampling_params, one per prompt, in a batched /generate."""
     body = {"input_ids": PROMPTS, "sampling_params": [{"max_new_tokens": 2, "temperature": 0},
                                                       {"max_new_tokens": 5, "temperature": 0}]}
-    items = _post(srv, "/generate", body).json()
+    items = _post(compat_srv, "/generate", body).json()
     assert [len(i["output_ids"]) for i in items] == [2, 5]
 
 
-def test_what_the_router_adds_is_accepted(srv, tok):
+def test_what_the_router_adds_is_accepted(compat_srv, compat_tok):
     """sglang-router forwards /generate with model null, return_text_in_logprobs, return_hidden_states,
     return_entropy, return_bytes, log_metrics, no_logs and background; return_text_in_logprobs fills
     each entry's text as SGLang does (the token decoded alone)."""
@@ -316,11 +302,11 @@ def test_what_the_router_adds_is_accepted(srv, tok):
             "top_logprobs_num": 2, "model": None, "return_text_in_logprobs": True, "return_hidden_states": False,
             "return_entropy": False, "return_bytes": False, "log_metrics": True, "no_logs": False, "background": False,
             "stream": False, "rid": None, "lora_path": None, "data_parallel_rank": None}
-    out = _post(srv, "/generate", body).json()
+    out = _post(compat_srv, "/generate", body).json()
     for _lp, token, text in out["meta_info"]["output_token_logprobs"]:
-        assert text == tok.decode([token])
+        assert text == compat_tok.decode([token])
     for top in out["meta_info"]["output_top_logprobs"]:
-        assert len(top) == 2 and all(text == tok.decode([t]) for _, t, text in top)
+        assert len(top) == 2 and all(text == compat_tok.decode([t]) for _, t, text in top)
 
 
 @pytest.mark.parametrize("field, value, says", [
@@ -331,8 +317,8 @@ def test_what_the_router_adds_is_accepted(srv, tok):
     ("custom_logit_processor", "x", "custom logit processors"),
     ("session_params", {"id": "s", "rid": "turn-1"}, "linear"),
 ])
-def test_features_we_do_not_have_are_refused_naming_them(srv, field, value, says):
-    r = srv.post("/generate", json={"input_ids": PROMPTS[0], field: value})
+def test_features_we_do_not_have_are_refused_naming_them(compat_srv, field, value, says):
+    r = compat_srv.post("/generate", json={"input_ids": PROMPTS[0], field: value})
     assert r.status_code == 400 and field in r.text and says in r.text
 
 
@@ -342,8 +328,8 @@ def test_features_we_do_not_have_are_refused_naming_them(srv, field, value, says
     ({"stop_regex": "x"}, "stop regexes"),
     ({"made_up": 1}, "unknown sampling parameter"),
 ])
-def test_sampling_fields_we_do_not_have_are_refused(srv, sampling, says):
-    r = srv.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": sampling})
+def test_sampling_fields_we_do_not_have_are_refused(compat_srv, sampling, says):
+    r = compat_srv.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": sampling})
     assert r.status_code == 400 and says in r.text
 
 
@@ -435,67 +421,67 @@ def _greedy(http):
     return [i["output_ids"] for i in _post(http, "/generate", body).json()]
 
 
-def test_slime_and_areal_push_into_a_group_formed_their_way(srv, compat_model, compat_model_b):
+def test_slime_and_areal_push_into_a_group_formed_their_way(compat_srv, compat_model, compat_model_b):
     """slime's update: pause {}, GET /flush_cache until 200, three bucket calls each carrying a part of
     the model (flush_cache false, weight_version "3") with one broadcast per tensor, continue {}: the
     calls are staged while paused and published together at continue — model B's greedy tokens under
     version "3". AReaL's (abort_all_requests, no version) then lands under the server's next version."""
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     out = _push(url, compat_model_b, "slime-pp_0", pause=True,
                 body={"flush_cache": False, "weight_version": "3"})
     assert out["init_status"] == 200 and out["pause"] == 200
     assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
     assert out["continue"][0] == 200 and out["continue"][1]["weight_version"] == "3"
-    pushed = _greedy(srv)
-    assert pushed != before and srv.get("/get_weight_version").json()["weight_version"] == "3"
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model_b, "weight_version": "b-from-disk"})
-    assert _greedy(srv) == pushed  # the push delivered model B exactly
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
-    assert _greedy(srv) == before
+    pushed = _greedy(compat_srv)
+    assert pushed != before and compat_srv.get("/get_weight_version").json()["weight_version"] == "3"
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model_b, "weight_version": "b-from-disk"})
+    assert _greedy(compat_srv) == pushed  # the push delivered model B exactly
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    assert _greedy(compat_srv) == before
     out = _push(url, compat_model_b, "update_weight_group", pause=True, body={"abort_all_requests": True})
     assert all(status == 200 for status, _ in out["buckets"]) and out["continue"][0] == 200
-    assert _greedy(srv) == pushed
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    assert _greedy(compat_srv) == pushed
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
 
 
-def test_slime_and_miles_weights_checker(srv, compat_model, compat_model_b):
+def test_slime_and_miles_weights_checker(compat_srv, compat_model, compat_model_b):
     """/weights_checker (check mode): snapshot, compare equal; after a push of other weights compare answers 400
     with success false; back on the snapshot's weights it matches again. reset_tensors is refused, saying why."""
-    assert _post(srv, "/weights_checker", {"action": "snapshot"}).json()["success"] is True
-    r = _post(srv, "/weights_checker", {"action": "compare", "allow_quant_error": False, "selector": "all",
+    assert _post(compat_srv, "/weights_checker", {"action": "snapshot"}).json()["success"] is True
+    r = _post(compat_srv, "/weights_checker", {"action": "compare", "allow_quant_error": False, "selector": "all",
                                         "skip_tensor_list": []}).json()
     assert r["success"] is True
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model_b})
-    r = srv.post("/weights_checker", json={"action": "compare"})
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model_b})
+    r = compat_srv.post("/weights_checker", json={"action": "compare"})
     assert r.status_code == 400 and r.json()["success"] is False
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
-    assert _post(srv, "/weights_checker", {"action": "compare"}).json()["success"] is True
-    r = srv.post("/weights_checker", json={"action": "reset_tensors"})
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    assert _post(compat_srv, "/weights_checker", {"action": "compare"}).json()["success"] is True
+    r = compat_srv.post("/weights_checker", json={"action": "reset_tensors"})
     assert r.status_code == 400 and "snapshot" in r.text
 
 
-def test_miles_bracket_stages_until_end_weight_update(srv, compat_model, compat_model_b):
+def test_miles_bracket_stages_until_end_weight_update(compat_srv, compat_model, compat_model_b):
     """miles: pause {"mode": "retract"}, GET /flush_cache, /begin_weight_update {"selector": "all"}, bucket
     calls with "selector" (plain: no transaction flag), /update_weight_version {"new_version"}, /end_weight_update,
     continue: the buckets stage inside the bracket and land together at its end."""
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     out = _push(url, compat_model_b, "miles-g", pause=True, pause_body={"mode": "retract"}, miles=True,
                 body={"flush_cache": False, "weight_version": "4", "selector": "all"})
     assert out["begin"]["success"] and out["end"]["success"], out
     assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
     assert out["version"]["new_version"] == "4" and out["continue"][0] == 200
-    assert _greedy(srv) != before and srv.get("/get_weight_version").json()["weight_version"] == "4"
-    _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    assert _greedy(compat_srv) != before and compat_srv.get("/get_weight_version").json()["weight_version"] == "4"
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
 
 
-def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, compat_model, compat_model_b):
+def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(compat_srv, compat_model, compat_model_b):
     """A sender that announces float32 but broadcasts one tensor in bfloat16 (half the bytes) or in
     float64 (twice): the update fails naming the tensor and what differed, the rest of the push is still
     drained (the sender completes), and the old weights keep serving."""
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     name = "model.layers.0.mlp.up_proj.weight"
     for wrong, says in ((torch_dtype("bfloat16"), "fewer bytes"), (torch_dtype("float64"), "more bytes")):
         out = _push(url, compat_model_b, f"bad-{says[:4]}", pause=False, wrong_name=name, wrong_dtype=wrong,
@@ -503,8 +489,8 @@ def test_a_broadcast_of_another_dtype_than_announced_fails_and_says_which(srv, c
         failed = [r for status, r in out["buckets"] if status != 200]
         assert len(failed) == 1 and not failed[0]["success"], out["buckets"]
         assert name in failed[0]["message"] and says in failed[0]["message"]
-        _post(srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
-        assert _greedy(srv) == before
+        _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+        assert _greedy(compat_srv) == before
 
 
 def torch_dtype(name: str):

@@ -19,20 +19,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = random_prompts(300, [9, 14, 11, 7], seed=11)
 
 
-@pytest.fixture(scope="module")
-def srv(compat_model, module_servers):
-    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "8192", "--api-key", KEY)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
-def tok(compat_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(compat_model)
-
-
 def _ok(r: httpx.Response) -> httpx.Response:
     assert r.status_code == 200, (r.request.url, r.status_code, r.text)
     return r
@@ -55,38 +41,38 @@ def _restore(http, compat_model):
 # ---------------------------------------------------------------------------------------------- generation
 
 
-def test_skyrl_inference_generate_reads_token_ids_finish_reason_and_logprobs(srv):
+def test_skyrl_inference_generate_reads_token_ids_finish_reason_and_logprobs(compat_srv):
     """SkyRL's /inference/v1/generate (vLLM keys, cache_salt, X-Session-ID): choices[0].token_ids,
     finish_reason (a string) and logprobs.content[i].logprob — the same tokens and logprobs as /generate."""
     body = {"sampling_params": {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
                                 "max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                                 "logprobs": 0, "stop": None},
             "model": "m", "token_ids": PROMPTS[0], "cache_salt": "3"}
-    out = _ok(srv.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "episode-1"})).json()
+    out = _ok(compat_srv.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "episode-1"})).json()
     choice = out["choices"][0]
     assert isinstance(out["request_id"], str) and out["prompt_logprobs"] is None
     assert choice["finish_reason"] in ("stop", "length") and len(choice["token_ids"]) == 12
     content = choice["logprobs"]["content"]
     assert len(content) == 12 and all(isinstance(c["logprob"], float) and c["top_logprobs"] == [] for c in content)
-    ref = _ok(srv.post("/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
+    ref = _ok(compat_srv.post("/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
                                           "sampling_params": {"max_new_tokens": 12, "temperature": 0}})).json()
     assert choice["token_ids"] == ref["output_ids"]
     assert [c["logprob"] for c in content] == pytest.approx([e[0] for e in ref["meta_info"]["output_token_logprobs"]],
                                                             abs=1e-5)
-    two = _tokens(srv, PROMPTS[0], n=2, temperature=1.0, seed=7, logprobs=2)
+    two = _tokens(compat_srv, PROMPTS[0], n=2, temperature=1.0, seed=7, logprobs=2)
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert all(len(c["top_logprobs"]) == 2 for c in two["choices"][0]["logprobs"]["content"])
 
 
-def test_prime_rl_prefill_scoring_reads_prompt_logprobs(srv):
+def test_prime_rl_prefill_scoring_reads_prompt_logprobs(compat_srv):
     """prime-rl scores by prefill: max_tokens 1, prompt_logprobs 1 -> prompt_logprobs[i] is null for the
     first token, else {token_id: {"logprob": ...}} holding the prompt's own token (the same logprob as
     SGLang's input_token_logprobs)."""
     ids = PROMPTS[1]
-    out = _tokens(srv, ids, max_tokens=1, temperature=1.0, top_p=1.0, prompt_logprobs=1)
+    out = _tokens(compat_srv, ids, max_tokens=1, temperature=1.0, top_p=1.0, prompt_logprobs=1)
     plp = out["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
-    ref = _ok(srv.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+    ref = _ok(compat_srv.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
                                           "sampling_params": {"max_new_tokens": 1}})).json()
     want = [e[0] for e in ref["meta_info"]["input_token_logprobs"][1:]]
     got = [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
@@ -94,122 +80,122 @@ def test_prime_rl_prefill_scoring_reads_prompt_logprobs(srv):
     assert all(1 <= len(entry) <= 2 for entry in plp[1:])  # the prompt token and the top-1
 
 
-def test_tokenize_detokenize_and_models(srv, tok):
+def test_tokenize_detokenize_and_models(compat_srv, compat_tok):
     """/tokenize (a prompt, or chat messages), /detokenize; /v1/models' id and max_model_len (TRL async)."""
-    out = _ok(srv.post("/tokenize", json={"model": "m", "prompt": "hello world", "add_special_tokens": False})).json()
-    assert out["tokens"] == tok.encode("hello world", add_special_tokens=False) and out["count"] == len(out["tokens"])
+    out = _ok(compat_srv.post("/tokenize", json={"model": "m", "prompt": "hello world", "add_special_tokens": False})).json()
+    assert out["tokens"] == compat_tok.encode("hello world", add_special_tokens=False) and out["count"] == len(out["tokens"])
     assert isinstance(out["max_model_len"], int) and out["max_model_len"] > 0
-    assert _ok(srv.post("/detokenize", json={"tokens": out["tokens"]})).json()["prompt"] == "hello world"
-    listed = _ok(srv.get("/v1/models")).json()["data"][0]
+    assert _ok(compat_srv.post("/detokenize", json={"tokens": out["tokens"]})).json()["prompt"] == "hello world"
+    listed = _ok(compat_srv.get("/v1/models")).json()["data"][0]
     assert isinstance(listed["id"], str) and listed["max_model_len"] == out["max_model_len"]
-    assert srv.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
+    assert compat_srv.post("/detokenize", json={"tokens": [10 ** 9]}).status_code == 400
 
 
-def test_areal_vllm_completions_return_tokens_as_token_ids(srv):
+def test_areal_vllm_completions_return_tokens_as_token_ids(compat_srv):
     """AReaL's vLLM backend: /v1/completions with token ids and return_tokens_as_token_ids reads
     choices[0].logprobs.tokens as "token_id:N" strings and token_logprobs."""
     body = {"prompt": PROMPTS[2], "top_p": 1.0, "top_k": 100000000, "max_tokens": 6, "temperature": 0.0,
             "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
             "return_tokens_as_token_ids": True, "logprobs": 0, "use_beam_search": False, "stream": False}
-    choice = _ok(srv.post("/v1/completions", json=body)).json()["choices"][0]
+    choice = _ok(compat_srv.post("/v1/completions", json=body)).json()["choices"][0]
     ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
-    ref = _ok(srv.post("/generate", json={"input_ids": PROMPTS[2],
+    ref = _ok(compat_srv.post("/generate", json={"input_ids": PROMPTS[2],
                                           "sampling_params": {"max_new_tokens": 6, "temperature": 0}})).json()
     assert ids == ref["output_ids"] and len(choice["logprobs"]["token_logprobs"]) == 6
 
 
-def test_cache_salt_partitions_the_prefix_cache(srv):
+def test_cache_salt_partitions_the_prefix_cache(compat_srv):
     """Requests share cached KV only within one salt (vLLM's cache_salt, SGLang's extra_key)."""
     prompt = random_prompts(300, [64], seed=99)[0]
 
     def cached(**salt):
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, **salt}
-        return _ok(srv.post("/generate", json=body)).json()["meta_info"]["cached_tokens"]
+        return _ok(compat_srv.post("/generate", json=body)).json()["meta_info"]["cached_tokens"]
 
     assert cached(extra_key="v1") == 0
     assert cached(extra_key="v1") > 0
     assert cached(extra_key="v2") == 0 and cached() == 0
-    _tokens(srv, prompt, max_tokens=1, cache_salt="v3")
+    _tokens(compat_srv, prompt, max_tokens=1, cache_salt="v3")
     assert cached(extra_key="v3") > 0
 
 
 # ---------------------------------------------------------------------------------------------- control
 
 
-def test_pause_keep_freezes_requests_and_resume_finishes_them(srv):
+def test_pause_keep_freezes_requests_and_resume_finishes_them(compat_srv):
     """prime-rl / SkyRL / TRL async: POST /pause?mode=keep&clear_cache=false with no body -> {"status": "paused"};
     a request in flight is kept (not aborted) and finishes after POST /resume -> {"status": "resumed"}."""
     import threading
 
     box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(srv, PROMPTS[3], max_tokens=3000,
+    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(compat_srv, PROMPTS[3], max_tokens=3000,
                                                                     ignore_eos=True)))
     t.start()
-    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+    while compat_srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
         time.sleep(0.01)
-    assert _ok(srv.post("/pause?mode=keep&clear_cache=false")).json() == {"status": "paused"}
-    assert srv.get("/is_paused").json() == {"is_paused": True}
+    assert _ok(compat_srv.post("/pause?mode=keep&clear_cache=false")).json() == {"status": "paused"}
+    assert compat_srv.get("/is_paused").json() == {"is_paused": True}
     t.join(2)
     assert t.is_alive()  # frozen, not aborted
-    assert _ok(srv.post("/resume")).json() == {"status": "resumed"}
+    assert _ok(compat_srv.post("/resume")).json() == {"status": "resumed"}
     t.join(120)
     choice = box["r"]["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 3000
-    assert srv.get("/is_paused").json() == {"is_paused": False}
-    assert srv.post("/pause?mode=sideways").status_code == 400
-    r = srv.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokenz": 3}})
+    assert compat_srv.get("/is_paused").json() == {"is_paused": False}
+    assert compat_srv.post("/pause?mode=sideways").status_code == 400
+    r = compat_srv.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokenz": 3}})
     assert r.status_code == 400 and "max_tokenz" in r.text
 
 
-def test_pause_wait_lets_requests_in_flight_finish(srv):
+def test_pause_wait_lets_requests_in_flight_finish(compat_srv):
     """/pause?mode=wait: the request in flight finishes whole (finish_reason length, not abort) before the
     pause answers; a request sent while paused waits and runs after /resume."""
     import threading
 
     box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(srv, PROMPTS[2], max_tokens=400,
+    t = threading.Thread(target=lambda: box.setdefault("r", _tokens(compat_srv, PROMPTS[2], max_tokens=400,
                                                                     ignore_eos=True)))
     t.start()
-    while srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+    while compat_srv.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
         time.sleep(0.01)
-    assert _ok(srv.post("/pause?mode=wait")).json() == {"status": "paused"}
+    assert _ok(compat_srv.post("/pause?mode=wait")).json() == {"status": "paused"}
     t.join(5)
     assert box["r"]["choices"][0]["finish_reason"] == "length" and len(box["r"]["choices"][0]["token_ids"]) == 400
-    late = threading.Thread(target=lambda: box.setdefault("late", _tokens(srv, PROMPTS[1], max_tokens=4)))
+    late = threading.Thread(target=lambda: box.setdefault("late", _tokens(compat_srv, PROMPTS[1], max_tokens=4)))
     late.start()
     late.join(1.5)
     assert late.is_alive()  # queued while paused
-    _ok(srv.post("/resume"))
+    _ok(compat_srv.post("/resume"))
     late.join(60)
     assert len(box["late"]["choices"][0]["token_ids"]) == 4
 
 
-def test_sleep_and_wake_up(srv):
+def test_sleep_and_wake_up(compat_srv):
     """/sleep?level=1 keeps the weights on the host and drops the KV; /wake_up?tags=weights&tags=kv_cache
     (AReaL's query string) restores them: the same greedy tokens. /reset_prefix_cache with SkyRL's body."""
-    before = _greedy(srv)[:2]
-    _ok(srv.post("/sleep?level=1"))
-    assert srv.get("/is_sleeping").json() == {"is_sleeping": True}
-    _ok(srv.post("/wake_up?tags=weights&tags=kv_cache"))
-    assert srv.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert _greedy(srv)[:2] == before
-    _ok(srv.post("/reset_prefix_cache", json={"reset_running_requests": False}))
-    _ok(srv.post("/reset_prefix_cache"))
-    assert srv.get("/get_world_size").json() == {"world_size": 1}
+    before = _greedy(compat_srv)[:2]
+    _ok(compat_srv.post("/sleep?level=1"))
+    assert compat_srv.get("/is_sleeping").json() == {"is_sleeping": True}
+    _ok(compat_srv.post("/wake_up?tags=weights&tags=kv_cache"))
+    assert compat_srv.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert _greedy(compat_srv)[:2] == before
+    _ok(compat_srv.post("/reset_prefix_cache", json={"reset_running_requests": False}))
+    _ok(compat_srv.post("/reset_prefix_cache"))
+    assert compat_srv.get("/get_world_size").json() == {"world_size": 1}
 
 
-def test_prime_rl_weight_dir_update_between_pause_and_resume(srv, compat_model, compat_model_b):
+def test_prime_rl_weight_dir_update_between_pause_and_resume(compat_srv, compat_model, compat_model_b):
     """prime-rl: /pause?mode=keep&clear_cache=false, /update_weights {"weight_dir"} -> {"status": "ok"},
     /resume; a salted request then runs on model B."""
-    before = _greedy(srv)
-    _ok(srv.post("/pause?mode=keep&clear_cache=false"))
-    assert _ok(srv.post("/update_weights", json={"weight_dir": compat_model_b})).json() == {"status": "ok"}
-    _ok(srv.post("/resume"))
-    after = _greedy(srv)
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
-    assert after != before and _greedy(srv) == after
-    _restore(srv, compat_model)
-    assert srv.post("/update_weights", json={"weight_dir": "/nonexistent/dir"}).status_code in (400, 403)
+    before = _greedy(compat_srv)
+    _ok(compat_srv.post("/pause?mode=keep&clear_cache=false"))
+    assert _ok(compat_srv.post("/update_weights", json={"weight_dir": compat_model_b})).json() == {"status": "ok"}
+    _ok(compat_srv.post("/resume"))
+    after = _greedy(compat_srv)
+    _ok(compat_srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
+    assert after != before and _greedy(compat_srv) == after
+    _restore(compat_srv, compat_model)
+    assert compat_srv.post("/update_weights", json={"weight_dir": "/nonexistent/dir"}).status_code in (400, 403)
 
 
 # ---------------------------------------------------------------------------------------------- weight pushes
@@ -339,80 +325,80 @@ def _push(url: str, compat_model_b: str, **plan) -> dict:
 
 
 @pytest.mark.parametrize("kind,packed", [("trl-async", True), ("skyrl", False)])
-def test_vllm_native_push_from_a_plain_torch_trainer(srv, compat_model, compat_model_b, kind, packed):
+def test_vllm_native_push_from_a_plain_torch_trainer(compat_srv, compat_model, compat_model_b, kind, packed):
     """TRL's async GRPO (packed) and SkyRL (per tensor, through /collective_rpc): /init_weight_transfer_engine
     while the trainer runs init_process_group, /pause?mode=keep, start, update_weights during the broadcasts,
     finish, /resume -> model B's greedy tokens (packed: vLLM's chunking, several chunks)."""
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     out = _push(url, compat_model_b, kind=kind, packed=packed, chunk=96 << 10, version="vllm-7")
     assert out["init"]["message"] == "Weight transfer initialized" and out["pause"] == {"status": "paused"}
     assert out["update"][0] == 200 and out["finish"][0] == 200, out
     assert out["resume"] == {"status": "resumed"}
     if packed:
         assert out["transfers"] > 3
-        assert srv.get("/weight_info").json()["weight_version"] == "vllm-7"
-    pushed = _greedy(srv)
+        assert compat_srv.get("/weight_info").json()["weight_version"] == "vllm-7"
+    pushed = _greedy(compat_srv)
     assert pushed != before
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
-    assert _greedy(srv) == pushed
-    _restore(srv, compat_model)
+    _ok(compat_srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
+    assert _greedy(compat_srv) == pushed
+    _restore(compat_srv, compat_model)
 
 
-def test_areal_vllm_extension_push(srv, compat_model, compat_model_b):
+def test_areal_vllm_extension_push(compat_srv, compat_model, compat_model_b):
     """AReaL's vLLM backend: /areal_init_weights_update_group (port as a string) while the trainer joins,
     /areal_pause_generation, /areal_set_update_weight_meta, /areal_update_weights_xccl during the per-tensor
     broadcasts, /areal_continue_generation -> {"success": true} each, and model B serves."""
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     out = _push(url, compat_model_b, kind="areal")
     assert out["init"]["success"] and out["pause"]["success"] and out["meta"]["success"], out
     assert out["update"][0] == 200 and out["update"][1]["success"] and out["continue"]["success"], out
-    pushed = _greedy(srv)
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
-    assert pushed != before and _greedy(srv) == pushed
-    _restore(srv, compat_model)
-    r = srv.post("/areal_update_weights", json={"model_path": compat_model_b})
-    assert r.status_code == 200 and r.json()["success"] and _greedy(srv) == pushed
-    _restore(srv, compat_model)
-    r = srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    pushed = _greedy(compat_srv)
+    _ok(compat_srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
+    assert pushed != before and _greedy(compat_srv) == pushed
+    _restore(compat_srv, compat_model)
+    r = compat_srv.post("/areal_update_weights", json={"model_path": compat_model_b})
+    assert r.status_code == 200 and r.json()["success"] and _greedy(compat_srv) == pushed
+    _restore(compat_srv, compat_model)
+    r = compat_srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
     assert r.status_code == 400 and "LoRA" in r.text
 
 
-def test_trl_vllm_serve_routes_and_push(srv, compat_model, compat_model_b, tok):
+def test_trl_vllm_serve_routes_and_push(compat_srv, compat_model, compat_model_b, compat_tok):
     """TRL's vllm-serve: /health/, /get_world_size/, /generate/ (text prompts, n) and /chat/ with prompt_ids,
     completion_ids, logprobs and logprob_token_ids; the weight path with the client as the last rank:
     /init_communicator/ (host 0.0.0.0), /update_named_param/ (dtype "torch.float32") + broadcast + barrier per
     parameter, /reset_prefix_cache/ publishes them all -> model B."""
-    assert _ok(srv.get("/health/")).json() == {"status": "ok"}
-    assert _ok(srv.get("/get_world_size/")).json() == {"world_size": 1}
+    assert _ok(compat_srv.get("/health/")).json() == {"status": "ok"}
+    assert _ok(compat_srv.get("/get_world_size/")).json() == {"world_size": 1}
     body = {"prompts": ["hello there", "a b c"], "images": None, "n": 2, "repetition_penalty": 1.0,
             "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 5, "logprobs": 0,
             "structured_outputs_regex": None, "generation_kwargs": {"seed": 3}}
-    out = _ok(srv.post("/generate/", json=body)).json()
-    assert out["prompt_ids"] == [tok.encode("hello there"), tok.encode("a b c")]
+    out = _ok(compat_srv.post("/generate/", json=body)).json()
+    assert out["prompt_ids"] == [compat_tok.encode("hello there"), compat_tok.encode("a b c")]
     assert len(out["completion_ids"]) == 4 and all(len(c) == 5 for c in out["completion_ids"])
     assert all(len(tokens) == 5 and all(len(entry) == 1 for entry in tokens) for tokens in out["logprobs"])
     assert [[ids[0] for ids in tokens] for tokens in out["logprob_token_ids"]] == out["completion_ids"]
     chat = {"messages": [[{"role": "user", "content": "hi"}]], "n": 1, "temperature": 0.0, "max_tokens": 4,
             "logprobs": 1, "chat_template_kwargs": {}, "tools": None}
-    out = _ok(srv.post("/chat/", json=chat)).json()
+    out = _ok(compat_srv.post("/chat/", json=chat)).json()
     assert len(out["completion_ids"]) == 1 and all(1 <= len(e) <= 2 for e in out["logprobs"][0])
 
-    url = str(srv.base_url).rstrip("/")
-    before = _greedy(srv)
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
     out = _push(url, compat_model_b, kind="trl")
     assert out["reset"] == (200, {"message": "Request received, resetting prefix cache status: True"}), out
-    pushed = _greedy(srv)
+    pushed = _greedy(compat_srv)
     assert pushed != before
-    _ok(srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
-    assert _greedy(srv) == pushed
-    _restore(srv, compat_model)
+    _ok(compat_srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
+    assert _greedy(compat_srv) == pushed
+    _restore(compat_srv, compat_model)
     # a parameter broadcast in another dtype than announced: the publish fails naming it, nothing changes
     out = _push(url, compat_model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight")
     status, answer = out["reset"]
     assert status == 400 and "model.layers.0.mlp.up_proj.weight" in answer["detail"], answer
-    assert _greedy(srv) == before
+    assert _greedy(compat_srv) == before
 
 
 def test_packed_chunks_follow_vllms_rule():
@@ -430,7 +416,7 @@ def test_packed_chunks_follow_vllms_rule():
     assert sum(len(t) for t in transfers) == len(specs) and math.prod([1]) == 1
 
 
-def test_trl_newest_client_over_vllm_routes(srv, tok):
+def test_trl_newest_client_over_vllm_routes(compat_srv, compat_tok):
     """TRL's newest VLLMClient (after CLIENTS.md's commit) speaks vLLM's routes: /v1/completions with
     return_token_ids and return_tokens_as_token_ids (prompt_token_ids, token_ids, "token_id:N" logprob
     tokens), teacher scoring by prompt_logprobs (max_tokens 1; entries sorted by their exact rank) and
@@ -439,14 +425,14 @@ def test_trl_newest_client_over_vllm_routes(srv, tok):
     body = {"model": "m", "prompt": seqs, "return_token_ids": True, "return_tokens_as_token_ids": True, "n": 2,
             "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 5,
             "logprobs": 0, "seed": 4}
-    choices = _ok(srv.post("/v1/completions", json=body)).json()["choices"]
+    choices = _ok(compat_srv.post("/v1/completions", json=body)).json()["choices"]
     assert [c["prompt_token_ids"] for c in choices[::2]] == seqs
     for c in choices:
         assert len(c["token_ids"]) == 5
         assert [int(t.split(":")[1]) for t in c["logprobs"]["tokens"]] == c["token_ids"]
     k, start = 3, len(PROMPTS[0])
     scored = {"model": "m", "prompt": seqs[:1], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
-    plp = _ok(srv.post("/v1/completions", json=scored)).json()["choices"][0]["prompt_logprobs"]
+    plp = _ok(compat_srv.post("/v1/completions", json=scored)).json()["choices"][0]["prompt_logprobs"]
     assert len(plp) == len(seqs[0]) and plp[0] is None
     for pos in range(start, len(seqs[0])):
         entries = sorted(plp[pos].items(), key=lambda item: item[1]["rank"])  # TRL sorts by rank
@@ -458,14 +444,14 @@ def test_trl_newest_client_over_vllm_routes(srv, tok):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 1, "temperature": 0.0,
             "max_tokens": 4, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
             "return_tokens_as_token_ids": True}
-    out = _ok(srv.post("/v1/chat/completions", json=chat)).json()
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    out = _ok(compat_srv.post("/v1/chat/completions", json=chat)).json()
+    rendered = compat_tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
     assert out["prompt_token_ids"] == list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     choice = out["choices"][0]
     assert [int(c["token"].split(":")[1]) for c in choice["logprobs"]["content"]] == choice["token_ids"]
 
 
-def test_trl_get_sequence_logprobs(srv):
+def test_trl_get_sequence_logprobs(compat_srv):
     """TRL's /get_sequence_logprobs/ (distillation): the completion region's top-k logprobs at a temperature,
     padded to k, and the actual token's, as JSON or as base64 float32/int32 arrays of (sequences, longest, k)."""
     import base64
@@ -475,15 +461,15 @@ def test_trl_get_sequence_logprobs(srv):
     lens = [len(PROMPTS[0]), len(PROMPTS[1])]
     body = {"sequences": seqs, "prompt_lengths": lens, "top_logprobs": 4, "temperature": 0.7,
             "response_format": "json"}
-    js = _ok(srv.post("/get_sequence_logprobs/", json=body)).json()
+    js = _ok(compat_srv.post("/get_sequence_logprobs/", json=body)).json()
     assert [len(x) for x in js["logprobs"]] == [len(PROMPTS[3]), 4]
     assert all(len(pos) == 4 for seq in js["logprobs"] for pos in seq)
     assert js["actual_token_ids"][0] == [[t] for t in PROMPTS[3]]
-    ref = _ok(srv.post("/generate", json={"input_ids": seqs[0], "return_logprob": True, "logprob_start_len": lens[0],
+    ref = _ok(compat_srv.post("/generate", json={"input_ids": seqs[0], "return_logprob": True, "logprob_start_len": lens[0],
                                           "sampling_params": {"max_new_tokens": 0, "temperature": 0.7}})).json()
     assert [a[0] for a in js["actual_logprobs"][0]] == pytest.approx(
         [e[0] for e in ref["meta_info"]["input_token_logprobs"]], abs=1e-5)
-    binary = _ok(srv.post("/get_sequence_logprobs/", json={**body, "response_format": "binary"})).json()
+    binary = _ok(compat_srv.post("/get_sequence_logprobs/", json={**body, "response_format": "binary"})).json()
     n, longest, k = binary["shape"]
     assert (n, longest, k) == (2, len(PROMPTS[3]), 4) and binary["completion_lengths"] == [len(PROMPTS[3]), 4]
     values = struct.unpack(f"<{n * longest * k}f", base64.b64decode(binary["logprobs_b64"]))

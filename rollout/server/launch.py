@@ -77,13 +77,7 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> Optional[int]:
         """Terminate the child (SIGTERM: the server shuts its engine down), killing it after ``timeout_s``."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
+        stop_child(self.proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -94,6 +88,17 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
 
 
 def launch_server(model_path: str, *args: str, ready_timeout_s: Optional[float] = 120.0, **kw) -> ServerProcess:

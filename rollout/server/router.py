@@ -65,13 +65,9 @@ class RouterProcess:
         raise TimeoutError(f"{self.kind} did not list {workers} healthy workers within {timeout_s}s")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from rollout.server.launch import stop_child
+
+        stop_child(self.proc, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None
