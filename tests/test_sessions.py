@@ -7,6 +7,7 @@ server speaks SGLang's /open_session, session_params and /close_session."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -98,7 +99,7 @@ def test_busy_aborted_and_too_long_turns(module_engines, compat_model):
         input_ids=PROMPT, sampling_params=long_turn, session_id=sid, rid="long")[0]))
     t.start()
     while not engine.session_info(sid)["busy"]:
-        pass
+        time.sleep(0.005)
     with pytest.raises(ValueError, match="one turn at a time"):
         engine.generate(input_ids=[1, 2], sampling_params=long_turn, session_id=sid)
     engine.abort_request("long")

@@ -30,7 +30,6 @@ from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.request import Request, Sequence
 from rollout.scheduler.scheduler import Scheduler
-from rollout.scheduler.sessions import SessionError
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder
 from rollout.worker.messages import (
@@ -394,20 +393,15 @@ class RolloutEngine:
         engine's ``session_timeout_s``). Returns its id."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
-        return self._session_call(lambda: self.scheduler.open_session(session_id, timeout_s))
+        return self._loop.call(lambda: self.scheduler.open_session(session_id, timeout_s))
 
     def close_session(self, session_id: str) -> None:
-        self._session_call(lambda: self.scheduler.close_session(session_id))
+        """Forget the session and free its KV (``SessionError``, a ``ValueError``, if it is not open)."""
+        self._loop.call(lambda: self.scheduler.close_session(session_id))
 
     def session_info(self, session_id: str) -> dict:
         """The session's history (``token_ids``), turns, and how much of it has KV held."""
-        return self._session_call(lambda: self.scheduler.session_info(session_id))
-
-    def _session_call(self, fn):
-        try:
-            return self._loop.call(fn)
-        except SessionError as exc:
-            raise ValueError(str(exc)) from None
+        return self._loop.call(lambda: self.scheduler.session_info(session_id))
 
     def is_paused(self) -> bool:
         return self._loop.call(lambda: self._loop.paused)

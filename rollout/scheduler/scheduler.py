@@ -224,8 +224,6 @@ class Scheduler:
         s = self.sessions.get(req.session_id)
         if not s.idle:
             raise SessionError(f"session {s.sid!r} is running a turn ({s.busy_rid!r}); one turn at a time")
-        if len(req.seqs) != 1:
-            raise SessionError("a session turn takes one sample (n=1)")
         history = s.token_ids
         total = len(history) + len(req.prompt_ids)
         limit = self.worker.max_req_len  # the context, and what the KV pool can hold for one sequence
@@ -253,7 +251,7 @@ class Scheduler:
             self._drop_session_kv(s)
             return False
         n = min(s.num_computed, limit)
-        keep = -(-n // self.block_size)
+        keep = self._blocks_for(n)
         self.block_manager.free(s.block_table[keep:])
         seq.block_table, seq.num_computed_tokens = s.block_table[:keep], n
         seq.num_cached_tokens = n
@@ -278,7 +276,7 @@ class Scheduler:
         if seq.kv_key != self._cache_key(req) or not seq.block_table:
             return  # the weights changed during the turn: nothing kept; the next turn recomputes
         n = min(seq.num_computed_tokens, len(seq.token_ids))
-        keep = -(-n // self.block_size)
+        keep = self._blocks_for(n)
         s.block_table, s.num_computed, s.cache_key = seq.block_table[:keep], n, seq.kv_key
         seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
 
@@ -366,8 +364,11 @@ class Scheduler:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
 
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
     def _slots_needed(self, seq: Sequence, upto: int) -> int:
-        return max(0, -(-upto // self.block_size) - len(seq.block_table))
+        return max(0, self._blocks_for(upto) - len(seq.block_table))
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         need = self._slots_needed(seq, upto)
@@ -525,7 +526,9 @@ class Scheduler:
         first, last = start // self.block_size, min(end, seq.num_prompt_tokens) // self.block_size
         if last <= first:
             return
-        hashes = self.block_manager.block_hashes(seq.token_ids, last, self._cache_key(seq.req))
+        # under the key the sequence's KV was computed with since admission (a weight update meanwhile
+        # must not make its blocks matchable under the new weights)
+        hashes = self.block_manager.block_hashes(seq.token_ids, last, seq.kv_key or self._cache_key(seq.req))
         for i in range(first, last):
             self.block_manager.register(seq.block_table[i], hashes[i])
 

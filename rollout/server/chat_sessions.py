@@ -11,12 +11,13 @@ over from its messages (``session_restarted`` in the answer). ``/finish_session`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rollout.engine.chat import ChatRenderer, RenderError
+from rollout.engine.chat import ChatRenderer
 from rollout.outputs import RolloutOutput
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,8 @@ class ChatSession:
     engine_session: str
     renderer: ChatRenderer
     messages: list[dict] = field(default_factory=list)  # what the last turn was prompted with
-    history_ids: list[int] = field(default_factory=list)  # the last turn's prompt tokens
-    completion_ids: list[int] = field(default_factory=list)  # the last turn's sampled tokens
+    completion_ids: list[int] = field(default_factory=list)  # the last turn's sampled tokens (the
+    # history's end; the engine session holds the rest)
 
 
 @dataclass
@@ -67,9 +68,11 @@ class ChatSessions:
                          and messages[n].get("role") == "assistant")
             if prefix_ok and s.completion_ids:
                 try:
-                    appended = s.renderer.append(s.history_ids, s.messages, s.completion_ids, messages[n + 1:])
+                    held = self.engine.session_info(s.engine_session)["token_ids"]  # timed out: ValueError
+                    history = held[:len(held) - len(s.completion_ids)]
+                    appended = s.renderer.append(history, s.messages, s.completion_ids, messages[n + 1:])
                     return s, TurnInput(appended.token_ids, False, appended.mode)
-                except RenderError as exc:
+                except ValueError as exc:  # RenderError included
                     logger.warning("chat session %s starts over: %s", key, exc)
             self._close(key)
         renderer = ChatRenderer(self.engine.tokenizer, template_kwargs, tools, list(self.engine.eos_token_ids))
@@ -81,8 +84,7 @@ class ChatSessions:
         """After a turn: what the next request's messages continue from."""
         if out.finish_reason not in ("stop", "length"):
             return  # an aborted turn left the session as it was
-        s.messages, s.history_ids, s.completion_ids = list(messages), list(out.prompt_token_ids), list(
-            out.output_token_ids)
+        s.messages, s.completion_ids = list(messages), list(out.output_token_ids)
 
     def close(self, key: str) -> bool:
         with self._lock:
@@ -92,8 +94,6 @@ class ChatSessions:
         s = self.sessions.pop(key, None)
         if s is None:
             return False
-        try:
+        with contextlib.suppress(ValueError):  # closed in the engine already (its idle timeout)
             self.engine.close_session(s.engine_session)
-        except ValueError:
-            pass  # timed out in the engine already
         return True

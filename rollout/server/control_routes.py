@@ -26,10 +26,10 @@ Svc = Depends(service_of)
 
 @router.post("/update_weights_from_disk", dependencies=ADMIN)
 async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineService = Svc):
-    return await svc.update_from_disk(body.model_path, load_format=body.load_format, flush_cache=body.flush_cache,
-                                      weight_version=body.weight_version,
-                                      recapture_cuda_graph=body.recapture_cuda_graph,
-                                      abort_all_requests=body.abort_all_requests)
+    return result_json(await svc.update_from_disk(body.model_path, load_format=body.load_format,
+                                                  flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                                  recapture_cuda_graph=body.recapture_cuda_graph,
+                                                  abort_all_requests=body.abort_all_requests))
 
 
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
@@ -162,9 +162,8 @@ async def pause_generation(body: P.PauseRequest, svc: EngineService = Svc):
 async def continue_generation(svc: EngineService = Svc):
     """Resumes generation; update calls staged while paused are published first (a failed publish
     answers 400 with the reason: generation continues on the old weights)."""
-    result = await svc.call(svc.engine.continue_generation)
+    result = await svc.resume()
     if result is not None:
-        svc.metrics.weight_update(result)
         if not result.success:
             return JSONResponse({"success": False, "message": f"generation continues on the old weights: the update "
                                  f"staged while paused failed: {result.message}"}, status_code=400)

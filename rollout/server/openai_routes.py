@@ -33,9 +33,9 @@ def _sampling(body, max_tokens: Optional[int]) -> dict[str, Any]:
             sp[name] = getattr(body, name)
     if body.logit_bias:
         try:
-            sp["logit_bias"] = {int(k): v for k, v in body.logit_bias.items()}
-        except ValueError:
-            raise HTTPException(400, "logit_bias keys must be token ids") from None
+            sp["logit_bias"] = P.token_logit_bias(body.logit_bias)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
     return sp
 
 

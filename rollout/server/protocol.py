@@ -181,6 +181,14 @@ class GenerateRequest(Lenient):
         return default if value is None else value
 
 
+def token_logit_bias(bias: dict[str, float], field_name: str = "logit_bias") -> dict[int, float]:
+    """OpenAI's and vLLM's ``logit_bias`` (token ids as JSON object keys) as ours."""
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise ValueError(f"{field_name} keys must be token ids") from None
+
+
 class OpenAISampling(Lenient):
     """The sampling fields both OpenAI routes share (plus vLLM/SGLang extensions: top_k, min_p,
     repetition_penalty, stop_token_ids, ignore_eos, min_tokens)."""

@@ -46,20 +46,24 @@ class RouterProcess:
         self._log: Optional[IO[str]] = open(log_path or "/dev/null", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
+    def healthy_workers(self) -> int:
+        """How many healthy workers the router lists (0 while it does not answer yet)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            listed = httpx.get(self.url + "/workers", headers=headers, timeout=2).json().get("workers", [])
+        except (httpx.HTTPError, ValueError):
+            return 0
+        return sum(1 for w in listed if w.get("is_healthy", True))
+
     def wait_ready(self, workers: int, timeout_s: float = 60.0) -> RouterProcess:
         """Until the router answers and lists ``workers`` healthy workers."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
                 raise RuntimeError(f"{self.kind} exited with code {code} before it was ready")
-            try:
-                listed = httpx.get(self.url + "/workers", headers=headers, timeout=2).json().get("workers", [])
-                if sum(1 for w in listed if w.get("is_healthy", True)) >= workers:
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
+            if self.healthy_workers() >= workers:
+                return self
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"{self.kind} did not list {workers} healthy workers within {timeout_s}s")

@@ -300,13 +300,25 @@ class EngineService:
     async def _run(pool: ThreadPoolExecutor, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
-    async def weight_update(self, fn, *args, **kwargs) -> JSONResponse:
-        """A weight update off the event loop, counted in the metrics, answered as its result."""
+    async def apply_update(self, fn, *args, **kwargs) -> WeightResult:
+        """A weight update (or a publish) off the event loop, counted in the metrics."""
         result = await self.call(fn, *args, **kwargs)
         self.metrics.weight_update(result)
-        return result_json(result)
+        return result
 
-    async def update_from_disk(self, path: str, **kwargs) -> JSONResponse:
+    async def weight_update(self, fn, *args, **kwargs) -> JSONResponse:
+        """``apply_update``, answered as its result (SGLang's shape)."""
+        return result_json(await self.apply_update(fn, *args, **kwargs))
+
+    async def resume(self) -> Optional[WeightResult]:
+        """Continue generation; what was staged while paused is published first (its result, counted;
+        None if nothing was staged). On a failed publish generation continues on the old weights."""
+        result = await self.call(self.engine.continue_generation)
+        if result is not None:
+            self.metrics.weight_update(result)
+        return result
+
+    async def update_from_disk(self, path: str, **kwargs) -> WeightResult:
         """Pin the folder (open it as a directory descriptor), check where the descriptor lies against
         ``--allowed-weight-dirs`` (403 outside), and update through it: the check and the read are of
         the same folder, however long the update waits for a quiet point and whatever ``path`` names
@@ -325,7 +337,7 @@ class EngineService:
                 return self.engine.update_weights_from_disk(folder, **kwargs)
 
         try:
-            return await self.weight_update(pin_and_update)
+            return await self.apply_update(pin_and_update)
         except FolderNotAllowed as exc:
             raise HTTPException(403, str(exc)) from None
 

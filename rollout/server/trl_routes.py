@@ -348,8 +348,7 @@ async def reset_prefix_cache(request: Request, svc: EngineService = Svc):
         if errors:
             await svc.call(svc.engine.abort_weight_update)
         else:
-            result = await svc.call(svc.engine.commit_weight_update, partial=True)
-            svc.metrics.weight_update(result)
+            result = await svc.apply_update(svc.engine.commit_weight_update, partial=True)
             _failed(result, errors, "publishing the update")
     if errors:
         return JSONResponse({"message": "Request received, resetting prefix cache status: False", "errors": errors,

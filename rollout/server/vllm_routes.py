@@ -18,7 +18,6 @@ folder like ``/update_weights_from_disk`` (same allowed directories).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import Any, Literal, Optional
 
@@ -84,9 +83,8 @@ async def _drain(svc: EngineService, poll_s: float = 0.05) -> None:
 async def resume(svc: EngineService = Svc):
     """Resume; update calls staged while paused are published first (a failed publish answers 400:
     generation continues on the old weights)."""
-    result = await svc.call(svc.engine.continue_generation)
+    result = await svc.resume()
     if result is not None:
-        svc.metrics.weight_update(result)
         if not result.success:
             return _error(400, f"generation resumed on the old weights: the update staged while paused failed: "
                                f"{result.message}")
@@ -185,8 +183,8 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
         if body.weight_dir is None:
             raise HTTPException(400, "send update_info (vLLM's names, dtype_names, shapes, packed) or weight_dir "
                                      "(a checkpoint folder to read)")
-        response = await svc.update_from_disk(body.weight_dir)
-        return response if response.status_code != 200 else {"status": "ok"}
+        result = await svc.update_from_disk(body.weight_dir)
+        return {"status": "ok"} if result.success else _error(400, result.message)
     info = body.update_info
     if not info.is_checkpoint_format:
         raise HTTPException(400, "is_checkpoint_format=false (vLLM's fused parameter names) is not supported")
@@ -194,17 +192,11 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
         raise HTTPException(400, f"names ({len(info.names)}), dtype_names ({len(info.dtype_names)}) and shapes "
                                  f"({len(info.shapes)}) must have the same length")
     staged = svc.engine.open_weight_update() == "explicit"
-    response = await svc.weight_update(
+    result = await svc.apply_update(
         svc.engine.update_weights_from_distributed, info.names, [d.removeprefix("torch.") for d in info.dtype_names],
         info.shapes, VLLM_GROUP, load_format=PACKED if info.packed else DIRECT,
         bucket_bytes=info.packed_buffer_size_bytes if info.packed else None, partial=True, transaction=staged)
-    if response.status_code != 200:
-        return _error(response.status_code, _message(response))
-    return {"message": "Weights updated"}
-
-
-def _message(response: JSONResponse) -> str:
-    return json.loads(response.body).get("message", "failed")
+    return {"message": "Weights updated"} if result.success else _error(400, result.message)
 
 
 @router.post("/finish_weight_update", dependencies=ADMIN)
@@ -213,9 +205,8 @@ async def finish_weight_update(body: Optional[FinishUpdateRequest] = None, svc: 
     ``weight_version`` (else the server's next version)."""
     if svc.engine.open_weight_update() != "explicit":
         raise HTTPException(400, "no weight update to finish: call /start_weight_update first")
-    result = await svc.call(svc.engine.commit_weight_update, partial=True,
-                            weight_version=body.weight_version if body else None)
-    svc.metrics.weight_update(result)
+    result = await svc.apply_update(svc.engine.commit_weight_update, partial=True,
+                                    weight_version=body.weight_version if body else None)
     return _answer(result, "Weight update finished")
 
 
@@ -274,7 +265,7 @@ async def sleep(level: int = Query(1, ge=0, le=2), tags: Optional[list[str]] = Q
     tags = _memory_tags(tags)
     result = await svc.call(svc.engine.release_memory_occupation, tags, level == 1)
     if not result.success:
-        await svc.call(svc.engine.continue_generation)
+        await svc.resume()
         return _error(400, result.message)
     svc.sleeping = set(tags or ("weights", "kv_cache"))
     return Response(status_code=200)
@@ -303,7 +294,7 @@ async def wake_up(tags: Optional[list[str]] = Query(None), svc: EngineService = 
     svc.sleeping -= set(waking) | ({"paused"} if not tags else set())
     if not svc.sleeping - {"paused"}:
         svc.sleeping = set()
-        await svc.call(svc.engine.continue_generation)
+        await svc.resume()
     return Response(status_code=200)
 
 
@@ -391,9 +382,9 @@ class VllmSampling(P.Body):
             sp["top_k"] = self.top_k
         if self.logit_bias:
             try:
-                sp["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise HTTPException(400, "sampling_params.logit_bias keys must be token ids") from None
+                sp["logit_bias"] = P.token_logit_bias(self.logit_bias, "sampling_params.logit_bias")
+            except ValueError as exc:
+                raise HTTPException(400, str(exc)) from None
         return sp
 
 
@@ -570,12 +561,10 @@ async def areal_pause_generation(svc: EngineService = Svc):
 
 @router.post("/areal_continue_generation", dependencies=ADMIN)
 async def areal_continue_generation(svc: EngineService = Svc):
-    result = await svc.call(svc.engine.continue_generation)
-    if result is not None:
-        svc.metrics.weight_update(result)
-        if not result.success:
-            return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
-                                 f"{result.message}"}, status_code=400)
+    result = await svc.resume()
+    if result is not None and not result.success:
+        return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
+                             f"{result.message}"}, status_code=400)
     return {"success": True, "message": "Generation continued"}
 
 
@@ -600,18 +589,14 @@ async def areal_update_weights_xccl(svc: EngineService = Svc):
     meta = svc.areal_meta
     if meta is None:
         raise HTTPException(400, "no weight metadata: call /areal_set_update_weight_meta first")
-    response = await svc.weight_update(svc.engine.update_weights_from_distributed, meta.names,
-                                       [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes, meta.group_name,
-                                       abort_all_requests=True)
-    return JSONResponse({"success": response.status_code == 200, "message": _message(response)},
-                        status_code=response.status_code)
+    return _areal(await svc.apply_update(svc.engine.update_weights_from_distributed, meta.names,
+                                         [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes,
+                                         meta.group_name, abort_all_requests=True))
 
 
 @router.post("/areal_update_weights", dependencies=ADMIN)
 async def areal_update_weights(body: ArealDiskRequest, svc: EngineService = Svc):
-    response = await svc.update_from_disk(body.model_path, abort_all_requests=True)
-    return JSONResponse({"success": response.status_code == 200, "message": _message(response)},
-                        status_code=response.status_code)
+    return _areal(await svc.update_from_disk(body.model_path, abort_all_requests=True))
 
 
 @router.post("/areal_update_weights_lora", dependencies=ADMIN)
