@@ -1,5 +1,5 @@
 """Append-only chat rendering (``rollout.engine.chat``) with real models' chat templates (SmolLM2's
-ChatML, Qwen2.5, Qwen3 with tools and ``<think>``, Llama 3.1; ``tests/data/chat_templates``), each with
+ChatML, Qwen2.5, Qwen3 with tools and ``<think>``, Llama 3.1; ``rollout/tools/chat_templates``), each with
 a tokenizer in which its special tokens are single added tokens: five turns with tool calls, where what
 the trainer trains on is exactly the tokens sampled plus the tokens appended, and the re-render and
 re-tokenize approach drifts."""
@@ -8,48 +8,23 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 
 import pytest
 
 from rollout.engine.chat import ChatRenderer
+from rollout.tools.tiny import CHAT_FORMATS, build_chat_tokenizer
 
-HERE = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a key up",
                                            "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
                                                           "required": ["key"]}}}]
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-                 "</tool_response>", "<think>", "</think>"]
-TEMPLATES = {  # template -> (special tokens, stop token, bos, tools)
-    "chatml_smollm2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None, False),
-    "qwen2_5": (QWEN_SPECIALS, "<|im_end|>", None, True),
-    "qwen3": (QWEN_SPECIALS, "<|im_end|>", None, True),
-    "llama3_1": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
-                  "<|python_tag|>"], "<|eot_id|>", "<|begin_of_text|>", True),
-}
+TEMPLATES = {name: (*fmt, name != "chatml_smollm2") for name, fmt in CHAT_FORMATS.items()}  # + tools rendered
 
 
 @functools.cache
 def template_tokenizer(name: str):
     """A byte-level BPE tokenizer trained locally, the template's special tokens single added tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from rollout.tools.tiny import _CORPUS
-
-    specials, stop, bos, _ = TEMPLATES[name]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((_CORPUS + 'lookup {"name": "key": "arguments" code tool\n').splitlines() * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=stop, bos_token=bos,
-                                   additional_special_tokens=[s for s in specials if s not in (stop, bos)])
-    with open(os.path.join(HERE, name + ".jinja")) as f:
-        fast.chat_template = f.read()
-    return fast
+    return build_chat_tokenizer(name)
 
 
 def _sampled(tok, text: str, stop: str) -> list[int]:

@@ -116,6 +116,34 @@ def test_busy_aborted_and_too_long_turns(module_engines, compat_model):
     engine.close_session(sid)
 
 
+def test_one_call_takes_a_turn_of_many_sessions(module_engines, compat_model):
+    """``session_id`` as a list: one batched call advances each session by a turn, exactly as one call
+    per session would; what cannot be a turn is refused naming it."""
+    engine = module_engines(compat_model, kv_cache_tokens=4096)
+    sp = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    batched = [engine.open_session() for _ in range(3)]
+    alone = [engine.open_session() for _ in range(3)]
+    try:
+        for k in range(3):
+            ids = [PROMPT] * 3 if k == 0 else [APPENDS[k + i] for i in range(3)]
+            outs = engine.generate(input_ids=ids, sampling_params=sp, session_id=batched)
+            for i in range(3):
+                one = engine.generate(input_ids=ids[i], sampling_params=sp[i], session_id=alone[i])[0]
+                assert outs[i].output_token_ids == one.output_token_ids
+                assert outs[i].prompt_token_ids == one.prompt_token_ids
+        with pytest.raises(ValueError, match="2 session ids for 3 prompts"):
+            engine.generate(input_ids=[[1], [2], [3]], sampling_params=sp[0], session_id=batched[:2])
+        with pytest.raises(ValueError, match="one turn at a time"):
+            engine.generate(input_ids=[[1], [2]], sampling_params=sp[0], session_id=[batched[0], batched[0]])
+        with pytest.raises(ValueError, match="samples once"):
+            engine.generate(input_ids=[[1], [2]], sampling_params=SamplingParams(n=2), session_id=[None, batched[1]])
+        mixed = engine.generate(input_ids=[[7, 8], [9]], sampling_params=sp[0], session_id=[None, batched[2]])
+        assert mixed[0].prompt_token_ids == [7, 8] and len(mixed[1].prompt_token_ids) > 3
+    finally:
+        for sid in batched + alone:
+            engine.close_session(sid)
+
+
 def test_sglang_session_routes(compat_model, make_server):
     """/open_session (a JSON string id), /generate with session_params {"id"} appending input_ids, /session_info,
     /close_session; a later turn's cached_tokens covers the history."""
@@ -131,6 +159,11 @@ def test_sglang_session_routes(compat_model, make_server):
         assert second["meta_info"]["cached_tokens"] >= len(PROMPT) + 4
         info = http.get("/session_info", params={"session_id": sid}).json()
         assert info["token_ids"] == PROMPT + first["output_ids"] + APPENDS[0] + second["output_ids"]
+        other = http.post("/open_session", json={}).json()  # SGLang's list form: one entry per prompt
+        both = http.post("/generate", json={**body, "input_ids": [APPENDS[1], PROMPT],
+                                            "session_params": [{"id": sid}, {"id": other}]}).json()
+        assert [b["meta_info"]["prompt_tokens"] for b in both] == [len(info["token_ids"]) + len(APPENDS[1]), len(PROMPT)]
+        assert http.post("/close_session", json={"session_id": other}).status_code == 200
         assert http.post("/close_session", json={"session_id": sid}).status_code == 200
         r = http.post("/generate", json=body)
         assert r.status_code == 400 and "no open session" in r.text

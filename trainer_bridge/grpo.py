@@ -120,6 +120,8 @@ class StepLog:
     step_s: float = 0.0  # wall time of the whole step (the trainer's view)
     replica_events: list = field(default_factory=list)  # replica failures / rejoins during the step (named)
     num_serving_replicas: int = 1  # replicas holding the step's weights at its end
+    turns_mean: float = 0.0  # multi-turn: assistant turns per episode
+    finish_reasons: dict = field(default_factory=dict)  # multi-turn: episodes per finish reason
 
 
 def _generate_share(engine: RolloutService, prompts: list[list[int]], sp: SamplingParams, rank: int, world: int,
@@ -155,12 +157,6 @@ def completion_logits(model, seqs: list[list[int]], prompt_lens: list[int]) -> l
 
 def _token_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-def sequence_logprobs(model, seqs: list[list[int]], prompt_lens: list[int], temperature: float):
-    """Per-token log-probabilities (logits / temperature) of each completion under ``model``."""
-    return [_token_logprobs(lg, s[p:], temperature)
-            for lg, s, p in zip(completion_logits(model, seqs, prompt_lens), seqs, prompt_lens)]
 
 
 def verify_pushed(stats: PushStats, rollout_engine: RolloutService) -> bool:
@@ -278,7 +274,7 @@ def group_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
 class _Rollout:
     prompts: list[list[int]]
     sampling: SamplingParams
-    outputs: list[RolloutOutput]  # this rank's share
+    outputs: list[Any]  # this rank's share: RolloutOutput (one completion) or Trajectory (an episode)
     seconds: float
 
 
@@ -352,31 +348,47 @@ class _GRPORun:
         token of sample i, how many versions behind the trainer its weights were."""
         cfg = self.cfg
         mine = list(range(self.rank, len(outs), self.world))
-        seqs = [outs[i].prompt_token_ids + outs[i].output_token_ids for i in mine]
-        plens = [len(outs[i].prompt_token_ids) for i in mine]
-        logits = completion_logits(self.ds_engine, seqs, plens)
-        unmasked_lp = [_token_logprobs(lg, outs[i].output_token_ids, cfg.temperature) for lg, i in zip(logits, mine)]
-        new_lp = [replay_logprobs(lg, outs[i].prompt_token_ids, outs[i].output_token_ids,
-                                  outs[i].output_token_sampling_mask, ro.sampling) for lg, i in zip(logits, mine)] \
-            if cfg.masked else unmasked_lp
-        engine_lp = [torch.tensor(outs[i].output_logprobs) for i in mine]
+        new_lp, unmasked_lp, engine_lp = self.logprobs(self.ds_engine, ro, [outs[i] for i in mine])
         ref_lp = None
         if cfg.kl_coef and self.ref_model is not None:
             with torch.no_grad():
-                ref_lp = sequence_logprobs(self.ref_model, seqs, plens, cfg.temperature)
+                ref_lp = self.logprobs(self.ref_model, ro, [outs[i] for i in mine], replay=False)[1]
         loss, mismatch = grpo_loss(cfg, new_lp, engine_lp, advantages[mine], [ages[i] for i in mine], unmasked_lp,
                                    ref_lp)
         self.ds_engine.backward(loss)
         self.ds_engine.step()
         return loss, mismatch
 
+    def logprobs(self, model, ro: _Rollout, outs: list,
+                 replay: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per sample, the trained tokens' logprobs under ``model``: (as the loss sees them — the masks
+        replayed when sampling was truncated —, unmasked ``log_softmax(logits / T)``, the engine's)."""
+        T = self.cfg.temperature
+        seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
+        logits = completion_logits(model, seqs, [len(o.prompt_token_ids) for o in outs])
+        unmasked = [_token_logprobs(lg, o.output_token_ids, T) for lg, o in zip(logits, outs)]
+        new = [replay_logprobs(lg, o.prompt_token_ids, o.output_token_ids, o.output_token_sampling_mask, ro.sampling)
+               for lg, o in zip(logits, outs)] if self.cfg.masked and replay else unmasked
+        return new, unmasked, [torch.tensor(o.output_logprobs) for o in outs]
+
+    def rewards(self, outs: list) -> torch.Tensor:
+        return torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
+
+    def token_versions(self, out) -> list[str]:
+        """The weight version of every trained token of a sample."""
+        return list(out.output_weight_versions)
+
+    def extra_log(self, outs: list) -> dict:
+        """Fields of the step's log a kind of rollout adds (multi-turn: turns per episode)."""
+        return {}
+
     def step(self, step: int, ro: _Rollout, trainer_wait: float, t_step: float) -> StepLog:
         """Rewards -> train -> sync of one step whose rollout ``ro`` is in; its log."""
         outs = _gather_shares(self.engine, ro.outputs, len(ro.prompts), ro.sampling.n, self.world)
         self.events.extend(self.engine.take_replica_failures())
-        rewards = torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
+        rewards = self.rewards(outs)
         # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
-        ages = [[step - _version_step(v) for v in o.output_weight_versions] for o in outs]
+        ages = [[step - _version_step(v) for v in self.token_versions(o)] for o in outs]
         released = self.release_engine_memory()
         peak = rss_mb()
         t1 = time.perf_counter()
@@ -390,7 +402,7 @@ class _GRPORun:
         mm = mismatch.reduced()
         self.events.extend(self.target.take_events())
         log = StepLog(step=step + 1, reward=float(rewards.mean()),
-                      rollout_tok_s=sum(len(o.output_token_ids) for o in outs) / ro.seconds,
+                      rollout_tok_s=sum(len(v) for v in ages) / ro.seconds,
                       rollout_s=ro.seconds, train_s=train_s, sync_s=sync_s, mismatch_mean=mm.mean,
                       mismatch_max=mm.abs_max, loss=float(loss.detach()), mismatch_unmasked_mean=mm.unmasked_mean,
                       mismatch_unmasked_max=mm.unmasked_abs_max, ratio_mean=mm.ratio_mean,
@@ -401,7 +413,7 @@ class _GRPORun:
                       num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
                       trainer_wait_s=trainer_wait, replica_events=list(self.events),
                       step_s=time.perf_counter() - t_step,
-                      num_serving_replicas=self.engine.serving_replicas())
+                      num_serving_replicas=self.engine.serving_replicas(), **self.extra_log(outs))
         self.events.clear()
         return log
 
@@ -441,15 +453,21 @@ def run_grpo(cfg: GRPOConfig, ds_engine, rollout_engine: RolloutService, prompts
              target: Optional[WeightTarget] = None) -> list[StepLog]:
     """``rollout_engine``: an in-process engine (colocated; the default target pushes into it) or a
     ``trainer_bridge.router.ReplicaRouter`` over rollout servers (pass their ``DistributedTarget``)."""
+    return _GRPORun(cfg, ds_engine, rollout_engine, prompts, reward_fn, ref_model, tie_word_embeddings,
+                    resolve_target(cfg, rollout_engine, target, "run_grpo")).run(log_fn)
+
+
+def resolve_target(cfg: GRPOConfig, rollout_engine: RolloutService, target: Optional[WeightTarget],
+                   caller: str) -> WeightTarget:
+    """The loop's weight target: the one given, or the in-process engine itself (colocated)."""
     if target is None:
         if not isinstance(rollout_engine, RolloutEngine):
-            raise ValueError("run_grpo: a rollout service other than an in-process engine needs its target "
+            raise ValueError(f"{caller}: a rollout service other than an in-process engine needs its target "
                              "(a DistributedTarget over its replicas)")
         target = ColocatedTarget(rollout_engine)
     if cfg.max_staleness and isinstance(target, ColocatedTarget):
         raise ValueError("asynchronous rollouts need their own devices: use a disaggregated target")
-    return _GRPORun(cfg, ds_engine, rollout_engine, prompts, reward_fn, ref_model, tie_word_embeddings,
-                    target).run(log_fn)
+    return target
 
 
 def _version_step(version: str) -> int:

@@ -59,10 +59,12 @@ def model_path(name: str, seed: int) -> str:
     return path
 
 
-def build_trainer(args, on_model_folder=None):
+def build_trainer(args, on_model_folder=None, model_folder=None):
     """DeepSpeed over the launcher's ranks: (ds_engine, model folder, tied embeddings, rank, world).
     ``on_model_folder(path, rank)``, if given, runs as soon as the folder exists, before the trainer's
-    model is loaded (what starts there overlaps the loading)."""
+    model is loaded (what starts there overlaps the loading); ``model_folder(name, seed)`` finds or
+    builds the folder (default ``model_path``; rank 0 first, the others after it)."""
+    model_folder = model_folder or model_path
     setup_deepspeed_env()
     import deepspeed
     import torch
@@ -74,9 +76,9 @@ def build_trainer(args, on_model_folder=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     torch.manual_seed(args.seed)
     if rank == 0:  # one process builds the tiny model; the others wait for it
-        path = model_path(args.model, args.seed)
+        path = model_folder(args.model, args.seed)
     dist.barrier()
-    path = model_path(args.model, args.seed)
+    path = model_folder(args.model, args.seed)
     if on_model_folder is not None:
         on_model_folder(path, rank)
 

@@ -35,7 +35,8 @@ class ReplicaRouter:
     def __init__(self, replicas: Union[ReplicaSet, WeightReplica, Sequence[WeightReplica]]):
         self.replicas = replicas if isinstance(replicas, ReplicaSet) else ReplicaSet(replicas)
         self.outstanding = [0] * len(self.replicas)
-        self.sessions: dict[str, int] = {}
+        self.sessions: dict[str, int] = {}  # routing keys -> the replica their prefix went to
+        self.open_sessions: dict[str, int] = {}  # engine sessions -> the replica holding their history
         self._lock = threading.Lock()
         self._dtype = describe(self.replicas.replicas[0])[0]
         self.failures: list[ReplicaError] = []  # every replica failure seen, in order
@@ -77,22 +78,36 @@ class ReplicaRouter:
             self.outstanding[i] += cost
             return i
 
-    def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
-                 session_ids: Optional[list[str]] = None, **kw: Any) -> list[RolloutOutput]:
-        """Like ``RolloutEngine.generate``: prompt-major outputs, samples of a prompt together."""
-        sp = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(
-            sampling_params)
-        cost = [(len(p) + sp.max_new_tokens) * sp.n for p in input_ids]
+    def generate(self, input_ids: list[list[int]], sampling_params: Union[SamplingParams, list[SamplingParams]],
+                 session_ids: Optional[list[str]] = None, session_id: Union[str, list[Optional[str]], None] = None,
+                 **kw: Any) -> list[RolloutOutput]:
+        """Like ``RolloutEngine.generate``: prompt-major outputs, samples of a prompt together.
+
+        ``session_ids``: routing keys only (a prompt goes where its key went before, for its cached
+        prefix). ``session_id``: turns of sessions opened with ``open_session`` (one per prompt, or one
+        for a single prompt): each goes to the replica holding its session; if that replica fails, the
+        turn fails naming it (the session's history lived there), it is never sent elsewhere."""
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+        sps = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p) for p in params]
+        turns = ([session_id] if isinstance(session_id, str) else list(session_id)) if session_id is not None \
+            else [None] * len(input_ids)
+        if len(sps) != len(input_ids) or len(turns) != len(input_ids):
+            raise ValueError(f"{len(input_ids)} prompts need as many sampling params and session ids "
+                             f"(got {len(sps)} and {len(turns)})")
+        cost = [(len(p) + sp.max_new_tokens) * sp.n for p, sp in zip(input_ids, sps)]
         results: dict[int, list[RolloutOutput]] = {}
         todo = list(range(len(input_ids)))
         while todo:  # a failed replica's prompts go round again on the others
-            owner = {i: self.pick(cost[i], session_ids[i] if session_ids else None) for i in todo}
+            owner = {i: self._owner(i, cost[i], turns[i], session_ids[i] if session_ids else None) for i in todo}
             failed: list[int] = []
+            lost: list[ReplicaError] = []
 
             def run(r: int, mine: list[int]) -> None:
                 try:
-                    outs = self.replicas.replicas[r].generate(input_ids=[input_ids[i] for i in mine],
-                                                              sampling_params=sp, **kw)
+                    sessions = [turns[i] for i in mine]
+                    outs = self.replicas.replicas[r].generate(
+                        input_ids=[input_ids[i] for i in mine], sampling_params=[sps[i] for i in mine],
+                        session_id=sessions if any(s is not None for s in sessions) else None, **kw)
                     for o in outs:  # back to the caller's prompt index
                         o.prompt_index = mine[o.prompt_index]
                         results.setdefault(o.prompt_index, []).append(o)
@@ -102,6 +117,8 @@ class ReplicaRouter:
                     self.failures.append(err)
                     self.replicas.mark(r, False)
                     failed.extend(mine)
+                    if any(turns[i] is not None for i in mine):
+                        lost.append(err)
                 finally:
                     with self._lock:
                         self.outstanding[r] -= sum(cost[i] for i in mine)
@@ -112,10 +129,48 @@ class ReplicaRouter:
                 t.start()
             for t in threads:
                 t.join()
+            if lost:  # a session's history was on the failed replica: its turn cannot run elsewhere
+                raise lost[0]
             for i in failed:
                 results.pop(i, None)
             todo = sorted(failed)
         return [o for i in range(len(input_ids)) for o in sorted(results[i], key=lambda o: o.sample_index)]
+
+    def _owner(self, i: int, cost: int, session: Optional[str], key: Optional[str]) -> int:
+        if session is None:
+            return self.pick(cost, key)
+        with self._lock:
+            r = self.open_sessions.get(session)
+            if r is None:
+                raise ValueError(f"session {session!r} was not opened through this router (open_session)")
+            if r not in self.replicas.serving():
+                raise ReplicaError(r, self.replicas.url(r), RuntimeError(
+                    f"the replica holding session {session!r} is down; its history was there"))
+            self.outstanding[r] += cost
+            return r
+
+    # ------------------------------------------------------------------ sessions (pinned to one replica)
+
+    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        """Open a session on the least loaded serving replica; its turns all go there."""
+        live = self.replicas.require_serving()
+        with self._lock:
+            r = min(live, key=lambda k: (self.outstanding[k], k))
+        sid = self.replicas.replicas[r].open_session(session_id, timeout_s)
+        with self._lock:
+            self.open_sessions[sid] = r
+        return sid
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            r = self.open_sessions.pop(session_id, None)
+        if r is None:
+            raise ValueError(f"session {session_id!r} is not open through this router")
+        self.replicas.replicas[r].close_session(session_id)
+
+    def session_replica(self, session_id: str) -> int:
+        """The replica a session lives on."""
+        return self.open_sessions[session_id]
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The serving replicas' values; every one must hold the same (else a ``ReplicaError``)."""

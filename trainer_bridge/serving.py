@@ -9,7 +9,7 @@ join the group, or a server).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
 
@@ -35,10 +35,18 @@ class RolloutService(Protocol):
         """How errors name it (a URL, or the in-process engine)."""
         ...
 
-    def generate(self, *, input_ids: list[list[int]], sampling_params: SamplingParams,
-                 return_sampling_mask: Optional[bool] = None) -> list[RolloutOutput]:
-        """Prompt-major outputs (every sample of a prompt together), with per-token logprobs."""
+    def generate(self, *, input_ids: list[list[int]], sampling_params: Union[SamplingParams, list[SamplingParams]],
+                 return_sampling_mask: Optional[bool] = None,
+                 session_id: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
+        """Prompt-major outputs (every sample of a prompt together), with per-token logprobs.
+        ``session_id``: per prompt, the session (``open_session``) it is a turn of."""
         ...
+
+    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        """A multi-turn session whose history and KV stay where it was opened; its id."""
+        ...
+
+    def close_session(self, session_id: str) -> None: ...
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]: ...
 

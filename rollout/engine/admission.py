@@ -15,7 +15,7 @@ import operator
 import time
 import uuid
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -91,20 +91,15 @@ class Admission:
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                       logprob_start_len: int, rid, on_update=None,
                       return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
-                      session_id: Optional[str] = None) -> list[Request]:
+                      session_id: Union[str, list[Optional[str]], None] = None) -> list[Request]:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
-        if session_id is not None:
-            if not isinstance(session_id, str) or not session_id:
-                raise ValueError("session_id must be a non-empty string")
-            if logprob_start_len != -1:
-                raise ValueError("a session turn returns no prompt logprobs (logprob_start_len must be -1): its "
-                                 "prompt is the session's history")
         if return_sampling_mask is None:
             return_sampling_mask = self.config.return_sampling_mask
         ids_list = self.prompt_ids(prompts, input_ids)
         if not ids_list:
             raise ValueError("no prompts given")
+        sessions = self._session_ids(session_id, len(ids_list), logprob_start_len)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
@@ -149,13 +144,35 @@ class Admission:
             req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
                           return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
             req.cache_salt = cache_salt or None
-            if session_id is not None:
-                if len(ids_list) != 1 or sp.n != 1:
-                    raise ValueError("a session turn is one prompt (the tokens it appends) with n=1")
-                req.session_id = session_id
+            if sessions[i] is not None:
+                if sp.n != 1:
+                    raise ValueError(f"prompt {i} is a turn of session {sessions[i]!r}: a session turn samples "
+                                     f"once (n=1), got n={sp.n}")
+                req.session_id = sessions[i]
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs
+
+    @staticmethod
+    def _session_ids(session_id, num_prompts: int, logprob_start_len: int) -> list[Optional[str]]:
+        """Per prompt, the session it is a turn of (None: an ordinary request). One id: a single prompt
+        (the tokens it appends); a list: one entry per prompt, each a different session."""
+        if session_id is None:
+            return [None] * num_prompts
+        ids = [session_id] if isinstance(session_id, str) else session_id
+        if not isinstance(ids, (list, tuple)) or not all(s is None or (isinstance(s, str) and s) for s in ids):
+            raise ValueError("session_id must be a non-empty string, or a list of them (None: no session) "
+                             "with one entry per prompt")
+        if len(ids) != num_prompts:
+            raise ValueError(f"{len(ids)} session ids for {num_prompts} prompts: a session turn is one prompt (the "
+                             f"tokens it appends); pass one id per prompt")
+        named = [s for s in ids if s is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("a session takes one turn at a time: a session id appears twice in this call")
+        if named and logprob_start_len != -1:
+            raise ValueError("a session turn returns no prompt logprobs (logprob_start_len must be -1): its "
+                             "prompt is the session's history")
+        return list(ids)
 
     def make_score_requests(self, prompt_ids, output_ids, sampling_params, return_sampling_mask: bool,
                             top_logprobs_num: int, rid) -> list[Request]:

@@ -237,7 +237,7 @@ class RolloutEngine:
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  rid: Union[str, list[str], None] = None,
                  return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
-                 session_id: Optional[str] = None) -> list[RolloutOutput]:
+                 session_id: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
         ``return_sampling_mask`` (default: the engine's option): every output token also carries the
@@ -247,7 +247,8 @@ class RolloutEngine:
         only among requests with the same salt (prefix-cache partitions, e.g. one per policy version).
         ``session_id`` (``open_session``): a turn of that session — the prompt is the tokens it appends
         to the session's history, the engine generates after the whole history (its KV kept between
-        turns) and the turn's output reports the history as ``prompt_token_ids``.
+        turns) and the turn's output reports the history as ``prompt_token_ids``. A list: one entry per
+        prompt (None: not a turn), so that one call advances many sessions by a turn each, batched.
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
@@ -302,7 +303,8 @@ class RolloutEngine:
     async def async_generate(self, prompts=None, input_ids=None, sampling_params=None, return_logprob: bool = True,
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
                              stream: bool = False, return_sampling_mask: Optional[bool] = None,
-                             cache_salt: Optional[str] = None, session_id: Optional[str] = None):
+                             cache_salt: Optional[str] = None,
+                             session_id: Union[str, list[Optional[str]], None] = None):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -393,11 +395,16 @@ class RolloutEngine:
         engine's ``session_timeout_s``). Returns its id."""
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
+        if self.is_follower:  # external launch: the first rank's scheduler holds sessions; every rank calls alike
+            if not session_id:
+                raise ValueError("external launch: every rank opens the session under the same explicit session_id")
+            return session_id
         return self._loop.call(lambda: self.scheduler.open_session(session_id, timeout_s))
 
     def close_session(self, session_id: str) -> None:
         """Forget the session and free its KV (``SessionError``, a ``ValueError``, if it is not open)."""
-        self._loop.call(lambda: self.scheduler.close_session(session_id))
+        if not self.is_follower:
+            self._loop.call(lambda: self.scheduler.close_session(session_id))
 
     def session_info(self, session_id: str) -> dict:
         """The session's history (``token_ids``), turns, and how much of it has KV held."""

@@ -281,7 +281,8 @@ class Scheduler:
         seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
 
     def _release_session_kv(self) -> bool:
-        """Free the KV of the least recently used idle session that holds some (its history stays)."""
+        """Free the KV of one session that holds some — idle ones first, least recently used first — (its
+        history stays; its next turn recomputes it)."""
         holding = self.sessions.holding_kv()
         if not holding:
             return False
@@ -375,7 +376,7 @@ class Scheduler:
         if need == 0:
             return True
         blocks = self.block_manager.allocate(need)
-        while blocks is None and self._release_session_kv():  # idle sessions' KV goes before any preemption
+        while blocks is None and self._release_session_kv():  # sessions' held KV goes before any preemption
             blocks = self.block_manager.allocate(need)
         if blocks is None:
             return False

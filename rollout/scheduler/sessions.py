@@ -71,5 +71,7 @@ class SessionTable:
                 if s.idle and s.timeout_s is not None and now - s.last_used > s.timeout_s]
 
     def holding_kv(self) -> list[Session]:
-        """Idle sessions that hold KV, least recently used first."""
-        return sorted((s for s in self.sessions.values() if s.idle and s.block_table), key=lambda s: s.last_used)
+        """Sessions that hold KV, idle ones first, least recently used first. A session whose turn is
+        waiting holds KV too (it moves to the turn when the turn is admitted): under memory pressure
+        it goes like any other, or waiting turns would each pin their history and none be admitted."""
+        return sorted((s for s in self.sessions.values() if s.block_table), key=lambda s: (not s.idle, s.last_used))

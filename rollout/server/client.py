@@ -95,21 +95,63 @@ class RolloutClient:
     def generate(self, prompts: Union[str, list[str], None] = None, input_ids=None,
                  sampling_params: Union[SamplingParams, dict, list, None] = None, return_logprob: bool = True,
                  top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
-                 return_sampling_mask: Optional[bool] = None, session_id: Optional[str] = None) -> list[RolloutOutput]:
+                 return_sampling_mask: Optional[bool] = None,
+                 session_id: Union[str, list[Optional[str]], None] = None,
+                 routing_key: Union[str, list[str], None] = None) -> list[RolloutOutput]:
         """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``. A session
-        turn's ``prompt_token_ids`` are the tokens it appended (``session_info`` has the history)."""
+        turn's ``prompt_token_ids`` are the tokens it appended (``session_info`` has the history).
+
+        ``routing_key``: sent as the ``X-SMG-Routing-Key`` header, by which the field's router
+        (``sglang-router`` / SMG with ``--policy manual`` or ``consistent_hashing``) sends every request
+        with one key to one worker, as slime does per multi-turn session. A list (one key per prompt):
+        each prompt goes as a request of its own with its key, all at once."""
         if input_ids is not None and input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
         if isinstance(prompts, str):
             prompts = [prompts]
+        if isinstance(routing_key, list):
+            return self._generate_keyed(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                        logprob_start_len, rid, return_sampling_mask, session_id, routing_key)
+        sessions = session_id if isinstance(session_id, list) else None
         body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                 "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask,
-                "session_params": {"id": session_id} if session_id is not None else None}
-        items = self._json(self._post("/generate", {k: v for k, v in body.items() if v is not None}))
+                "session_params": ([{"id": s} if s is not None else None for s in sessions] if sessions is not None
+                                   else {"id": session_id} if session_id is not None else None)}
+        headers = self._headers(False)
+        if routing_key is not None:
+            headers["X-SMG-Routing-Key"] = routing_key
+        r = self.http.post("/generate", json={k: v for k, v in body.items() if v is not None}, headers=headers)
+        items = self._json(r)
         items = items if isinstance(items, list) else [items]
         return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None)
                 for it in items]
+
+    def _generate_keyed(self, prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                        logprob_start_len, rid, return_sampling_mask, session_id, routing_keys: list[str]):
+        """One request per prompt, each with its own routing key, concurrently; prompt-major outputs."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        count = len(input_ids if input_ids is not None else prompts or [])
+        if len(routing_keys) != count:
+            raise ValueError(f"{len(routing_keys)} routing keys for {count} prompts: pass one per prompt")
+
+        def nth(value, i):
+            return value[i] if isinstance(value, list) else value
+
+        def one(i: int) -> list[RolloutOutput]:
+            outs = self.generate(prompts=[prompts[i]] if prompts is not None else None,
+                                 input_ids=[input_ids[i]] if input_ids is not None else None,
+                                 sampling_params=nth(sampling_params, i), return_logprob=return_logprob,
+                                 top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                                 rid=nth(rid, i), return_sampling_mask=return_sampling_mask,
+                                 session_id=nth(session_id, i), routing_key=routing_keys[i])
+            for o in outs:
+                o.prompt_index = i
+            return outs
+
+        with ThreadPoolExecutor(min(count, 32)) as pool:
+            return [o for outs in pool.map(one, range(count)) for o in outs]
 
     # ------------------------------------------------------------------ sessions
 

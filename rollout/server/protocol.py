@@ -147,13 +147,13 @@ class GenerateRequest(Lenient):
     lora_path: Any = None
     lora_id: Any = None
     custom_logit_processor: Any = None
-    session_params: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
     background: Any = False
-    # SGLang's session turn: {"id": the session from /open_session}; the input appends to its history
-    session_params: Optional[SessionParams] = None
+    # SGLang's session turn: {"id": the session from /open_session}; the input appends to its history.
+    # A batch: one per prompt (null: not a turn), as SGLang's list form
+    session_params: Optional[Union[SessionParams, list[Optional[SessionParams]]]] = None
     # SGLang's prefix-cache partition key (vLLM's cache_salt): cached KV is reused only within it
     extra_key: Optional[Union[str, list[Optional[str]]]] = None
 
@@ -168,6 +168,12 @@ class GenerateRequest(Lenient):
             if any(v is not None and (v < low or (high is not None and v > high)) for v in values):
                 raise ValueError(f"{name} must be >= {low}" + (f" and <= {high}" if high is not None else ""))
         return self
+
+    def session_ids(self) -> Union[str, list[Optional[str]], None]:
+        """The engine's ``session_id`` argument: one id, or one per prompt."""
+        if isinstance(self.session_params, list):
+            return [p.id if p is not None else None for p in self.session_params]
+        return self.session_params.id if self.session_params is not None else None
 
     def one(self, name: str, default: Any) -> Any:
         """A per-request value that SGLang allows per prompt: the one value every prompt asks for."""

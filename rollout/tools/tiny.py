@@ -55,16 +55,61 @@ def build_tokenizer(vocab_size: int = 320):
     return fast
 
 
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                  "</tool_response>", "<think>", "</think>"]
+# the real models' chat templates shipped in rollout/tools/chat_templates: special tokens, stop token, bos
+CHAT_FORMATS = {
+    "chatml_smollm2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None),
+    "qwen2_5": (_QWEN_SPECIALS, "<|im_end|>", None),
+    "qwen3": (_QWEN_SPECIALS, "<|im_end|>", None),
+    "llama3_1": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                  "<|python_tag|>"], "<|eot_id|>", "<|begin_of_text|>"),
+}
+
+
+def chat_template(name: str) -> str:
+    """The chat template ``name`` (a key of ``CHAT_FORMATS``) as its model ships it."""
+    if name not in CHAT_FORMATS:
+        raise ValueError(f"chat template {name!r}: use one of {sorted(CHAT_FORMATS)}")
+    with open(os.path.join(os.path.dirname(__file__), "chat_templates", name + ".jinja")) as f:
+        return f.read()
+
+
+def build_chat_tokenizer(name: str, extra_corpus: str = "", vocab_size: int = 400):
+    """A byte-level BPE tokenizer trained on the embedded corpus (and ``extra_corpus``) for the chat
+    template ``name``, whose special tokens are single added tokens as in the real model; its EOS is
+    the template's end-of-turn token (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, stop, bos = CHAT_FORMATS[name]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((_CORPUS + 'lookup {"name": "key": "arguments" code tool\n' + extra_corpus).splitlines() * 4,
+                            trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=stop, bos_token=bos,
+                                   pad_token=specials[0] if specials[0] not in (stop, bos) else stop,
+                                   additional_special_tokens=[s for s in specials if s not in (stop, bos)])
+    fast.chat_template = chat_template(name)
+    return fast
+
+
 def make_tiny_model(path: str, arch: str = "llama", *, hidden_size: int = 64, intermediate_size: int = 128,
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: Optional[int] = None,
                     vocab_size: Optional[int] = None, tie_word_embeddings: bool = False, seed: int = 0,
                     embed_std: float = 1.0, head_std: float = 0.5, dtype: torch.dtype = torch.float32,
-                    with_tokenizer: bool = True, max_position_embeddings: int = 512, **config_extra) -> str:
-    """Write a random tiny model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``; return it."""
+                    with_tokenizer: bool = True, max_position_embeddings: int = 512, tokenizer=None,
+                    **config_extra) -> str:
+    """Write a random tiny model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``; return it.
+    ``tokenizer``: one to ship instead of the embedded one (e.g. ``build_chat_tokenizer``)."""
     import transformers
 
     os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer() if with_tokenizer else None
+    if tokenizer is None and with_tokenizer:
+        tokenizer = build_tokenizer()
     n_tok = len(tokenizer) if tokenizer is not None else 0
     vocab_size = vocab_size or max(n_tok, 256)
     if vocab_size < n_tok:

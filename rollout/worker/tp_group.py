@@ -272,8 +272,9 @@ class TpWorkerGroup(LeaderWorker):
             raise
         except Exception as exc:
             # a peer that died closed its sockets before it could be reaped: give it a moment to be
-            # seen dead, so that the failure names the rank rather than only the collective
-            connection.wait([p.sentinel for p in self.procs], timeout=1.0)
+            # seen dead, so that the failure names the rank rather than only the collective (a killed
+            # process takes seconds to be torn down on a loaded machine; a live one costs this wait once)
+            connection.wait([p.sentinel for p in self.procs], timeout=5.0)
             errors = self._collect_errors()
             if errors or isinstance(exc, (RuntimeError, dist.DistBackendError)):
                 self._fail("; ".join(errors) or f"collective failed: {exc}")
