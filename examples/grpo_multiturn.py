@@ -19,6 +19,9 @@ Against rollout servers this script starts (each episode a session pinned to one
     python -m torch.distributed.run --nproc_per_node 1 examples/grpo_multiturn.py --replicas 2
 The same through the field's router (turns resend the history with the episode as X-SMG-Routing-Key):
     python -m torch.distributed.run --nproc_per_node 1 examples/grpo_multiturn.py --replicas 2 --router smg
+Asynchronous, pushes landing between and inside turns (each token's weight version recorded):
+    python -m torch.distributed.run --nproc_per_node 1 examples/grpo_multiturn.py --replicas 2 \\
+        --max-staleness 1 --partial-rollouts
 The control run (weights never pushed: the engine keeps the warm-up policy): add ``--no-push``.
 SmolLM2-135M-Instruct instead: ``--model smollm2`` (its ChatML template renders no tools: the tool and
 the Hermes call format are described in the system message; no warm-up by default).
@@ -36,7 +39,8 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 import rollout  # noqa: E402,F401  first: its OpenMP defaults must be set before torch loads (rollout.openmp)
 from trainer_bridge.grpo_setup import add_flags, build_trainer, grpo_config, step_logger  # noqa: E402
 
-OWN_FLAGS = ("fruits", "max_turns", "warmup_steps", "warmup_right", "replicas", "router", "no_sessions")
+OWN_FLAGS = ("fruits", "max_turns", "warmup_steps", "warmup_right", "replicas", "router", "no_sessions",
+             "max_staleness", "partial_rollouts")
 
 
 def parse(argv=None):
@@ -53,12 +57,16 @@ def parse(argv=None):
     own.add_argument("--router", default=None, choices=["sglang-router", "smg"],
                      help="with --replicas: put the field's router in front (routing keys instead of sessions)")
     own.add_argument("--no-sessions", action="store_true", help="resend each turn's whole history (prefix cache)")
+    own.add_argument("--max-staleness", type=int, default=0,
+                     help="with --replicas: play the next step's episodes while this one trains (0: synchronous)")
+    own.add_argument("--partial-rollouts", action="store_true",
+                     help="with --replicas: land each push in the middle of running turns (pause in place)")
     ap = add_flags(ap)
     ap.set_defaults(steps=30, max_new_tokens=32, n=8, prompts_per_step=8, lr=1e-3, out_dir="rl_runs/multiturn")
     args = vars(ap.parse_args(argv))
     own_args = argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS})
-    if own_args.router and not own_args.replicas:
-        ap.error("--router needs --replicas")
+    if (own_args.router or own_args.max_staleness or own_args.partial_rollouts) and not own_args.replicas:
+        ap.error("--router, --max-staleness and --partial-rollouts need --replicas")
     return own_args, argparse.Namespace(**args)
 
 
@@ -94,7 +102,7 @@ def main(argv=None) -> list:
     max_turns = own.max_turns or 2 * own.fruits
     tasks = lookup_tasks(own.fruits)
     log, finish = step_logger(args, rank)
-    cfg = grpo_config(args, release_memory=not own.replicas)
+    cfg = grpo_config(args, release_memory=not own.replicas, max_staleness=own.max_staleness)
     parser = "hermes"  # the tiny model's template implies it; SmolLM2's ChatML does not name one
     clients, router, target, engine = [], None, None, None
     try:
@@ -109,7 +117,8 @@ def main(argv=None) -> list:
             for c in clients:
                 c.wait_ready(300)
             replicas = ReplicaSet(clients)
-            target = DistributedTarget(replicas, master_address="127.0.0.1", group_name="grpo-multiturn")
+            target = DistributedTarget(replicas, master_address="127.0.0.1", group_name="grpo-multiturn",
+                                       partial_rollouts=own.partial_rollouts)
             service = ReplicaRouter(replicas)  # what pushes are verified against (every replica)
             if own.router:  # the episodes go through the field's router, each pinned by its routing key
                 router = launch_router([c.base_url for c in clients], kind=own.router, policy="manual")

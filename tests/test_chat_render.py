@@ -135,3 +135,29 @@ def test_tool_calls_and_reasoning_are_parsed_into_openai_fields():
     for name, want in (("qwen2_5", "hermes"), ("qwen3", "hermes"), ("llama3_1", "llama3_json"),
                        ("chatml_smollm2", None)):
         assert parser_for_template(template_tokenizer(name).chat_template) == want
+
+
+@pytest.mark.parametrize("parser, text, content, keys", [
+    ("hermes", 'Let me check. <tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>',
+     "Let me check.", ["a"]),
+    ("hermes", "a <tool in prose, then <b>", "a <tool in prose, then <b>", []),
+    ("hermes", '<tool_call>\n{"name": "lookup", "arguments": {"key": \n</tool_call>',
+     '<tool_call>\n{"name": "lookup", "arguments": {"key": \n</tool_call>', []),  # broken: content after all
+    ("llama3_json", '<|python_tag|>{"name": "lookup", "parameters": {"key": "c"}}', "", ["c"]),
+    ("llama3_json", "plain words", "plain words", []),
+])
+def test_a_streamed_reply_holds_tool_calls_back_and_never_takes_text_back(parser, text, content, keys):
+    """Fed a character at a time (as a stream grows): the content sent never contains a call's markup,
+    nothing sent is taken back, and the end gives the calls the whole-answer parser gives."""
+    import json as js
+
+    from rollout.engine.tool_calls import StreamedReply
+
+    reply, sent, calls = StreamedReply(parser), "", []
+    for k in range(1, len(text) + 1):
+        piece, calls = reply.feed(text[:k], final=k == len(text))
+        sent += piece
+        if k < len(text):
+            assert "<tool_call>" not in sent and "python_tag" not in sent and not calls
+    assert sent.strip() == content.strip()
+    assert [js.loads(c["function"]["arguments"])["key"] for c in calls] == keys

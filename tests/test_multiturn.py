@@ -274,6 +274,14 @@ def test_the_openai_clients_tool_calling_flow(lookup_servers):
     answer = second.choices[0]
     assert answer.finish_reason == "stop" and not answer.message.tool_calls
     assert answer.message.content.strip() in LOOKUP_TABLE.values()
+    # streamed: the same call, its markup never in the content deltas
+    chunks = list(client.chat.completions.create(model="default", messages=env.reset(), tools=[LOOKUP_TOOL],
+                                                 temperature=0, max_tokens=32, stream=True))
+    streamed_calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip() == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed_calls] == \
+        [(0, "lookup", call.function.arguments)]
 
 
 def _run_example(tmp_path, folder, *extra, steps):

@@ -136,7 +136,7 @@ class MultiTurnRunner:
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.sessions, self.routing_keys = sessions, routing_keys
         self.template_kwargs = template_kwargs
-        template = getattr(tokenizer, "chat_template", None)
+        template = tokenizer.chat_template  # a Hugging Face tokenizer always has it (None: no template)
         self.parser = parser_for_template(template) if tool_call_parser == "auto" else tool_call_parser
         self.reasoning = has_reasoning(template) if reasoning_parser == "auto" else bool(reasoning_parser)
 

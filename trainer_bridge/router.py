@@ -105,8 +105,10 @@ class ReplicaRouter:
             def run(r: int, mine: list[int]) -> None:
                 try:
                     sessions = [turns[i] for i in mine]
+                    params = [sps[i] for i in mine]  # one object when they are one (the usual single-turn case)
                     outs = self.replicas.replicas[r].generate(
-                        input_ids=[input_ids[i] for i in mine], sampling_params=[sps[i] for i in mine],
+                        input_ids=[input_ids[i] for i in mine],
+                        sampling_params=params[0] if all(p is params[0] for p in params) else params,
                         session_id=sessions if any(s is not None for s in sessions) else None, **kw)
                     for o in outs:  # back to the caller's prompt index
                         o.prompt_index = mine[o.prompt_index]

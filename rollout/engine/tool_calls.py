@@ -107,3 +107,56 @@ def parse_reply(text: str, parser: Optional[str], reasoning: bool = False) -> Pa
                 calls.append(call)
                 content = ""
     return ParsedReply(content or (None if calls else ""), calls, thought)
+
+
+_HERMES_OPEN = "<tool_call>"
+
+
+class StreamedReply:
+    """A reply parsed while it streams: ``feed(text so far, final)`` gives the content to send now and,
+    at the end, the parsed tool calls. Content is sent until a tool call may begin (Hermes: a
+    ``<tool_call>`` or a partial one at the end; Llama 3 JSON: a reply that opens with ``{`` or
+    ``<|python_tag|>``) and held from there; at the end what was held is parsed — calls, or content
+    after all. Sent text is never taken back."""
+
+    def __init__(self, parser: Optional[str], reasoning: bool = False):
+        if parser is not None and parser not in PARSERS:
+            raise ValueError(f"tool-call parser {parser!r}: use one of {PARSERS}")
+        self.parser, self.reasoning = parser, reasoning
+        self.sent = ""
+
+    def _safe(self, text: str) -> str:
+        """The part of ``text`` that cannot belong to a tool call."""
+        if self.parser == "llama3_json":
+            head = text.lstrip()
+            if not head or head.startswith("{") or head.startswith("<|python_tag|>") or "<|python_tag|>".startswith(head):
+                return ""
+            return text
+        at = text.find(_HERMES_OPEN)
+        if at >= 0:
+            return text[:at]
+        for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):  # a marker still arriving
+            if _HERMES_OPEN.startswith(text[-k:]):
+                return text[:-k]
+        return text
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(content to send now, tool calls — only when ``final``)."""
+        if self.parser is None:
+            new = text[len(self.sent):] if text.startswith(self.sent) else ""
+            self.sent = text if text.startswith(self.sent) else self.sent
+            return new, []
+        if not final:
+            safe = self._safe(text.rstrip("\ufffd"))
+            if not safe.startswith(self.sent):
+                return "", []
+            new, self.sent = safe[len(self.sent):], safe
+            return new, []
+        parsed = parse_reply(text, self.parser, self.reasoning)
+        if not parsed.tool_calls:  # nothing was a call: the held text is content after all
+            new = text[len(self.sent):] if text.startswith(self.sent) else ""
+            self.sent = text
+            return new, []
+        content = parsed.content or ""
+        new = content[len(self.sent):] if content.startswith(self.sent) else ""
+        return new, parsed.tool_calls

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
-from rollout.engine.tool_calls import has_reasoning, parse_reply, parser_for_template
+from rollout.engine.tool_calls import StreamedReply, has_reasoning, parse_reply, parser_for_template
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
 from rollout.server.auth import user
@@ -244,16 +244,21 @@ def _parsers(svc: EngineService, body: P.ChatCompletionRequest) -> tuple[Optiona
     return parser, reasoning
 
 
+def _reply_text(svc: EngineService, o: RolloutOutput) -> str:
+    """A reply's text for the parsers: special tokens kept (tool-call markers may be special tokens),
+    the stop token that ended it left out."""
+    ids = o.output_token_ids
+    if o.finish_reason == "stop" and isinstance(o.matched_stop, int) and ids and ids[-1] == o.matched_stop:
+        ids = ids[:-1]
+    return svc.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def _reply(svc: EngineService, o: RolloutOutput, parser: Optional[str], reasoning: bool) -> tuple[dict, str]:
     """The assistant message of a reply (tool calls and reasoning parsed out when asked) and its
     finish reason ("tool_calls" when it called any)."""
     if parser is None and not reasoning:
         return {"role": "assistant", "content": o.text or ""}, o.finish_reason
-    ids = o.output_token_ids
-    if o.finish_reason == "stop" and isinstance(o.matched_stop, int) and ids and ids[-1] == o.matched_stop:
-        ids = ids[:-1]
-    text = svc.engine.tokenizer.decode(ids, skip_special_tokens=False)  # tool-call markers may be special tokens
-    parsed = parse_reply(text, parser, reasoning)
+    parsed = parse_reply(_reply_text(svc, o), parser, reasoning)
     msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning_content is not None:
         msg["reasoning_content"] = parsed.reasoning_content
@@ -277,23 +282,31 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
                   top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt)
     cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
         svc.engine.tokenizer, body.return_tokens_as_token_ids)
+    parser, reasoning = _parsers(svc, body)
     if body.stream:
         delta = TextDeltas()
         started: set[int] = set()
+        replies: dict[int, StreamedReply] = {}  # with a tool-call parser: per choice, calls held until complete
 
         def shape(o: RolloutOutput):
             piece, first = delta(o)
             i = _index(o, body.n)
             d: dict[str, Any] = {"content": piece}
+            finish = o.finish_reason
+            if parser is not None:
+                reply = replies.setdefault(i, StreamedReply(parser))
+                d["content"], calls = reply.feed(_reply_text(svc, o), o.finish_reason is not None)
+                if calls:  # OpenAI's streamed shape: each call whole, by its index
+                    d["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                    finish = "tool_calls"
             if i not in started:
                 started.add(i)
                 d["role"] = "assistant"
             yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [{"index": i, "delta": d, "finish_reason": o.finish_reason,
+                   "choices": [{"index": i, "delta": d, "finish_reason": finish,
                                 "logprobs": _chat_logprobs(token_str, o, first) if body.logprobs else None}]}
         return await svc.stream(request, kwargs, shape)
     outs = await svc.generate(request, kwargs)
-    parser, reasoning = _parsers(svc, body)
     choices = []
     for o in outs:
         message, finish = _reply(svc, o, parser, reasoning)
