@@ -19,7 +19,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny", help="'tiny' (built locally), 'smollm2', or a Hugging Face folder")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--prompts-per-step", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--n", "--group-size", dest="n", type=int, default=8,
+                    help="samples per prompt (the GRPO group); under torch.distributed.run spell it --group-size "
+                         "(its own parser takes --n for a prefix of --nnodes / --nproc-per-node)")
     ap.add_argument("--max-new-tokens", type=int, default=6)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-2)
