@@ -102,6 +102,7 @@ class _Episode:
     messages: list[dict]
     traj: Trajectory
     pending: list[int]  # what the next turn sends: the tokens appended since the last (with sessions)
+    key: str = ""  # the episode's name: its session id, or its routing key
     session: Optional[str] = None
     finished: bool = False
 
@@ -120,8 +121,9 @@ class MultiTurnRunner:
     """Plays episodes through ``service`` (an engine, a server client, a ``ReplicaRouter``).
 
     ``tokenizer``: the model's, with its chat template; ``max_turns``: assistant turns per episode;
-    ``max_total_tokens``: an episode's token limit (prompt and everything after it; the engine's context
-    at most) — an episode that reaches it ends with ``finish_reason == "context_length"``;
+    ``max_total_tokens``: an episode's token limit (prompt and everything after it) — an episode that
+    reaches it ends with ``finish_reason == "context_length"``; set it no higher than the engine's
+    context (``max_model_len``), past which the engine refuses a session's turn and the round fails;
     ``sessions``: engine sessions (the history's KV kept) or whole-history resends; ``routing_keys``:
     send each episode's id as its routing key (a server client behind the field's router);
     ``tool_call_parser`` / ``reasoning_parser``: "auto" (what the template implies), a name, or None.
@@ -155,15 +157,17 @@ class MultiTurnRunner:
                 raise ValueError("each episode's SamplingParams needs a seed (its turns derive theirs from it)")
         prefix = session_prefix or uuid.uuid4().hex[:12]
         episodes = [self._open(env, sp) for env, sp in zip(envs, sampling)]
+        for i, ep in enumerate(episodes):
+            ep.key = f"{prefix}-{i}"
         try:
             if self.sessions:
-                for i, ep in enumerate(episodes):
-                    ep.session = self.service.open_session(f"{prefix}-{i}")
+                for ep in episodes:
+                    ep.session = self.service.open_session(ep.key)
             for turn in range(self.max_turns):
                 live = [ep for ep in episodes if not ep.finished]
                 if not live:
                     break
-                self._round(live, turn, return_sampling_mask, prefix)
+                self._round(live, turn, return_sampling_mask)
             for ep in episodes:
                 if not ep.finished:
                     ep.traj.finish_reason, ep.finished = "max_turns", True
@@ -188,7 +192,7 @@ class MultiTurnRunner:
         traj = Trajectory(prompt, [], [], [], [], [], [], messages=list(messages))
         return _Episode(env, renderer, replace(sp, stop_token_ids=stops), messages, traj, pending=list(prompt))
 
-    def _round(self, live: list[_Episode], turn: int, masks: bool, prefix: str) -> None:
+    def _round(self, live: list[_Episode], turn: int, masks: bool) -> None:
         """One turn of every live episode, batched into one generate call."""
         assert self.service is not None  # run() checked
         params = []
@@ -200,7 +204,7 @@ class MultiTurnRunner:
         if self.sessions:
             kwargs["session_id"] = [ep.session for ep in live]
         if self.routing_keys:
-            kwargs["routing_key"] = [f"{prefix}-{id(ep.env):x}" for ep in live]
+            kwargs["routing_key"] = [ep.key for ep in live]
         inputs = [ep.pending if self.sessions else ep.tokens for ep in live]
         outs = self.service.generate(input_ids=inputs, sampling_params=params, return_sampling_mask=masks, **kwargs)
         if len(outs) != len(live):
