@@ -36,9 +36,6 @@ from trainer_bridge.serving import RolloutService
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = ("done", "max_turns", "context_length")
-
-
 @dataclass
 class EnvStep:
     """What an environment answers to one assistant message."""
@@ -84,10 +81,6 @@ class Trajectory:
     @property
     def sampled_positions(self) -> list[int]:
         return [i for i, m in enumerate(self.loss_mask) if m]
-
-    @property
-    def num_sampled_tokens(self) -> int:
-        return sum(self.loss_mask)
 
     @property
     def sampled_weight_versions(self) -> list[str]:

@@ -72,7 +72,7 @@ class ReplicaRouter:
         with self._lock:
             i = self.sessions.get(session_id) if session_id is not None else None
             if i not in live:  # new session, or its replica is gone (its prefix is recomputed elsewhere)
-                i = min(live, key=lambda k: (self.outstanding[k], k))
+                i = self._least_loaded(live)
                 if session_id is not None:
                     self.sessions[session_id] = i
             self.outstanding[i] += cost
@@ -138,6 +138,9 @@ class ReplicaRouter:
             todo = sorted(failed)
         return [o for i in range(len(input_ids)) for o in sorted(results[i], key=lambda o: o.sample_index)]
 
+    def _least_loaded(self, live: list[int]) -> int:
+        return min(live, key=lambda k: (self.outstanding[k], k))
+
     def _owner(self, i: int, cost: int, session: Optional[str], key: Optional[str]) -> int:
         if session is None:
             return self.pick(cost, key)
@@ -157,7 +160,7 @@ class ReplicaRouter:
         """Open a session on the least loaded serving replica; its turns all go there."""
         live = self.replicas.require_serving()
         with self._lock:
-            r = min(live, key=lambda k: (self.outstanding[k], k))
+            r = self._least_loaded(live)
         sid = self.replicas.replicas[r].open_session(session_id, timeout_s)
         with self._lock:
             self.open_sessions[sid] = r
@@ -169,10 +172,6 @@ class ReplicaRouter:
         if r is None:
             raise ValueError(f"session {session_id!r} is not open through this router")
         self.replicas.replicas[r].close_session(session_id)
-
-    def session_replica(self, session_id: str) -> int:
-        """The replica a session lives on."""
-        return self.open_sessions[session_id]
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The serving replicas' values; every one must hold the same (else a ``ReplicaError``)."""

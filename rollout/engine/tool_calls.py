@@ -117,12 +117,12 @@ class StreamedReply:
     at the end, the parsed tool calls. Content is sent until a tool call may begin (Hermes: a
     ``<tool_call>`` or a partial one at the end; Llama 3 JSON: a reply that opens with ``{`` or
     ``<|python_tag|>``) and held from there; at the end what was held is parsed — calls, or content
-    after all. Sent text is never taken back."""
+    after all. Sent text is never taken back; reasoning is not split out of a stream."""
 
-    def __init__(self, parser: Optional[str], reasoning: bool = False):
-        if parser is not None and parser not in PARSERS:
+    def __init__(self, parser: str):
+        if parser not in PARSERS:
             raise ValueError(f"tool-call parser {parser!r}: use one of {PARSERS}")
-        self.parser, self.reasoning = parser, reasoning
+        self.parser = parser
         self.sent = ""
 
     def _safe(self, text: str) -> str:
@@ -142,17 +142,13 @@ class StreamedReply:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to send now, tool calls — only when ``final``)."""
-        if self.parser is None:
-            new = text[len(self.sent):] if text.startswith(self.sent) else ""
-            self.sent = text if text.startswith(self.sent) else self.sent
-            return new, []
         if not final:
             safe = self._safe(text.rstrip("\ufffd"))
             if not safe.startswith(self.sent):
                 return "", []
             new, self.sent = safe[len(self.sent):], safe
             return new, []
-        parsed = parse_reply(text, self.parser, self.reasoning)
+        parsed = parse_reply(text, self.parser)
         if not parsed.tool_calls:  # nothing was a call: the held text is content after all
             new = text[len(self.sent):] if text.startswith(self.sent) else ""
             self.sent = text
