@@ -118,10 +118,29 @@ def _cmd_serve(args) -> int:
                           incremental_streaming_output=args.incremental_streaming_output,
                           enable_memory_saver=args.enable_memory_saver, host=args.host,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    adapters = _adapter_flags(args.lora_paths or []) + _adapter_flags(args.lora_modules or [])
     with RolloutEngine(options.pop("model_path"), **options) as engine:
+        for name, path in adapters:  # the operator's adapters: links followed as for the model itself
+            result = engine.load_lora_adapter(name, path)
+            if not result.success:
+                raise SystemExit(f"--lora-paths {name}={path}: {result.message}")
         uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
     return 0
+
+
+def _adapter_flags(values: list[str]) -> list[tuple[str, str]]:
+    """SGLang's ``--lora-paths`` / vLLM's ``--lora-modules``: ``NAME=PATH`` (or a bare PATH, named by
+    its folder)."""
+    out = []
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(v)), v
+        if not name or not path:
+            raise SystemExit(f"--lora-paths {v!r}: give NAME=PATH")
+        out.append((name, path))
+    return out
 
 
 def _cmd_demo(args) -> int:
@@ -200,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-max-pending-mb", type=float, default=8.0,
                    help="the most bytes of a stream's events that wait in the server for a reader that falls behind "
                         "(an event is sent in pieces within it)")
+    s.add_argument("--lora-paths", nargs="*", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters loaded at start (SGLang's flag; more with /load_lora_adapter)")
+    s.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME=PATH", help="vLLM's name for --lora-paths")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="accepted for SGLang's and vLLM's command lines: adapters are always available here")
     _engine_option_flags(serve)
     serve.set_defaults(func=_cmd_serve)
     bench = sub.add_parser("bench", help="the benchmark suite (`rollout bench limits --help`; benchmarks/README.md)",

@@ -77,6 +77,12 @@ class EngineConfig:
     tp_timeout_s: float = 30.0  # rendezvous and every TP collective: a dead or hung rank fails within this
     # a session (multi-turn history and its KV) idle this long is closed; None: never
     session_timeout_s: Optional[float] = 600.0
+    # LoRA (SGLang's names): adapter versions resident at most (one slot each; a version replaced by a
+    # newer one stays resident while requests that started on it run), the largest rank accepted, and
+    # a budget for the adapters' bytes on each rank (None: no budget beyond the slots)
+    max_loaded_loras: int = 8
+    max_lora_rank: int = 64
+    max_lora_memory_mb: Optional[float] = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -112,6 +118,13 @@ class EngineConfig:
             bad("tp_timeout_s", "must be > 0 seconds")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        for name in ("max_loaded_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
+                    getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        if self.max_lora_memory_mb is not None and not (isinstance(self.max_lora_memory_mb, (int, float))
+                                                        and self.max_lora_memory_mb > 0):
+            bad("max_lora_memory_mb", "must be None (no budget) or a number of MB > 0")
 
     @classmethod
     def from_kwargs(cls, model_path: str, **kwargs) -> EngineConfig:

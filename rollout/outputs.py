@@ -30,6 +30,8 @@ class RolloutOutput:
     output_token_sampling_mask: list[list[int]] = field(default_factory=list)
     output_token_sampling_logprobs: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a shared prefix
+    lora_name: Optional[str] = None  # the LoRA adapter it ran on (None: the base weights)
+    lora_version: Optional[int] = None  # that adapter's version (1, 2, ... per name), every token's
     num_preemptions: int = 0
     time_to_first_token_s: Optional[float] = None
     latency_s: Optional[float] = None

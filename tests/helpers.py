@@ -66,3 +66,49 @@ def assert_left_request_was_aborted(client, before: dict, wanted: int, timeout_s
     decoded = stats["num_decode_tokens"] - before["num_decode_tokens"]
     assert decoded < wanted // 2, f"{decoded} of {wanted} tokens decoded: the disconnect aborted nothing"
 
+
+
+def warning_lines(text: str) -> list[str]:
+    """The lines of a run's output that Python's warnings module printed (``...Warning: ...``)."""
+    import re
+
+    return [line for line in text.splitlines() if re.search(r"\b[A-Z]\w*Warning: ", line)]
+
+
+def env_showing_warnings(**extra: str) -> dict:
+    """This process's environment with Python's default warning filters (no ``PYTHONWARNINGS``)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return {**env, **extra}
+
+
+@functools.lru_cache(maxsize=8)
+def hf_lora_model(path: str, adapter: str):
+    """``transformers`` + ``peft``: the base model at ``path`` with the adapter folder ``adapter`` (fp32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).eval()
+
+
+@torch.no_grad()
+def hf_lora_greedy(path: str, adapter: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """``hf_greedy`` through ``peft`` with ``adapter``: greedy tokens and the smallest top-1/top-2 margin."""
+    model = hf_lora_model(path, adapter)
+    ids = list(prompt)
+    margin = float("inf")
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        margin = min(margin, float(top2[0] - top2[1]))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], margin
+
+
+@torch.no_grad()
+def hf_lora_logprobs(path: str, adapter: str, prompt: list[int], output: list[int]) -> list[float]:
+    logits = hf_lora_model(path, adapter)(input_ids=torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)], dim=-1)
+    return [float(lp[i, t]) for i, t in enumerate(output)]

@@ -313,7 +313,8 @@ def test_what_the_router_adds_is_accepted(compat_srv, compat_tok):
     ("image_data", ["data:image/png;base64,AAAA"], "multimodal"),
     ("return_hidden_states", True, "hidden states"),
     ("return_routed_experts", True, "routed experts"),
-    ("lora_path", "adapter-v1", "LoRA"),
+    ("lora_path", "adapter-v1", "no LoRA adapter of that name is loaded"),  # served once loaded (test_lora.py)
+    ("lora_id", 3, "lora_path"),
     ("custom_logit_processor", "x", "custom logit processors"),
     ("session_params", {"id": "s", "rid": "turn-1"}, "linear"),
 ])

@@ -362,7 +362,9 @@ def test_areal_vllm_extension_push(compat_srv, compat_model, compat_model_b):
     assert r.status_code == 200 and r.json()["success"] and _greedy(compat_srv) == pushed
     _restore(compat_srv, compat_model)
     r = compat_srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
-    assert r.status_code == 400 and "LoRA" in r.text
+    assert r.status_code == 400 and "pass a PEFT LoRA adapter folder" in r.json()["error"]["message"]
+    r = compat_srv.post("/areal_update_weights_lora", json={"lora_name": "a", "lora_path": "/x"})
+    assert r.status_code == 400 and "/v1/load_lora_adapter" in r.text  # named: what to send instead
 
 
 def test_trl_vllm_serve_routes_and_push(compat_srv, compat_model, compat_model_b, compat_tok):

@@ -10,27 +10,33 @@ import subprocess
 import sys
 
 import pytest
+from helpers import env_showing_warnings, warning_lines
 
 from trainer_bridge.targets import WeightTarget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_example(tmp_path, *extra, steps: int, replicas: int = 2):
+def run_example(tmp_path, *extra, steps: int, replicas: int = 2, show_warnings: bool = False):
+    """The disaggregated example's run; with ``show_warnings`` under Python's default warning filters
+    (as the README's command runs it), failing on any warning line in its output."""
     from weight_sync.process_group import free_port
 
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
+    env = env_showing_warnings(WANDB_MODE="offline") if show_warnings else \
+        {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                            str(free_port()), os.path.join(ROOT, "examples", "grpo_disaggregated.py"), "--replicas",
                            str(replicas), "--steps", str(steps), "--out-dir", str(out), "--no-wandb", *extra],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if show_warnings:
+        assert warning_lines(proc.stdout + proc.stderr) == []
     return json.load(open(out / "steps.json")), proc.stdout
 
 
 def test_disaggregated_grpo_learns_and_both_replicas_serve_each_push(tmp_path):
-    logs, stdout = run_example(tmp_path, steps=20)
+    logs, stdout = run_example(tmp_path, steps=20, show_warnings=True)  # and no warning lines
     rewards = [x["reward"] for x in logs]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
     assert all(x["mismatch_max"] < 1e-4 for x in logs)  # fp32, staleness 0

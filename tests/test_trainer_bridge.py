@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import env_showing_warnings, warning_lines
 
 from trainer_bridge.names import to_hf_name
 
@@ -23,16 +24,21 @@ def test_name_map(name, hf):
     assert to_hf_name(name) == hf
 
 
-def run_demo(tmp_path, *extra, steps=25):
+def run_demo(tmp_path, *extra, steps=25, show_warnings=False):
+    """The colocated example's run; with ``show_warnings`` under Python's default warning filters (as
+    the README's command runs it), failing on any warning line in its output."""
     from weight_sync.process_group import free_port
 
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
+    env = env_showing_warnings(WANDB_MODE="offline") if show_warnings else \
+        {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), os.path.join(ROOT, "examples", "grpo_colocated.py"), "--steps",
                            str(steps), "--out-dir", str(out), "--no-wandb", *extra],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if show_warnings:
+        assert warning_lines(proc.stdout + proc.stderr) == []
     return json.load(open(out / "steps.json")), out
 
 
@@ -64,7 +70,7 @@ def test_grpo_without_pushes_does_not_learn(tmp_path):
 
 
 def test_grpo_zero0_exact_logprobs(tmp_path):
-    logs, _ = run_demo(tmp_path, "--zero-stage", "0", steps=4)
+    logs, _ = run_demo(tmp_path, "--zero-stage", "0", steps=4, show_warnings=True)  # and no warning lines
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
 
 

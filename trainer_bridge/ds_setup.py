@@ -19,8 +19,10 @@ def setup_deepspeed_env(skip_shm_build: bool = True) -> None:
     os.environ.setdefault("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_KEY") else "online")
     importlib.import_module("torch._dynamo")  # deepspeed.zero.Init needs it imported first
     # DeepSpeed 0.19 calls torch.distributed functions torch has deprecated: a FutureWarning on every
-    # call (four lines per RL step) that says nothing to a user of this loop. Only those are hidden.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed", category=FutureWarning, module=r"deepspeed")
+    # call (four lines per RL step) that says nothing to a user of this loop. Only those are hidden, by
+    # their message: torch attributes them to its own logging wrapper (c10d_logger), not to DeepSpeed.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.[\w.]+` (is|will be) deprecated",
+                            category=FutureWarning)
 
     if skip_shm_build and not torch.cuda.is_available():
         importlib.import_module("deepspeed.comm.torch")

@@ -91,7 +91,8 @@ class Admission:
     def make_requests(self, prompts, input_ids, sampling_params, return_logprob: bool, top_logprobs_num: int,
                       logprob_start_len: int, rid, on_update=None,
                       return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
-                      session_id: Union[str, list[Optional[str]], None] = None) -> list[Request]:
+                      session_id: Union[str, list[Optional[str]], None] = None,
+                      lora_path: Union[str, list[Optional[str]], None] = None) -> list[Request]:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         if return_sampling_mask is None:
@@ -100,6 +101,7 @@ class Admission:
         if not ids_list:
             raise ValueError("no prompts given")
         sessions = self._session_ids(session_id, len(ids_list), logprob_start_len)
+        loras = self._lora_names(lora_path, len(ids_list))
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
@@ -144,6 +146,7 @@ class Admission:
             req = Request(rids[i] if rids else f"{self._rid_prefix}{counter}", i, ids, params, seed, seq_ids,
                           return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
             req.cache_salt = cache_salt or None
+            req.lora_name = loras[i]
             if sessions[i] is not None:
                 if sp.n != 1:
                     raise ValueError(f"prompt {i} is a turn of session {sessions[i]!r}: a session turn samples "
@@ -152,6 +155,19 @@ class Admission:
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs
+
+    @staticmethod
+    def _lora_names(lora_path, num_prompts: int) -> list[Optional[str]]:
+        """Per prompt, the LoRA adapter it runs on (None: the base weights)."""
+        if lora_path is None:
+            return [None] * num_prompts
+        names = [lora_path] * num_prompts if isinstance(lora_path, str) else lora_path
+        if not isinstance(names, (list, tuple)) or not all(n is None or (isinstance(n, str) and n) for n in names):
+            raise ValueError("lora_path must be a loaded adapter's name, or a list with one per prompt (None: the "
+                             "base weights)")
+        if len(names) != num_prompts:
+            raise ValueError(f"got {len(names)} lora_path entries for {num_prompts} prompts; give one per prompt")
+        return list(names)
 
     @staticmethod
     def _session_ids(session_id, num_prompts: int, logprob_start_len: int) -> list[Optional[str]]:
@@ -245,7 +261,8 @@ class Admission:
             output_token_sampling_logprobs=list(seq.output_sampling_logprobs),
             num_preemptions=seq.num_preemptions,
             time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,
-            latency_s=end - req.arrival_time,
+            latency_s=end - req.arrival_time, lora_name=req.lora_name,
+            lora_version=req.lora.version if req.lora is not None else None,
         )
 
     def _score_output(self, req: Request, seq: Sequence, current_version: str) -> RolloutOutput:

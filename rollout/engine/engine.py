@@ -23,6 +23,7 @@ import torch
 from rollout.config import EngineConfig
 from rollout.engine.admission import Admission, PromptIds
 from rollout.engine.loop import EngineDeadError, EngineLoop
+from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
 from rollout.engine.weights import EngineWeights, check_memory_tags
 from rollout.models import ModelConfig
@@ -143,6 +144,8 @@ class RolloutEngine:
         self._loop = EngineLoop(self.scheduler, self.worker.model_runner.memory_error, start=not self.is_follower)
         self._weights = EngineWeights(self.worker, self.scheduler, self._loop,
                                       ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup))
+        self._lora = EngineLora(self.worker, self.scheduler, self._loop, self._weights, self.config.max_lora_rank,
+                                self.config.max_lora_memory_mb)
         if not self.is_follower:
             logger.info("engine ready: %s", self.worker.model_runner.describe())
 
@@ -200,10 +203,10 @@ class RolloutEngine:
 
     def memory_nbytes(self) -> dict[str, int]:
         """Bytes this rank's engine holds as whole buffers: {"weights": ..., "weight_copies": ... (the
-        packed / fp32 copies the CPU GEMM kernels read), "kv_cache": ...}."""
+        packed / fp32 copies the CPU GEMM kernels read), "kv_cache": ..., "lora_adapters": ...}."""
         runner = self.worker.model_runner
         return {"weights": runner.weights_nbytes(), "weight_copies": runner.weight_copies_nbytes(),
-                "kv_cache": runner.kv_nbytes()}
+                "kv_cache": runner.kv_nbytes(), "lora_adapters": runner.lora_nbytes()}
 
     def cpu_kernels(self) -> Optional[dict]:
         """What this CPU has and which kernels the engine runs because of it (None off the CPU)."""
@@ -237,7 +240,8 @@ class RolloutEngine:
                  top_logprobs_num: int = 0, logprob_start_len: int = -1,
                  rid: Union[str, list[str], None] = None,
                  return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
-                 session_id: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
+                 session_id: Union[str, list[Optional[str]], None] = None,
+                 lora_path: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
         ``return_sampling_mask`` (default: the engine's option): every output token also carries the
@@ -249,12 +253,15 @@ class RolloutEngine:
         to the session's history, the engine generates after the whole history (its KV kept between
         turns) and the turn's output reports the history as ``prompt_token_ids``. A list: one entry per
         prompt (None: not a turn), so that one call advances many sessions by a turn each, batched.
+        ``lora_path`` (SGLang's name): the name of a loaded LoRA adapter (``load_lora_adapter``) the
+        prompts run on, or a list with one entry per prompt (None: the base weights); one batch serves
+        any mix. A request runs to its end on the adapter version it started on.
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                              logprob_start_len, rid, return_sampling_mask=return_sampling_mask,
-                                             cache_salt=cache_salt, session_id=session_id)
+                                             cache_salt=cache_salt, session_id=session_id, lora_path=lora_path)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -304,7 +311,8 @@ class RolloutEngine:
                              top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
                              stream: bool = False, return_sampling_mask: Optional[bool] = None,
                              cache_salt: Optional[str] = None,
-                             session_id: Union[str, list[Optional[str]], None] = None):
+                             session_id: Union[str, list[Optional[str]], None] = None,
+                             lora_path: Union[str, list[Optional[str]], None] = None):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -322,7 +330,7 @@ class RolloutEngine:
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                              logprob_start_len, rid, on_update, return_sampling_mask, cache_salt,
-                                             session_id)
+                                             session_id, lora_path)
         for r in reqs:
             self._loop.submit(r)
 
@@ -615,6 +623,43 @@ class RolloutEngine:
         self._weights.transaction_version = None
         self._weights.opened_by = None
         return self._weights.run(AbortTransaction())
+
+    # ------------------------------------------------------------------ LoRA adapters (SGLang's names)
+
+    def _lora_available(self) -> None:
+        if self._ext is not None:
+            raise ValueError("LoRA adapters are not available under external launch (launch='external'); spawn the "
+                             "engine's TP ranks (launch='spawn') to serve adapters")
+
+    def load_lora_adapter(self, lora_name: str, lora_path: Union[str, os.PathLike], pinned: bool = False,
+                          allowed_dirs=()) -> WeightResult:
+        """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``*.safetensors``, checked like a
+        checkpoint) under ``lora_name`` into a free slot on every TP rank, all or nothing, while
+        generation goes on; requests name it as ``lora_path``. Loading a name again adds a new version:
+        requests that started on the earlier one finish on it. The base weights, their CPU copies and
+        every other prefix in the cache are untouched. ``pinned`` is recorded (SGLang's flag)."""
+        self._lora_available()
+        return self._lora.load_from_folder(lora_name, os.fspath(lora_path), pinned, allowed_dirs)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
+                                       pinned: bool = False) -> WeightResult:
+        """``load_lora_adapter`` from memory: ``tensors`` (a dict or (name, tensor) pairs, peft's names as
+        ``get_peft_model_state_dict`` gives them) and ``config_dict`` (peft's LoRA config as a dict)."""
+        self._lora_available()
+        return self._lora.load_from_tensors(lora_name, tensors, config_dict, pinned)
+
+    def unload_lora_adapter(self, lora_name: str) -> WeightResult:
+        """Stop serving ``lora_name`` and free its slots; refused while running requests use it."""
+        self._lora_available()
+        return self._lora.unload(lora_name)
+
+    def lora_adapter_names(self) -> list[str]:
+        """The names requests can run on now (no wait for the loop: for routing a request by name)."""
+        return [] if self._ext is not None else self._lora.names()
+
+    def list_lora_adapters(self) -> list[dict]:
+        """The resident adapter versions: name, version, slot, whether new requests get it, requests on it."""
+        return [] if self._ext is not None else self._lora.list()
 
     # ------------------------------------------------------------------ checks
 

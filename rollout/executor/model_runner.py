@@ -26,6 +26,7 @@ from rollout.layers.cpu_capability import cpu_capability
 from rollout.layers.cpu_plan import GemmPlans, plan_gemms
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import COPY_KERNELS, PackedWeight, RowParallelLinear, pack_weight
+from rollout.layers.lora import LoraBatch, LoraContext
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     SampleOutput,
@@ -38,6 +39,7 @@ from rollout.layers.sampler import (
 from rollout.models import ModelConfig, build_model
 from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 from rollout.weights.loader import LoadReport, apply_load, plan_load, weight_name_map
+from rollout.weights.lora import lora_layers
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,11 @@ class ModelRunner:
             if hasattr(module, "fused_act"):
                 module.fused_act = cpu_kernels and config.cpu_fused_silu
         self.fused_sampler = cpu_kernels and config.cpu_fused_sampler
+        # LoRA: every adaptable linear reads the current forward's adapter rows from one context
+        self.lora_context = LoraContext()
+        self.lora_layers = lora_layers(self.model)
+        for module in self.lora_layers:
+            module.lora.context = self.lora_context
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
         self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
         self.weights_generation = 0  # bumped whenever the live weights change
@@ -196,11 +203,15 @@ class ModelRunner:
             self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
         fb = ForwardBatch.init_new(batch, self, future_token_ids)
         fb.attn.use_paged_kernel = self.use_paged_kernel
-        hidden = self.model(fb.input_ids, fb.positions, self.kv.caches, fb.attn)
+        self.lora_context.batch = LoraBatch.from_sequences(batch.lora_slots, batch.q_lens, self.device)
+        try:
+            hidden = self.model(fb.input_ids, fb.positions, self.kv.caches, fb.attn)
+        finally:
+            self.lora_context.batch = None
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
 
     def _forward_token_by_token(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
@@ -212,12 +223,17 @@ class ModelRunner:
         wanted = set(batch.logits_rows)
         logits: dict[int, torch.Tensor] = {}
         row = 0
-        for table, ctx, q in zip(batch.block_tables, batch.ctx_lens, batch.q_lens):
+        slots = batch.lora_slots or [-1] * len(batch.q_lens)
+        for table, ctx, q, slot in zip(batch.block_tables, batch.ctx_lens, batch.q_lens, slots):
             for j in range(q):
                 positions, meta = build_attention_metadata([table], [ctx - q + j + 1], [1], self.block_size,
                                                            self.device, self.model_config.sliding_window)
                 meta.use_paged_kernel = self.use_paged_kernel
-                hidden = self.model(input_ids[row: row + 1], positions, self.kv.caches, meta)
+                self.lora_context.batch = LoraBatch.from_sequences([slot], [1], self.device)
+                try:
+                    hidden = self.model(input_ids[row: row + 1], positions, self.kv.caches, meta)
+                finally:
+                    self.lora_context.batch = None
                 if row in wanted:
                     logits[row] = self.model.compute_logits(hidden)
                 row += 1
@@ -324,6 +340,10 @@ class ModelRunner:
 
     def weights_nbytes(self) -> int:
         return self.params.nbytes()
+
+    def lora_nbytes(self) -> int:
+        """Bytes of the resident LoRA adapters (every slot, this rank's parts)."""
+        return sum(m.lora.nbytes() for m in self.lora_layers)
 
     def kv_nbytes(self) -> int:
         return self.kv.nbytes()

@@ -18,6 +18,7 @@ from torch import nn
 
 from rollout.layers import cpu_gemm
 from rollout.layers.cpu_plan import GemmPlan
+from rollout.layers.lora import LoraSlots
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
 LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts")
@@ -165,6 +166,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: Optional[PackedWeight] = None  # set and cleared by the ModelRunner
+        offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
+        self.lora = LoraSlots(list(zip(offsets, self.local_sizes)))  # resident adapters (rollout.layers.lora)
 
     def _piece(self, shard_id) -> int:
         if self.shard_ids is None:
@@ -197,8 +200,19 @@ class ColumnParallelLinear(nn.Module):
     def full_from_parts(self, parts: list[torch.Tensor], shard_id=None) -> torch.Tensor:
         return cat_parts(parts, 0)
 
+    def lora_piece(self, shard_id=None) -> int:
+        """The piece of this linear's output a Hugging Face module's adapter applies to."""
+        return self._piece(shard_id)
+
+    def lora_b_slice(self, shard_id=None) -> LoadSlice:
+        """Where this rank's rows of a full adapter ``B`` (one per Hugging Face module) come from: the
+        rows its weight holds."""
+        return self.load_slice(self.weight, shard_id)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.bias, self.packed_weight)
+        y = packed_linear(x, self.weight, self.bias, self.packed_weight)
+        batch = self.lora.active()
+        return y if batch is None else self.lora.add(y, x, batch)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -259,6 +273,7 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: Optional[PackedWeight] = None  # set and cleared by the ModelRunner
+        self.lora = LoraSlots([(0, output_size)])  # resident adapters (rollout.layers.lora)
 
     def shard_shape(self, param, shard_id=None):
         return (self.output_size, self.input_size) if param.dim() == 2 else (self.output_size,)
@@ -274,8 +289,21 @@ class RowParallelLinear(nn.Module):
     def full_from_parts(self, parts, shard_id=None):
         return cat_parts(parts, 1) if parts[0].dim() == 2 else parts[0]
 
+    def lora_piece(self, shard_id=None) -> int:
+        if shard_id is not None:
+            raise KeyError(f"unexpected shard {shard_id!r}")
+        return 0
+
+    def lora_a_slice(self) -> LoadSlice:
+        """Where this rank's input columns of a full adapter ``A`` come from: its weight's columns."""
+        return self.load_slice(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(packed_linear(x, self.weight, None, self.packed_weight), self.tp)
+        partial = packed_linear(x, self.weight, None, self.packed_weight)
+        batch = self.lora.active()
+        if batch is not None:  # this rank's share of the low-rank term, summed with the rest
+            partial = self.lora.add(partial, x, batch)
+        y = tp_all_reduce(partial, self.tp)
         if self.bias is not None:
             y = y + self.bias
         return y

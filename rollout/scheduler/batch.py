@@ -199,6 +199,7 @@ class ModelWorkerBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), after the forward
     weight_version: str = "default"
     has_placeholders: bool = False  # input ids < 0 are -(row + 1) of the previous batch's samples
+    lora_slots: Optional[list[int]] = None  # per sequence its LoRA adapter slot (-1: none); None: no adapter
 
     @property
     def is_prefill_only(self) -> bool:

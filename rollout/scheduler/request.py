@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from rollout.sampling_params import SamplingParams
+from rollout.scheduler.lora_registry import AdapterVersion
 
 
 class SeqStatus(enum.Enum):
@@ -82,6 +83,8 @@ class Request:
         self.return_sampling_mask = return_sampling_mask
         self.cache_salt: Optional[str] = None  # prefix-cache partition (vLLM's cache_salt)
         self.session_id: Optional[str] = None  # a session turn: the session's history is prepended
+        self.lora_name: Optional[str] = None  # the LoRA adapter asked for (None: the base weights)
+        self.lora: Optional[AdapterVersion] = None  # the adapter version it runs on, set when it is added
         # Replayed scoring: prompt_ids[score_from:] are given output tokens, scored under
         # ``score_params`` as generation would have (processed logprobs, masks); None otherwise.
         self.score_from: Optional[int] = None

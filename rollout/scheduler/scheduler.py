@@ -28,6 +28,7 @@ from rollout.config import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
 from rollout.scheduler.block_manager import BlockManager
+from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.request import Request, SeqStatus, Sequence
 from rollout.scheduler.sessions import Session, SessionError, SessionTable
 from rollout.worker.tp_worker import BaseTpWorker
@@ -97,6 +98,7 @@ class Scheduler:
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
         self.sessions = SessionTable(config.session_timeout_s)
+        self.loras = LoraRegistry(config.max_loaded_loras)
         self._sessions_checked = time.monotonic()
 
     @property
@@ -105,8 +107,10 @@ class Scheduler:
         return f"{self.weight_version}#{self.weights_epoch}"
 
     def _cache_key(self, req) -> str:
-        """A request's prefix-cache key: the weights', and its ``cache_salt`` partition if any."""
-        return self.cache_key if req.cache_salt is None else f"{self.cache_key}\x00salt:{req.cache_salt}"
+        """A request's prefix-cache key: the weights', its LoRA adapter version's and its ``cache_salt``
+        partition, if any."""
+        key = self.cache_key if req.lora is None else f"{self.cache_key}\x00lora:{req.lora.uid}"
+        return key if req.cache_salt is None else f"{key}\x00salt:{req.cache_salt}"
 
     # ------------------------------------------------------------------ weights and cache
 
@@ -152,6 +156,12 @@ class Scheduler:
             self._reject(req, QueueFullError(f"the waiting queue is full ({len(self.waiting)} requests, "
                                              f"max_queued_requests={limit}); retry later"))
             return
+        if req.lora_name is not None:
+            try:
+                req.lora = self.loras.resolve(req.lora_name)  # the version it runs on to its end
+            except ValueError as exc:
+                self._reject(req, exc)
+                return
         if req.session_id is not None:
             try:
                 self._begin_turn(req)
@@ -452,6 +462,7 @@ class Scheduler:
     def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
         input_ids: list[int] = []
         tables, ctx_lens, q_lens, logits_rows, sample_idx = [], [], [], [], []
+        lora_slots: list[int] = []
         samplers: list[Sequence] = []
         in_idx, in_targets, in_temps, in_owners = [], [], [], []
         in_scored: list[Optional[ScoredPosition]] = []  # replayed scoring: the sampler's view of each row
@@ -469,6 +480,7 @@ class Scheduler:
                 input_ids.append(-(seq.pending_row + 1))
                 has_placeholders = True
             tables.append(list(seq.block_table))  # a snapshot: the table grows while this batch runs
+            lora_slots.append(-1 if req.lora is None else req.lora.slot)
             ctx_lens.append(end)
             q_lens.append(q)
             if end <= seq.num_prompt_tokens:
@@ -508,7 +520,7 @@ class Scheduler:
             input_logprob_idx=in_idx, input_logprob_targets=in_targets, input_logprob_temps=in_temps,
             input_logprob_sampling=self._scoring_inputs(in_scored, in_temps, in_owners),
             input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
-            has_placeholders=has_placeholders,
+            has_placeholders=has_placeholders, lora_slots=lora_slots if any(s >= 0 for s in lora_slots) else None,
         )
         return ScheduledBatch(batch, scheduled, samplers, in_owners)
 

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.engine import RolloutEngine
-from rollout.server import control_routes, openai_routes, sglang_routes, trl_routes, vllm_routes
+from rollout.server import control_routes, lora_routes, openai_routes, sglang_routes, trl_routes, vllm_routes
 from rollout.server.auth import BodyLimit, user
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, ServerConfig, result_json
@@ -82,6 +82,6 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
     app.add_middleware(BodyLimit)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
-    for module in (sglang_routes, openai_routes, control_routes, vllm_routes, trl_routes):
+    for module in (sglang_routes, openai_routes, control_routes, lora_routes, vllm_routes, trl_routes):
         app.include_router(module.router)
     return app

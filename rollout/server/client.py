@@ -97,27 +97,31 @@ class RolloutClient:
                  top_logprobs_num: int = 0, logprob_start_len: int = -1, rid=None,
                  return_sampling_mask: Optional[bool] = None,
                  session_id: Union[str, list[Optional[str]], None] = None,
-                 routing_key: Union[str, list[str], None] = None) -> list[RolloutOutput]:
+                 routing_key: Union[str, list[str], None] = None,
+                 lora_path: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
         """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``. A session
         turn's ``prompt_token_ids`` are the tokens it appended (``session_info`` has the history).
 
         ``routing_key``: sent as the ``X-SMG-Routing-Key`` header, by which the field's router
         (``sglang-router`` / SMG with ``--policy manual`` or ``consistent_hashing``) sends every request
         with one key to one worker, as slime does per multi-turn session. A list (one key per prompt):
-        each prompt goes as a request of its own with its key, all at once."""
+        each prompt goes as a request of its own with its key, all at once. ``lora_path``: a loaded LoRA
+        adapter's name, or one per prompt (None: the base weights)."""
         if input_ids is not None and input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(routing_key, list):
             return self._generate_keyed(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                        logprob_start_len, rid, return_sampling_mask, session_id, routing_key)
+                                        logprob_start_len, rid, return_sampling_mask, session_id, routing_key,
+                                        lora_path)
         sessions = session_id if isinstance(session_id, list) else None
         body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                 "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask,
                 "session_params": ([{"id": s} if s is not None else None for s in sessions] if sessions is not None
-                                   else {"id": session_id} if session_id is not None else None)}
+                                   else {"id": session_id} if session_id is not None else None),
+                "lora_path": lora_path}
         headers = self._headers(False)
         if routing_key is not None:
             headers["X-SMG-Routing-Key"] = routing_key
@@ -128,7 +132,8 @@ class RolloutClient:
                 for it in items]
 
     def _generate_keyed(self, prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                        logprob_start_len, rid, return_sampling_mask, session_id, routing_keys: list[str]):
+                        logprob_start_len, rid, return_sampling_mask, session_id, routing_keys: list[str],
+                        lora_path=None):
         """One request per prompt, each with its own routing key, concurrently; prompt-major outputs."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -145,7 +150,8 @@ class RolloutClient:
                                  sampling_params=nth(sampling_params, i), return_logprob=return_logprob,
                                  top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                                  rid=nth(rid, i), return_sampling_mask=return_sampling_mask,
-                                 session_id=nth(session_id, i), routing_key=routing_keys[i])
+                                 session_id=nth(session_id, i), routing_key=routing_keys[i],
+                                 lora_path=nth(lora_path, i))
             for o in outs:
                 o.prompt_index = i
             return outs
@@ -167,6 +173,19 @@ class RolloutClient:
                                         headers=self._headers(False)))
 
     # ------------------------------------------------------------------ weights
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> WeightResult:
+        """SGLang's ``/load_lora_adapter``: a PEFT folder on the server's host (under its allowed dirs)."""
+        return self._weight("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, handle: dict, config_dict: dict,
+                                       pinned: bool = False) -> WeightResult:
+        """``handle``: a same-host bucket (``weight_sync.SharedMemoryBucket().write(named)``) of peft's tensors."""
+        return self._weight("/load_lora_adapter_from_tensors", {"lora_name": lora_name, "config_dict": config_dict,
+                                                                "serialized_tensors": handle, "pinned": pinned})
+
+    def unload_lora_adapter(self, lora_name: str) -> WeightResult:
+        return self._weight("/unload_lora_adapter", {"lora_name": lora_name})
 
     def update_weights_from_disk(self, model_path: str, **kw) -> WeightResult:
         return self._weight("/update_weights_from_disk", {"model_path": model_path, **kw})

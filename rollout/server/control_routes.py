@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse
-from rollout.server.service import EngineService, result_json, service_of
+from rollout.server.service import EngineService, local_bucket_handle, result_json, service_of
 
 router = APIRouter()
 ADMIN = [Depends(admin)]
@@ -34,13 +34,7 @@ async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineSer
 
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
 async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
-    if request.client is None or request.client.host not in ("127.0.0.1", "::1", "localhost"):
-        raise HTTPException(403, "tensor handles name memory on this host: only same-host clients may send them")
-    handle = body.serialized_named_tensors
-    if isinstance(handle, list):
-        if not handle:
-            raise HTTPException(400, "serialized_named_tensors is empty")
-        handle = handle[0]  # every rank of this engine opens the one bucket
+    handle = local_bucket_handle(request, body.serialized_named_tensors, "serialized_named_tensors")
     return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
                                    flush_cache=body.flush_cache, weight_version=body.weight_version,
                                    abort_all_requests=body.abort_all_requests, partial=body.partial,

@@ -122,9 +122,19 @@ def _chat_logprobs(token_str: _Tokens, o: RolloutOutput, start: int = 0) -> dict
 
 @router.get("/v1/models", dependencies=[Depends(user)])
 async def models(svc: EngineService = Depends(service_of)):
-    return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0,
-                                        "owned_by": "rollout-worker", "root": svc.engine.config.model_path,
-                                        "max_model_len": svc.context_len}]}
+    """The base model, then every LoRA adapter new requests can name (vLLM's cards: ``parent`` the base)."""
+    base = {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "rollout-worker",
+            "root": svc.engine.config.model_path, "max_model_len": svc.context_len}
+    adapters = await svc.read(svc.engine.list_lora_adapters)
+    return {"object": "list", "data": [base] + [
+        {"id": a["name"], "object": "model", "created": 0, "owned_by": "rollout-worker", "root": a["source"],
+         "parent": svc.model_name, "max_model_len": svc.context_len} for a in adapters if a["current"]]}
+
+
+def _adapter(svc: EngineService, model: Optional[str]) -> Optional[str]:
+    """The LoRA adapter a request's ``model`` names (vLLM's convention), None for the base model (any
+    other name, as before adapters existed here, so clients that send a model id keep working)."""
+    return model if model is not None and model in svc.engine.lora_adapter_names() else None
 
 
 # ------------------------------------------------------------------ /v1/completions
@@ -146,9 +156,9 @@ async def completions(body: P.CompletionRequest, request: Request, svc: EngineSe
                   return_logprob=want_lp or prompt_k is not None,
                   top_logprobs_num=max(body.logprobs or 0, prompt_k or 0, int(prompt_k is not None)),
                   logprob_start_len=0 if (body.echo and want_lp) or prompt_k is not None else -1,
-                  cache_salt=body.cache_salt)
-    cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
-        svc.engine.tokenizer, body.return_tokens_as_token_ids)
+                  cache_salt=body.cache_salt, lora_path=_adapter(svc, body.model))
+    cid, created, model, token_str = f"cmpl-{uuid.uuid4().hex}", int(time.time()), kwargs["lora_path"] or \
+        svc.model_name, _Tokens(svc.engine.tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
         delta = TextDeltas()
 
@@ -279,9 +289,10 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
         return await _session_turn(svc, body, request, session_key, max_tokens)
     ids = _chat_ids(svc, body)
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
-                  top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt)
-    cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.model_name, _Tokens(
-        svc.engine.tokenizer, body.return_tokens_as_token_ids)
+                  top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt,
+                  lora_path=_adapter(svc, body.model))
+    cid, created, model, token_str = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), kwargs["lora_path"] or \
+        svc.model_name, _Tokens(svc.engine.tokenizer, body.return_tokens_as_token_ids)
     parser, reasoning = _parsers(svc, body)
     if body.stream:
         delta = TextDeltas()
@@ -335,7 +346,8 @@ async def _session_turn(svc: EngineService, body: P.ChatCompletionRequest, reque
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from None
     kwargs = dict(input_ids=[turn.token_ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
-                  top_logprobs_num=body.top_logprobs or 0, session_id=session.engine_session)
+                  top_logprobs_num=body.top_logprobs or 0, session_id=session.engine_session,
+                  lora_path=_adapter(svc, body.model))
     outs = await svc.generate(request, kwargs)
     o = outs[0]
     svc.chat_sessions.record(session, messages, o)
@@ -344,7 +356,7 @@ async def _session_turn(svc: EngineService, body: P.ChatCompletionRequest, reque
     choice = {"index": 0, "message": message, "finish_reason": finish,
               "logprobs": _chat_logprobs(token_str, o) if body.logprobs else None, "token_ids": o.output_token_ids}
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": svc.model_name, "choices": [choice], "usage": _usage(outs),
+            "model": kwargs["lora_path"] or svc.model_name, "choices": [choice], "usage": _usage(outs),
             "prompt_token_ids": o.prompt_token_ids, "session_id": key, "session_restarted": turn.restarted,
             "render_mode": turn.mode, "cached_tokens": o.num_cached_tokens}
 

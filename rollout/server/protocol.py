@@ -78,8 +78,7 @@ NOT_HERE = {
     "return_routed_experts": "routed experts exist only in MoE models; this engine serves dense models",
     "return_entropy": "return_entropy is not supported",
     "return_bytes": "return_bytes is not supported",
-    "lora_path": "LoRA adapters are not supported yet",
-    "lora_id": "LoRA adapters are not supported yet",
+    "lora_id": "lora_id is SGLang's internal adapter id: name the adapter in lora_path",
     "custom_logit_processor": "custom logit processors are not supported (they would run pickled code)",
     "bootstrap_host": "prefill/decode disaggregation is not supported",
     "bootstrap_port": "prefill/decode disaggregation is not supported",
@@ -144,7 +143,8 @@ class GenerateRequest(Lenient):
     return_routed_experts: Any = False
     return_entropy: Any = False
     return_bytes: Any = False
-    lora_path: Any = None
+    # a loaded LoRA adapter's name (SGLang's), or one per prompt (null: the base weights)
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
     lora_id: Any = None
     custom_logit_processor: Any = None
     bootstrap_host: Any = None

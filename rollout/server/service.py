@@ -72,6 +72,18 @@ def result_json(result: WeightResult) -> JSONResponse:
     return JSONResponse(body, status_code=200 if result.success else 400)
 
 
+def local_bucket_handle(request: Request, payload, field: str) -> dict:
+    """A same-host bucket handle from a request body (one per TP rank in SGLang's form: every rank of
+    this engine opens the one); 403 for a client on another host (a handle names memory here)."""
+    if request.client is None or request.client.host not in ("127.0.0.1", "::1", "localhost"):
+        raise HTTPException(403, "tensor handles name memory on this host: only same-host clients may send them")
+    if isinstance(payload, list):
+        if not payload:
+            raise HTTPException(400, f"{field} is empty")
+        payload = payload[0]
+    return payload
+
+
 def service_of(request: Request) -> EngineService:
     """The app's service (a FastAPI dependency)."""
     return request.app.state.service

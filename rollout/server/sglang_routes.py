@@ -102,7 +102,7 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
                       return_logprob=return_logprob, top_logprobs_num=body.one("top_logprobs_num", 0),
                       logprob_start_len=body.one("logprob_start_len", -1), rid=body.rid,
                       return_sampling_mask=body.return_sampling_mask, cache_salt=body.one("extra_key", None),
-                      session_id=body.session_ids())
+                      session_id=body.session_ids(), lora_path=body.lora_path)
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from None
     text_of = svc.token_text if body.return_text_in_logprobs else _no_text

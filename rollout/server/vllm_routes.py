@@ -602,8 +602,6 @@ async def areal_update_weights(body: ArealDiskRequest, svc: EngineService = Svc)
 @router.post("/areal_update_weights_lora", dependencies=ADMIN)
 @router.post("/areal_update_weights_lora_xccl", dependencies=ADMIN)
 @router.post("/areal_set_update_weight_meta_lora", dependencies=ADMIN)
-@router.post("/v1/load_lora_adapter", dependencies=ADMIN)
-@router.post("/load_lora_adapter", dependencies=ADMIN)
-@router.post("/v1/unload_lora_adapter", dependencies=ADMIN)
 async def lora_not_yet():
-    raise HTTPException(400, "LoRA adapters are not supported by this server yet")
+    raise HTTPException(400, "AReaL's LoRA update routes are not supported yet: load each adapter version with "
+                             "/v1/load_lora_adapter (name <name>-v<version>)")

@@ -146,3 +146,27 @@ def make_tiny_model(path: str, arch: str = "llama", *, hidden_size: int = 64, in
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny_adapter(base_path: str, path: str, *, r: int = 8, lora_alpha: float = 16,
+                      target_modules="all-linear", seed: int = 0, std: float = 0.1, use_rslora: bool = False,
+                      rank_pattern: Optional[dict] = None, alpha_pattern: Optional[dict] = None, **config_extra) -> str:
+    """Write a random PEFT LoRA adapter for the model at ``base_path`` to ``path`` (``peft``'s own
+    ``save_pretrained``: ``adapter_config.json`` + ``adapter_model.safetensors``); return it. Both
+    matrices are drawn from N(0, ``std``), so the adapter changes what the model says (peft's default
+    initialisation, B = 0, would not)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora,
+                             rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {}, lora_dropout=0.0,
+                             init_lora_weights=False, **config_extra)
+    model = peft.get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    model.save_pretrained(path)
+    return path

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.linear import copy_slices
 from rollout.layers.parallel_state import TpState
+from rollout.weights import lora
 from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
 from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
@@ -42,6 +43,7 @@ from rollout.worker.messages import (
     CommitTransaction,
     DestroyUpdateGroup,
     InitUpdateGroup,
+    LoadLora,
     ProbeUpdateGroup,
     ReadWeight,
     ReceiveDistributed,
@@ -50,6 +52,7 @@ from rollout.worker.messages import (
     StageDistributed,
     StageHandle,
     StageTensors,
+    UnloadLora,
     WeightResult,
     WeightsChecksum,
 )
@@ -153,7 +156,31 @@ class RankWeights:
                 return self._read(msg)
             case WeightsChecksum():
                 return self._checksum()
+            case LoadLora():
+                if msg.handle is not None:
+                    return self._with_bucket(msg.handle, lambda named: self._load_lora(msg, named), vote=True)
+                return self._load_lora(msg, msg.named_tensors)
+            case UnloadLora():
+                freed = lora.remove(self.runner.model, msg.slot)
+                return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=freed)
         raise TypeError(f"not a weight message: {type(msg).__name__}")
+
+    def _load_lora(self, msg: LoadLora, named) -> WeightResult:
+        """Plan the whole adapter on this rank (names, shapes, finiteness, rank), vote, then install:
+        every rank holds it, or none does. Base weights and their CPU copies are untouched."""
+        error, plan = None, None
+        try:
+            plan = lora.plan_adapter(self.runner.model, self.runner.name_map, lora.AdapterConfig.from_peft(msg.config),
+                                     named, msg.max_rank, self.device)
+        except INPUT_ERRORS as exc:
+            error = f"adapter {msg.name!r}: {exc}"
+        if not self._vote(error is None):
+            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+        assert plan is not None
+        lora.install(self.runner.model, msg.slot, plan)
+        return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
+                               f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,
+                               max_rank=plan.max_rank)
 
     # ------------------------------------------------------------------ voting, applying
 

@@ -244,16 +244,10 @@ class SafetensorsFolder:
         finally:
             os.close(own)
         if INDEX_FILE in names:
-            fd = self._open(INDEX_FILE)
-            size = os.fstat(fd).st_size
-            if size > MAX_HEADER_BYTES:
-                raise WeightLoadError(f"{INDEX_FILE}: {size} bytes is not an index")
-            raw = bytearray(size)
-            _pread(fd, memoryview(raw), 0, INDEX_FILE)
-            try:
-                weight_map = json.loads(raw).get("weight_map")
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-                raise WeightLoadError(f"{INDEX_FILE}: not a JSON object ({exc})") from None
+            index = self.read_json(INDEX_FILE, MAX_HEADER_BYTES)
+            if not isinstance(index, dict):
+                raise WeightLoadError(f"{INDEX_FILE}: not a JSON object")
+            weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise WeightLoadError(f"{INDEX_FILE}: needs a non-empty \"weight_map\" object (tensor name -> file)")
             for value in weight_map.values():
@@ -271,6 +265,19 @@ class SafetensorsFolder:
             raise WeightLoadError(f"no *.safetensors files in {self.folder.path!r} (only safetensors weights are "
                                   "loaded)")
         return files
+
+    def read_json(self, name: str, max_bytes: int = 1_000_000) -> object:
+        """A JSON file of the folder (an index, a config), read through the pinned folder like the weights."""
+        fd = self._open(name)
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise WeightLoadError(f"{name}: {size} bytes is too large for a JSON file here (at most {max_bytes})")
+        raw = bytearray(size)
+        _pread(fd, memoryview(raw), 0, name)
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise WeightLoadError(f"{name}: not valid JSON ({exc})") from None
 
     def tensors(self) -> Iterator[tuple[str, LazyTensor]]:
         """Every tensor of the folder; all headers are checked before the first is yielded."""

@@ -201,10 +201,31 @@ class WeightsChecksum:
     """sha256 over every weight in Hugging Face form (``weight_sync.checksum_named_tensors``)."""
 
 
+@dataclass(frozen=True)
+class LoadLora:
+    """A LoRA adapter (peft's config and tensors) into ``slot`` of every linear it targets, all or
+    nothing (``rollout.weights.lora``): the tensors themselves in this process, else a shared-memory
+    or CUDA-IPC bucket's handle. The base weights are not touched."""
+
+    slot: int
+    name: str
+    config: dict  # peft's adapter_config.json, already read by the engine
+    named_tensors: tuple = ()  # ((name, tensor), ...), in this process
+    handle: Optional[dict] = None
+    max_rank: int = 64
+
+
+@dataclass(frozen=True)
+class UnloadLora:
+    """Empty an adapter slot (its memory freed)."""
+
+    slot: int
+
+
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
                    StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
                    DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight,
-                   WeightsChecksum)
+                   WeightsChecksum, LoadLora, UnloadLora)
 LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe
 
 

@@ -1,0 +1,142 @@
+"""``EngineLora``: the engine's side of LoRA adapters, owned by ``RolloutEngine``.
+
+An adapter comes from a PEFT folder (read and checked here, on the caller's thread) or from tensors
+and a config given in memory; it is loaded into a free slot on every TP rank at the next step
+boundary (running requests go on: they are on other slots or on none), all or nothing, and
+published to the scheduler's ``LoraRegistry`` only once every rank holds it. Nothing about the base
+weights changes: no repacking, no flush, no new weight version. Loading a name already loaded adds a
+new version beside the old one (requests that started on the old one finish on it; its slot is
+emptied at the next adapter operation after they have). Unloading a name that running requests use
+is refused, saying how many.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from rollout.engine.loop import EngineLoop
+from rollout.scheduler.scheduler import Scheduler
+from rollout.weights.lora import LORA_DTYPE, AdapterConfig, read_peft_folder
+from rollout.weights.safetensors_io import FolderNotAllowed
+from rollout.worker.messages import LoadLora, UnloadLora, WeightResult
+from rollout.worker.tp_worker import BaseTpWorker
+
+
+def _check_name(name) -> str:
+    if not isinstance(name, str) or not name or len(name) > 256 or any(c in name for c in "\x00\n\r"):
+        raise ValueError("lora_name must be a non-empty string (at most 256 characters, no control characters)")
+    return name
+
+
+class EngineLora:
+    def __init__(self, worker: BaseTpWorker, scheduler: Scheduler, loop: EngineLoop, weights, max_rank: int,
+                 max_memory_mb: Optional[float]):
+        self.worker = worker
+        self.scheduler = scheduler
+        self.loop = loop
+        self.weights = weights  # EngineWeights: its bucket carries tensors to spawned ranks
+        self.max_rank = max_rank
+        self.max_memory_bytes = None if max_memory_mb is None else int(max_memory_mb * 1e6)
+
+    @property
+    def registry(self):
+        return self.scheduler.loras
+
+    def load_from_folder(self, name: str, path: str, pinned: bool = False, allowed=()) -> WeightResult:
+        t0 = time.perf_counter()
+        _check_name(name)
+        try:
+            config, named = read_peft_folder(path, allowed)
+        except FolderNotAllowed:
+            raise  # the server answers 403
+        except (ValueError, OSError) as exc:
+            return WeightResult.fail(f"adapter {name!r}: {exc}").published(self.scheduler.weight_version,
+                                                                           time.perf_counter() - t0)
+        return self._load(name, config, named, str(path), pinned, t0)
+
+    def load_from_tensors(self, name: str, tensors, config: dict, pinned: bool = False) -> WeightResult:
+        """``tensors``: a dict or (name, tensor) pairs under peft's names; ``config``: peft's LoRA config."""
+        t0 = time.perf_counter()
+        _check_name(name)
+        named = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+        try:
+            AdapterConfig.from_peft(config)
+        except ValueError as exc:
+            return WeightResult.fail(f"adapter {name!r}: {exc}").published(self.scheduler.weight_version,
+                                                                           time.perf_counter() - t0)
+        return self._load(name, dict(config), named, "tensors", pinned, t0)
+
+    def _load(self, name: str, config: dict, named: list, source: str, pinned: bool, t0: float) -> WeightResult:
+        if not all(isinstance(t, torch.Tensor) for _, t in named):
+            return WeightResult.fail(f"adapter {name!r}: every value must be a tensor")
+        full_bytes = sum(t.numel() * LORA_DTYPE.itemsize for _, t in named)  # any rank holds at most this
+
+        def on_loop() -> WeightResult:
+            self._collect()
+            reg = self.registry
+            slot = reg.free_slot()
+            if slot is None:
+                names = sorted({av.name for av in reg.resident.values()})
+                return WeightResult.fail(f"adapter {name!r}: max_loaded_loras={reg.max_loaded} adapter versions are "
+                                         f"resident ({', '.join(names)}); unload one or raise max_loaded_loras")
+            if self.max_memory_bytes is not None:
+                held = sum(av.nbytes for av in reg.resident.values())
+                if held + full_bytes > self.max_memory_bytes:
+                    return WeightResult.fail(
+                        f"adapter {name!r}: {full_bytes / 1e6:.1f} MB beside the {held / 1e6:.1f} MB resident exceeds "
+                        f"max_lora_memory_mb={self.max_memory_bytes / 1e6:g}; unload an adapter or raise the budget")
+            if self.weights.ranks_in_other_processes:
+                msg = LoadLora(slot, name, config, handle=self.weights._write_bucket(named), max_rank=self.max_rank)
+            else:
+                msg = LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank)
+            result = self.worker.run_weight_op(msg)
+            if result.success:
+                av = reg.add(name, slot, nbytes=result.num_bytes, max_rank=result.detail.get("max_rank", 0),
+                             modules=list(result.detail.get("modules", ())), source=source, pinned=pinned)
+                result = WeightResult.ok(f"adapter {name!r} version {av.version} loaded into slot {slot}",
+                                         num_bytes=result.num_bytes, lora_name=name, lora_version=av.version,
+                                         slot=slot, modules=av.modules,
+                                         loaded_adapters=reg.describe(self.scheduler.requests.values()))
+            return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
+
+        return self.loop.call(on_loop)
+
+    def unload(self, name: str) -> WeightResult:
+        t0 = time.perf_counter()
+
+        def on_loop() -> WeightResult:
+            reg = self.registry
+            if name not in reg.current:
+                return WeightResult.fail(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(reg.current) or 'none'})")
+            used = reg.users(self.scheduler.requests.values())
+            busy = sum(used.get(av.slot, 0) for av in reg.versions_of(name))
+            if busy:
+                return WeightResult.fail(f"LoRA adapter {name!r} is in use by {busy} running request(s); abort them or "
+                                         f"unload it once they finish")
+            reg.retire(name)
+            freed = self._collect()
+            return WeightResult.ok(f"adapter {name!r} unloaded", freed_bytes=freed,
+                                   loaded_adapters=reg.describe(self.scheduler.requests.values())).published(
+                self.scheduler.weight_version, time.perf_counter() - t0)
+
+        return self.loop.call(on_loop)
+
+    def _collect(self) -> int:
+        """Empty the slots of retired versions no running request uses (on the loop)."""
+        freed = 0
+        for av in self.registry.collectable(self.scheduler.requests.values()):
+            result = self.worker.run_weight_op(UnloadLora(av.slot))
+            if result.success:
+                freed += int(result.detail.get("freed_bytes", 0))
+                self.registry.drop(av)
+        return freed
+
+    def names(self) -> list[str]:
+        """The adapters new requests can name (read off the loop: a snapshot of a dict's keys)."""
+        return list(self.registry.current)
+
+    def list(self) -> list[dict]:
+        return self.loop.call(lambda: self.registry.describe(self.scheduler.requests.values()))

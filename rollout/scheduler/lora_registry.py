@@ -1,0 +1,95 @@
+"""The LoRA adapters resident on the engine, as the scheduler sees them (loop thread only).
+
+An adapter is served under its name; loading the same name again adds a new version in another slot
+and new requests get it, while requests that started on the earlier version finish on it: a version
+a newer one replaced (or an unload took) is *retired* and its slot is emptied once no request in
+flight uses it. Each loaded version has a ``uid`` that no other load ever gets: it is part of the
+prefix-cache key of every request on it, so KV computed under one adapter version is never reused
+under another, nor under the base weights, and loading or unloading one adapter flushes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class AdapterVersion:
+    name: str
+    version: int  # 1, 2, ... per name
+    slot: int
+    uid: int  # unique over the engine's life
+    nbytes: int = 0
+    max_rank: int = 0
+    modules: list[str] = field(default_factory=list)
+    source: str = ""  # the folder it was read from, or "tensors"
+    pinned: bool = False
+    retired: bool = False
+
+    def describe(self, users: int) -> dict:
+        return {"name": self.name, "version": self.version, "slot": self.slot, "current": not self.retired,
+                "num_running_requests": users, "bytes": self.nbytes, "max_rank": self.max_rank,
+                "modules": len(self.modules), "source": self.source, "pinned": self.pinned}
+
+
+class LoraRegistry:
+    def __init__(self, max_loaded: int):
+        self.max_loaded = max_loaded  # resident versions at most (slots 0 .. max_loaded - 1)
+        self.current: dict[str, AdapterVersion] = {}  # name -> the version new requests get
+        self.resident: dict[int, AdapterVersion] = {}  # slot -> version (current or retired)
+        self._uids = itertools.count(1)
+
+    def resolve(self, name: str) -> AdapterVersion:
+        av = self.current.get(name)
+        if av is None:
+            loaded = sorted(self.current) or "none"
+            raise ValueError(f"lora_path {name!r}: no LoRA adapter of that name is loaded (loaded: {loaded}); "
+                             f"load it with load_lora_adapter first")
+        return av
+
+    @staticmethod
+    def users(requests: Iterable) -> dict[int, int]:
+        """slot -> how many requests in flight run on it."""
+        counts: dict[int, int] = {}
+        for req in requests:
+            if req.lora is not None:
+                counts[req.lora.slot] = counts.get(req.lora.slot, 0) + 1
+        return counts
+
+    def collectable(self, requests: Iterable) -> list[AdapterVersion]:
+        """Retired versions no request in flight uses: their slots can be emptied."""
+        used = self.users(requests)
+        return [av for av in self.resident.values() if av.retired and not used.get(av.slot)]
+
+    def free_slot(self) -> Optional[int]:
+        return next((s for s in range(self.max_loaded) if s not in self.resident), None)
+
+    def add(self, name: str, slot: int, **info) -> AdapterVersion:
+        """A version of ``name`` now lives in ``slot``; the previous one (if any) is retired."""
+        previous = self.current.get(name)
+        if previous is not None:
+            previous.retired = True
+        av = AdapterVersion(name, (previous.version + 1) if previous is not None else 1, slot, next(self._uids),
+                            **info)
+        self.current[name] = av
+        self.resident[slot] = av
+        return av
+
+    def retire(self, name: str) -> AdapterVersion:
+        """``name`` is no longer served (its resident versions are emptied by the caller)."""
+        av = self.current.pop(name)
+        av.retired = True
+        return av
+
+    def drop(self, av: AdapterVersion) -> None:
+        self.resident.pop(av.slot, None)
+
+    def versions_of(self, name: str) -> list[AdapterVersion]:
+        return [av for av in self.resident.values() if av.name == name]
+
+    def describe(self, requests: Iterable) -> list[dict]:
+        used = self.users(requests)
+        return [av.describe(used.get(av.slot, 0)) for av in sorted(self.resident.values(), key=lambda a: a.slot)]

@@ -1,0 +1,334 @@
+"""LoRA adapters served beside the base weights: greedy tokens and logprobs equal ``transformers`` +
+``peft`` (fp32, TP=1 and TP=2), mixed batches, versions, the prefix cache, and every refusal."""
+
+import json
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from helpers import MIN_MARGIN, hf_greedy, hf_lora_greedy, hf_lora_logprobs, random_prompts
+
+from rollout import SamplingParams
+from rollout.tools.tiny import make_tiny_adapter
+
+NEW = 10
+LENGTHS = [4, 13, 22]
+GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+
+# (name, base model spec, adapter spec): several ranks, alphas, rsLoRA, per-module ranks and alphas,
+# adapters on a subset of the linears, a model with q/k/v biases
+ADAPTERS = {
+    "llama-r8-all": ("llama", dict(arch="llama"), dict(r=8, lora_alpha=16)),
+    "llama-r4-qv-rslora": ("llama", dict(arch="llama"), dict(r=4, lora_alpha=8, use_rslora=True,
+                                                             target_modules=["q_proj", "v_proj"])),
+    "llama-patterns-mlp": ("llama", dict(arch="llama"), dict(r=16, lora_alpha=16, target_modules=["gate_proj",
+                                                                                                   "up_proj", "down_proj",
+                                                                                                   "o_proj"],
+                                                              rank_pattern={"down_proj": 2},
+                                                              alpha_pattern={"o_proj": 64})),
+    "qwen2-r6-kvo": ("qwen2", dict(arch="qwen2", tie_word_embeddings=True),
+                     dict(r=6, lora_alpha=12, target_modules=["k_proj", "v_proj", "o_proj"], std=0.3)),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """name -> (base path, adapter path, prompts, peft's greedy tokens): each adapter checked to move
+    the base model's greedy answer and to have clear greedy margins (seeds tried in turn)."""
+    root = tmp_path_factory.mktemp("adapters")
+    prompts = random_prompts(300, LENGTHS, seed=2)
+    made = {}
+    for name, (arch, spec, aspec) in ADAPTERS.items():
+        for seed in range(8):
+            base = model_dir(f"lora-{arch}-s{seed}", **spec, seed=seed)
+            path = make_tiny_adapter(base, str(root / f"{name}-s{seed}"), seed=seed, **aspec)
+            refs = [hf_lora_greedy(base, path, p, NEW) for p in prompts]
+            plain = [hf_greedy(base, p, NEW)[0] for p in prompts]
+            if min(m for _, m in refs) >= MIN_MARGIN and [r for r, _ in refs] != plain:
+                made[name] = (base, path, prompts, [r for r, _ in refs])
+                break
+        else:
+            pytest.fail(f"no seed gave adapter {name} clear greedy margins")
+    return made
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_greedy_with_an_adapter_matches_peft(module_engines, adapters, name):
+    base, path, prompts, refs = adapters[name]
+    engine = module_engines(base, max_num_batched_tokens=9)  # chunked prefill mixed with decodes
+    result = engine.load_lora_adapter(name, path)
+    assert result.success, result.message
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=name)
+    for prompt, ref, out in zip(prompts, refs, outs):
+        assert out.output_token_ids == ref
+        assert out.output_logprobs == pytest.approx(hf_lora_logprobs(base, path, prompt, ref), abs=1e-4)
+    # the base weights still answer requests without the adapter, as transformers does
+    plain = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    assert plain[0].output_token_ids == hf_greedy(base, prompts[0], NEW)[0]
+
+
+def test_tp2_with_adapters_equals_peft_and_tp1(make_engine, adapters):
+    base, path, prompts, refs = adapters["llama-r8-all"]
+    _, path_qv, _, refs_qv = adapters["llama-r4-qv-rslora"]
+    assert adapters["llama-r4-qv-rslora"][0] == base  # the same base model: one engine serves both
+    engine = make_engine(base, tp_size=2)
+    assert engine.load_lora_adapter("all", path).success
+    assert engine.load_lora_adapter("qv", path_qv).success
+    outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, lora_path=["all"] * 3 + ["qv"] * 3)
+    assert [o.output_token_ids for o in outs] == refs + refs_qv
+    for prompt, ref, out in zip(prompts, refs, outs):
+        assert out.output_logprobs == pytest.approx(hf_lora_logprobs(base, path, prompt, ref), abs=1e-4)
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gives_alone(make_engine, adapters):
+    """Two adapters and the base weights in one batch (and with overlap scheduling): each request's
+    tokens and logprobs are those it gets alone."""
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
+    plain = [hf_greedy(base, p, NEW)[0] for p in prompts]
+    for overlap in (False, True):
+        engine = make_engine(base, enable_overlap=overlap)
+        assert engine.load_lora_adapter("a", path_a).success and engine.load_lora_adapter("b", path_b).success
+        mix = ["a", None, "b", "b", "a", None, None, "a", "b"]
+        outs = engine.generate(input_ids=[prompts[i % 3] for i in range(9)], sampling_params=GREEDY, lora_path=mix)
+        want = {"a": refs_a, "b": refs_b, None: plain}
+        assert [o.output_token_ids for o in outs] == [want[m][i % 3] for i, m in enumerate(mix)]
+        alone = {m: engine.generate(input_ids=prompts[1], sampling_params=GREEDY, lora_path=m)[0] for m in want}
+        for i, m in enumerate(mix):
+            if i % 3 == 1:
+                assert outs[i].output_logprobs == pytest.approx(alone[m].output_logprobs, abs=1e-5)
+
+
+def test_sampled_tokens_with_an_adapter_follow_its_distribution(make_engine, adapters):
+    """Sampling (temperature 1, seeded): the logprob reported for every sampled token is the
+    adapter-model's, not the base model's."""
+    base, path, prompts, _ = adapters["llama-r8-all"]
+    engine = make_engine(base)
+    assert engine.load_lora_adapter("a", path).success
+    outs = engine.generate(input_ids=prompts, lora_path="a",
+                           sampling_params=SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.output_logprobs == pytest.approx(hf_lora_logprobs(base, path, prompt, out.output_token_ids),
+                                                    abs=1e-4)
+
+
+def test_the_prefix_cache_is_keyed_by_adapter_version_and_adapter_loads_flush_nothing(make_engine, adapters):
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, _ = adapters["llama-r4-qv-rslora"]
+    engine = make_engine(base, block_size=4)
+    long_prompt = prompts[2]  # 22 tokens: 5 full blocks
+    plain = engine.generate(input_ids=long_prompt, sampling_params=GREEDY)[0]
+    assert engine.load_lora_adapter("a", path_a).success
+    on_a = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
+    assert on_a.num_cached_tokens == 0 and on_a.output_token_ids == refs_a[2]  # never the base model's KV
+    again = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
+    assert again.num_cached_tokens > 0 and again.output_token_ids == refs_a[2]  # its own KV is reused
+    generation = engine.worker.model_runner.weights_generation
+    assert engine.load_lora_adapter("b", path_b).success  # another adapter: nothing flushed, nothing repacked
+    assert engine.unload_lora_adapter("b").success
+    assert engine.worker.model_runner.weights_generation == generation
+    base_again = engine.generate(input_ids=long_prompt, sampling_params=GREEDY)[0]
+    assert base_again.num_cached_tokens > 0 and base_again.output_token_ids == plain.output_token_ids
+    a_again = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
+    assert a_again.num_cached_tokens > 0
+    # a new version of "a" (other weights under the same name) reuses none of version 1's KV
+    assert engine.load_lora_adapter("a", path_b).success
+    v2 = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
+    assert v2.num_cached_tokens == 0
+
+
+def test_a_request_finishes_on_the_version_it_started_with(make_engine, adapters):
+    """Version 2 of an adapter is loaded while a request runs on version 1 (paused in place at that
+    moment, then resumed): the running request's tokens are all version 1's, later requests get
+    version 2, and version 1's slot is emptied once nothing uses it. Unloading an adapter in use is
+    refused."""
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, _ = adapters["llama-r4-qv-rslora"]
+    long = 150
+    ref_long, margin = hf_lora_greedy(base, path_a, prompts[1], long)
+    assert margin >= MIN_MARGIN  # no greedy step decided by rounding
+    ref_b = hf_lora_greedy(base, path_b, prompts[0], NEW)[0]
+    engine = make_engine(base)
+    assert engine.load_lora_adapter("policy", path_a).success
+    out = {}
+
+    def run():
+        out["r"] = engine.generate(input_ids=prompts[1], lora_path="policy",
+                                   sampling_params=SamplingParams(max_new_tokens=long, temperature=0, ignore_eos=True))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    while not engine.list_lora_adapters()[0]["num_running_requests"]:
+        threading.Event().wait(0.005)
+    engine.pause_generation("in_place")  # the request holds its place and KV, mid-way
+    assert engine.list_lora_adapters()[0]["num_running_requests"] == 1
+    busy = engine.unload_lora_adapter("policy")
+    assert not busy.success and "in use by 1 running request" in busy.message
+    loaded = engine.load_lora_adapter("policy", path_b)
+    assert loaded.success and loaded.detail["lora_version"] == 2
+    versions = {(a["version"], a["current"]) for a in engine.list_lora_adapters()}
+    assert versions == {(1, False), (2, True)}  # version 1 still resident for its request
+    engine.continue_generation()
+    new = engine.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="policy")[0]
+    worker.join(120)
+    assert out["r"][0].output_token_ids == ref_long  # every token from version 1
+    assert (out["r"][0].lora_name, out["r"][0].lora_version) == ("policy", 1)
+    assert new.output_token_ids == ref_b and new.lora_version == 2  # version 2
+    assert engine.unload_lora_adapter("policy").success
+    assert engine.list_lora_adapters() == [] and engine.memory_nbytes()["lora_adapters"] == 0
+
+
+def test_adapters_from_tensors_equal_the_folder(make_engine, adapters):
+    """``load_lora_adapter_from_tensors`` with peft's state dict and config (as a trainer holds them)."""
+    from safetensors.torch import load_file
+
+    base, path, prompts, refs = adapters["llama-r4-qv-rslora"]
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    config = json.load(open(os.path.join(path, "adapter_config.json")))
+    engine = make_engine(base)
+    assert engine.load_lora_adapter_from_tensors("t", tensors, config).success
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="t")
+    assert [o.output_token_ids for o in outs] == refs
+
+
+def _edited(src: str, dst: str, config_edit=None, tensor_edit=None) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config_edit is not None:
+        cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
+        config_edit(cfg)
+        json.dump(cfg, open(os.path.join(dst, "adapter_config.json"), "w"))
+    if tensor_edit is not None:
+        tensors = load_file(os.path.join(dst, "adapter_model.safetensors"))
+        tensor_edit(tensors)
+        save_file(tensors, os.path.join(dst, "adapter_model.safetensors"))
+    return dst
+
+
+def test_adapters_the_engine_cannot_serve_are_refused_and_nothing_changes(make_engine, adapters, tmp_path):
+    base, path, prompts, refs = adapters["llama-r8-all"]
+    first_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    cases = {
+        "dora": (dict(config_edit=lambda c: c.update(use_dora=True)), "DoRA"),
+        "modules_to_save": (dict(config_edit=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
+        "lora_bias": (dict(config_edit=lambda c: c.update(lora_bias=True)), "LoRA biases"),
+        "embedding": (dict(tensor_edit=lambda t: t.update({
+            "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 320)})), "embedding"),
+        "lm_head": (dict(tensor_edit=lambda t: t.update({
+            "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(320, 8)})), "LM head"),
+        "wrong_shape": (dict(tensor_edit=lambda t: t.update({first_a: torch.zeros(8, 65)})), "do not fit"),
+        "missing_B": (dict(tensor_edit=lambda t: t.pop(first_a.replace("lora_A", "lora_B"))), "lora_B.weight is missing"),
+        "nan": (dict(tensor_edit=lambda t: t[first_a].fill_(float("nan"))), "non-finite"),
+        "not_lora": (dict(config_edit=lambda c: c.update(peft_type="IA3")), "only LoRA"),
+    }
+    engine = make_engine(base, max_lora_rank=8, max_loaded_loras=2)
+    assert engine.load_lora_adapter("good", path).success
+    before = engine.memory_nbytes()["lora_adapters"]
+    for case, (edit, words) in cases.items():
+        bad = _edited(path, str(tmp_path / case), **edit)
+        result = engine.load_lora_adapter(case, bad)
+        assert not result.success and words in result.message, (case, result.message)
+    big = make_tiny_adapter(base, str(tmp_path / "r16"), r=16)
+    result = engine.load_lora_adapter("big", big)
+    assert not result.success and "max_lora_rank=8" in result.message
+    missing = engine.load_lora_adapter("missing", str(tmp_path / "nowhere"))
+    assert not missing.success and "not a folder" in missing.message
+    assert not engine.load_lora_adapter("plain-model", base).success  # a model folder is not an adapter
+    assert [a["name"] for a in engine.list_lora_adapters()] == ["good"]
+    assert engine.memory_nbytes()["lora_adapters"] == before
+    with pytest.raises(ValueError, match="lora_path 'nope': no LoRA adapter of that name is loaded"):
+        engine.generate(input_ids=prompts[0], sampling_params=GREEDY, lora_path="nope")
+    assert not engine.unload_lora_adapter("nope").success
+    # the slots are bounded: a third adapter is refused while two are resident
+    assert engine.load_lora_adapter("second", path).success
+    full = engine.load_lora_adapter("third", path)
+    assert not full.success and "max_loaded_loras=2" in full.message
+    # and the engine still serves the adapter it had, exactly
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="good")
+    assert [o.output_token_ids for o in outs] == refs
+
+
+def test_the_memory_budget_bounds_resident_adapters(make_engine, adapters):
+    base, path, _, _ = adapters["llama-r8-all"]
+    engine = make_engine(base, max_lora_memory_mb=0.1)  # one 65 kB adapter fits, two do not
+    assert engine.load_lora_adapter("one", path).success
+    result = engine.load_lora_adapter("two", path)
+    assert not result.success and "max_lora_memory_mb" in result.message
+
+
+# ------------------------------------------------------------------ over HTTP, with the field's names
+
+
+def test_adapters_over_http_with_sglang_and_vllm_names(make_server, adapters, tmp_path):
+    """SGLang's and vLLM's LoRA routes on a real socket: load (a folder under --allowed-weight-dirs,
+    tensors as a same-host bucket), ``lora_path`` on /generate (one per prompt too), the adapter as
+    ``model`` on /v1/completions and in /v1/models, AReaL's ``<name>-v<version>`` names, vLLM's
+    duplicate and unknown-name answers, and the refusals (outside the allowed dirs, pickled tensors)."""
+    import httpx
+    from safetensors.torch import load_file
+
+    from rollout.server.client import RolloutClient
+    from weight_sync.shm import SharedMemoryBucket
+
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
+    allowed = tmp_path / "adapters"
+    shutil.copytree(path_a, allowed / "policy-v1")
+    shutil.copytree(path_b, allowed / "policy-v2")
+    server = make_server(base, "--dtype", "float32", "--kv-cache-tokens", "1024", "--allowed-weight-dirs",
+                         str(allowed), "--lora-paths", f"boot={allowed / 'policy-v1'}")
+    client = RolloutClient(server.url)
+    http = httpx.Client(base_url=server.url, timeout=60)
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}
+    # the adapter loaded at start, by SGLang's /generate field
+    items = http.post("/generate", json={**body, "lora_path": "boot"}).json()
+    assert [it["output_ids"] for it in items] == refs_a
+    # SGLang's load route (AReaL's versioned names), its answer, and one lora_path per prompt
+    r = http.post("/load_lora_adapter", json={"lora_name": "policy-v2", "lora_path": str(allowed / "policy-v2")})
+    assert r.status_code == 200 and r.json()["success"] and set(r.json()["loaded_adapters"]) == {"boot", "policy-v2"}
+    items = http.post("/generate", json={**body, "lora_path": ["policy-v2", None, "boot"]}).json()
+    plain = hf_greedy(base, prompts[1], NEW)[0]
+    assert [it["output_ids"] for it in items] == [refs_b[0], plain, refs_a[2]]
+    outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy-v2")
+    assert [o.output_token_ids for o in outs] == refs_b
+    # vLLM's: the adapter as the model, listed in /v1/models
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert ids[1:] == ["boot", "policy-v2"]  # after the base model, by slot
+    c = http.post("/v1/completions", json={"model": "policy-v2", "prompt": prompts[0], "max_tokens": NEW,
+                                           "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
+    assert c["choices"][0]["token_ids"] == refs_b[0] and c["model"] == "policy-v2"
+    # vLLM's load and unload: a name loaded twice needs load_inplace; an unknown one is 404
+    vload = {"lora_name": "v", "lora_path": str(allowed / "policy-v1")}
+    assert http.post("/v1/load_lora_adapter", json=vload).text == "Success: LoRA adapter 'v' added successfully."
+    again = http.post("/v1/load_lora_adapter", json=vload)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert http.post("/v1/load_lora_adapter", json={**vload, "load_inplace": True}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 404
+    # SGLang's from-tensors route with a same-host bucket; a pickled payload is refused unread
+    tensors = load_file(os.path.join(path_b, "adapter_model.safetensors"))
+    config = json.load(open(os.path.join(path_b, "adapter_config.json")))
+    bucket = SharedMemoryBucket()
+    try:
+        result = client.load_lora_adapter_from_tensors("pushed", bucket.write(list(tensors.items())), config)
+        assert result.success, result.message
+    finally:
+        bucket.close()
+    assert [o.output_token_ids for o in client.generate(input_ids=prompts, sampling_params=GREEDY,
+                                                        lora_path="pushed")] == refs_b
+    pickled = http.post("/load_lora_adapter_from_tensors", json={"lora_name": "x", "config_dict": config,
+                                                                 "serialized_tensors": "gASV..."})
+    assert pickled.status_code == 400 and "never unpickles" in pickled.text
+    # outside --allowed-weight-dirs: 403; an unknown adapter on /generate: 400 naming it
+    outside = http.post("/load_lora_adapter", json={"lora_name": "out", "lora_path": path_a})
+    assert outside.status_code == 403
+    unknown = http.post("/generate", json={**body, "lora_path": "nope"})
+    assert unknown.status_code == 400 and "lora_path 'nope': no LoRA adapter" in unknown.text
+    assert client.unload_lora_adapter("pushed").success
+    assert http.post("/unload_lora_adapter", json={"lora_name": "pushed"}).status_code == 400
+    http.close()
+    client.close()
