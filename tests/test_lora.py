@@ -332,3 +332,47 @@ def test_adapters_over_http_with_sglang_and_vllm_names(make_server, adapters, tm
     assert http.post("/unload_lora_adapter", json={"lora_name": "pushed"}).status_code == 400
     http.close()
     client.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(dtype):
+    """``LoraSlots.add`` over every row, a run of rows and scattered rows (two adapters, two pieces of a
+    merged linear, one piece without an adapter) equals the term computed row by row in fp32."""
+    from rollout.layers.lora import LoraBatch, LoraPiece, LoraSlots
+
+    g = torch.Generator().manual_seed(0)
+    slots = LoraSlots([(0, 6), (6, 4)])
+    pieces = {0: {0: LoraPiece(torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g), 0.5),
+                  1: LoraPiece(torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g), 2.0)},
+              1: {1: LoraPiece(torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g), 1.0)}}
+    for slot, p in pieces.items():
+        slots.adapters[slot] = slots.fuse(p)
+    x, y = torch.randn(7, 5, generator=g).to(dtype), torch.randn(7, 10, generator=g).to(dtype)
+
+    def expected(row_slots):
+        want = y.float().clone()
+        for r, slot in enumerate(row_slots):
+            for i, piece in pieces.get(slot, {}).items():
+                start, length = slots.piece_offsets[i]
+                want[r, start: start + length] += (x[r].float() @ piece.a.t() @ piece.b.t()) * piece.scale
+        return want.to(dtype)
+
+    cases = [([0] * 7, LoraBatch([(0, None)])),
+             ([-1, 0, 0, 0, 1, 1, -1], LoraBatch([(0, slice(1, 4)), (1, slice(4, 6))])),
+             ([1, 0, -1, 0, 1, -1, 0], LoraBatch([(0, torch.tensor([1, 3, 6])), (1, torch.tensor([0, 4]))]))]
+    for row_slots, batch in cases:
+        got = slots.add(y.clone(), x, batch)
+        assert torch.allclose(got.float(), expected(row_slots).float(), atol=1e-5 if dtype == torch.float32 else 0.05)
+        assert len(LoraBatch.from_sequences(row_slots, [1] * 7, torch.device("cpu")).groups) == len(batch.groups)
+
+
+def test_the_lora_benchmark_writes_its_numbers_and_plot(tmp_path):
+    from rollout.cli import main
+
+    assert main(["bench", "lora", "--model", "tiny", "--dtype", "float32", "--rank", "4", "--repeats", "1",
+                 "--new-tokens", "4", "--batches", "1,4", "--out-dir", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+    res = json.load(open(tmp_path / "lora.json"))
+    assert res["push"]["adapter_bytes"] < res["push"]["full_bytes"] and res["push"]["adapter_push_s"] > 0
+    assert set(res["decode"]) == {"batch1_adapters1", "batch4_adapters1", "batch4_adapters4"}
+    assert all(v["lora_step_s"] > 0 and v["base_step_s"] > 0 for v in res["decode"].values())
+    assert (tmp_path / "lora.png").exists() and res["machine"]["cpu"]

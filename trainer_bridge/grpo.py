@@ -29,6 +29,7 @@ import torch.distributed as dist
 from rollout.engine.engine import RolloutEngine
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
+from trainer_bridge.lora import push_adapter
 from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
@@ -64,6 +65,9 @@ class GRPOConfig:
     # weights served then; a sample is at most max_staleness versions behind the trainer (0: synchronous).
     max_staleness: int = 0
     stale_policy: str = "keep"  # tokens older than the bound: "drop" (masked out), "keep", "tis" (weighted)
+    # LoRA: the trainer's model is a peft model; rollouts run on this adapter and each push moves only its
+    # tensors (a new version of it); the base weights never move (and are never released)
+    lora_name: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -82,7 +86,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.max_staleness={self.max_staleness}: must be >= 0")
         if self.stale_policy not in ("drop", "keep", "tis"):
             raise ValueError(f"GRPOConfig.stale_policy={self.stale_policy!r}: use drop, keep or tis")
-        if self.release_memory and not self.push_weights:
+        if self.release_memory and not self.push_weights and self.lora_name is None:
             raise ValueError("GRPOConfig: release_memory without push_weights would leave the engine without weights")
         if self.max_staleness and self.release_memory:
             raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
@@ -125,12 +129,13 @@ class StepLog:
 
 
 def _generate_share(engine: RolloutService, prompts: list[list[int]], sp: SamplingParams, rank: int, world: int,
-                    masks: bool = False) -> list[RolloutOutput]:
+                    masks: bool = False, lora_path: Optional[str] = None) -> list[RolloutOutput]:
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
     engine (or a router) of its own and generates its share of the prompts."""
     if engine.tp_size > 1 or world == 1:
-        return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks)
-    return engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks)
+        return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks, lora_path=lora_path)
+    return engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks,
+                           lora_path=lora_path)
 
 
 def _gather_shares(engine: RolloutService, mine: list[RolloutOutput], num_prompts: int, n: int,
@@ -301,7 +306,8 @@ class _GRPORun:
                             seed=cfg.seed * 1_000_003 + step * 10_007, ignore_eos=True, top_k=cfg.top_k,
                             top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
         t0 = time.perf_counter()
-        mine = _generate_share(self.engine, batch_prompts, sp, self.rank, self.world, masks=cfg.masked)
+        mine = _generate_share(self.engine, batch_prompts, sp, self.rank, self.world, masks=cfg.masked,
+                               lora_path=cfg.lora_name)
         return _Rollout(batch_prompts, sp, mine, time.perf_counter() - t0)
 
     def push(self, version: str):
@@ -318,20 +324,37 @@ class _GRPORun:
         raise AssertionError("unreachable")
 
     def release_engine_memory(self) -> int:
-        """Colocated: the engine's KV cache and weights freed while the trainer trains; bytes freed."""
+        """Colocated: the engine's KV cache and weights (LoRA: the KV cache only) freed while the trainer
+        trains; bytes freed."""
         if not self.cfg.release_memory:
             return 0
-        return int(self.engine.release_memory_occupation(["kv_cache", "weights"]).detail["freed_bytes"])
+        return int(self.engine.release_memory_occupation(self._released).detail["freed_bytes"])
+
+    @property
+    def _released(self) -> list[str]:
+        return ["kv_cache"] if self.cfg.lora_name is not None else ["kv_cache", "weights"]
+
+    def push_adapter(self, version: str) -> dict:
+        """LoRA: the adapter's tensors as a new version of ``cfg.lora_name``; the push's phases."""
+        assert self.cfg.lora_name is not None
+        if not isinstance(self.engine, RolloutEngine):
+            raise ValueError("LoRA pushes go to a colocated engine here; pushing adapters to servers is not built yet")
+        pushed = push_adapter(self.ds_engine, self.engine, self.cfg.lora_name, version)
+        if not pushed.result.success:
+            raise RuntimeError(f"adapter push {version} failed: {pushed.result.message}")
+        return {"gather_s": pushed.gather_s, "load_s": pushed.load_s, "adapter_bytes": pushed.num_bytes}
 
     def sync_weights(self, step: int) -> tuple[dict, Optional[bool]]:
         """After a training step: the engine's weights storage back (if released) -> push the new
         weights as version ``step-{step}`` -> read samples back (``verify_push``) -> the KV cache back.
         Returns the push's phases and whether the samples matched (None: not checked)."""
         cfg = self.cfg
-        if cfg.release_memory:
+        if cfg.release_memory and cfg.lora_name is None:
             self.engine.resume_memory_occupation(["weights"])
         phases, verified = {}, None
-        if cfg.push_weights:
+        if cfg.push_weights and cfg.lora_name is not None:
+            phases = self.push_adapter(f"step-{step}")
+        elif cfg.push_weights:
             pushed = self.push(f"step-{step}")
             if not pushed.result.success:
                 raise RuntimeError(f"weight push failed at step {step}: {pushed.result.message}")
@@ -424,6 +447,8 @@ class _GRPORun:
         ahead = ThreadPoolExecutor(1) if cfg.max_staleness else None
         queued = deque(ahead.submit(self.rollout, k) for k in range(min(cfg.max_staleness, cfg.steps))) \
             if ahead else deque()
+        if cfg.lora_name is not None:  # the adapter the rollouts run on (B = 0 at first: the base model)
+            self.push_adapter("step-0")
         try:
             for step in range(cfg.steps):
                 t_step = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import tempfile
 from typing import Literal, cast
@@ -37,6 +38,10 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--push-per-parameter", action="store_true",
                     help="gather and push one parameter at a time (the slow baseline) instead of buckets")
     ap.add_argument("--bucket-mb", type=int, default=64, help="push bucket size")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="train a peft LoRA adapter of this rank on every linear instead of the full weights; each "
+                         "push moves only the adapter (0: full weights)")
+    ap.add_argument("--lora-alpha", type=int, default=None, help="LoRA alpha (default: 2 x rank)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")
@@ -44,7 +49,11 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
-def model_path(name: str, seed: int) -> str:
+def model_path(name: str, seed: int, lora: bool = False) -> str:
+    """The model folder by name. The tiny model of a LoRA run has an LM head of std 0.5 instead of 0.05:
+    an adapter on the linears leaves the head frozen, and a head of std 0.05 lets the final hidden
+    state move the even tokens' logits against the odd ones by well under one nat (the task could not be
+    learned); the initial reward is the same (~0.5)."""
     if name == "smollm2":
         from rollout.tools.smollm2 import smollm2_path
 
@@ -53,10 +62,11 @@ def model_path(name: str, seed: int) -> str:
         return name
     from rollout.tools.tiny import make_tiny_model
 
-    path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-{seed}")
+    path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-{'lora-' if lora else ''}{seed}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         make_tiny_model(path + ".tmp", "llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, with_tokenizer=True)
+                        num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.5 if lora else 0.05,
+                        with_tokenizer=True)
         os.replace(path + ".tmp", path) if not os.path.exists(path) else None
     return path
 
@@ -66,7 +76,7 @@ def build_trainer(args, on_model_folder=None, model_folder=None):
     ``on_model_folder(path, rank)``, if given, runs as soon as the folder exists, before the trainer's
     model is loaded (what starts there overlaps the loading); ``model_folder(name, seed)`` finds or
     builds the folder (default ``model_path``; rank 0 first, the others after it)."""
-    model_folder = model_folder or model_path
+    model_folder = model_folder or functools.partial(model_path, lora=bool(args.lora))
     setup_deepspeed_env()
     import deepspeed
     import torch
@@ -87,9 +97,15 @@ def build_trainer(args, on_model_folder=None, model_folder=None):
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tied = bool(policy.config.tie_word_embeddings)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tied = bool(base.config.tie_word_embeddings)
+    policy: torch.nn.Module = base
+    if args.lora:
+        from trainer_bridge.lora import LoraSpec, wrap_lora
+
+        policy = wrap_lora(base, LoraSpec(args.lora, args.lora_alpha or 2 * args.lora))
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
     ds_engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                          config=ds_config(args.zero_stage, args.lr, dtype == torch.bfloat16, world))
     return ds_engine, path, tied, rank, world
@@ -107,7 +123,8 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       repetition_penalty=args.repetition_penalty,
                       release_memory=release_memory and not args.no_push, seed=args.seed,
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
-                      bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy)
+                      bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
+                      lora_name="policy" if args.lora else None)
 
 
 def step_logger(args, rank: int):

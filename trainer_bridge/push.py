@@ -197,7 +197,7 @@ def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats, pool: Opti
     return out
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The policy inside a DeepSpeed engine (which wraps it), or the model itself."""
     from deepspeed import DeepSpeedEngine
 
@@ -210,7 +210,7 @@ def push_weights(model: torch.nn.Module, target: WeightTarget, version: str,
     """One transaction: gather (bucketed, or one parameter at a time) -> hand to target -> commit."""
     stats = PushStats()
     target.begin(version)
-    module = _unwrapped(model)
+    module = unwrapped(model)
     tied = {"lm_head.weight"} if tie_word_embeddings else set()
     pool = target.buffers
     # per parameter: the baseline most integrations use, one GatheredParameters + hand-off per parameter

@@ -37,9 +37,11 @@ class RolloutService(Protocol):
 
     def generate(self, *, input_ids: list[list[int]], sampling_params: Union[SamplingParams, list[SamplingParams]],
                  return_sampling_mask: Optional[bool] = None,
-                 session_id: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
+                 session_id: Union[str, list[Optional[str]], None] = None,
+                 lora_path: Optional[str] = None) -> list[RolloutOutput]:
         """Prompt-major outputs (every sample of a prompt together), with per-token logprobs.
-        ``session_id``: per prompt, the session (``open_session``) it is a turn of."""
+        ``session_id``: per prompt, the session (``open_session``) it is a turn of; ``lora_path``: the
+        LoRA adapter every prompt runs on (None: the base weights)."""
         ...
 
     def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:

@@ -626,40 +626,35 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ LoRA adapters (SGLang's names)
 
-    def _lora_available(self) -> None:
-        if self._ext is not None:
-            raise ValueError("LoRA adapters are not available under external launch (launch='external'); spawn the "
-                             "engine's TP ranks (launch='spawn') to serve adapters")
-
     def load_lora_adapter(self, lora_name: str, lora_path: Union[str, os.PathLike], pinned: bool = False,
-                          allowed_dirs=()) -> WeightResult:
+                          allowed_dirs=(), weight_version: Optional[str] = None) -> WeightResult:
         """Load a PEFT LoRA adapter folder (``adapter_config.json`` + ``*.safetensors``, checked like a
         checkpoint) under ``lora_name`` into a free slot on every TP rank, all or nothing, while
         generation goes on; requests name it as ``lora_path``. Loading a name again adds a new version:
         requests that started on the earlier one finish on it. The base weights, their CPU copies and
-        every other prefix in the cache are untouched. ``pinned`` is recorded (SGLang's flag)."""
-        self._lora_available()
-        return self._lora.load_from_folder(lora_name, os.fspath(lora_path), pinned, allowed_dirs)
+        every other prefix in the cache are untouched. ``pinned`` is recorded (SGLang's flag).
+        ``weight_version``: the label the tokens generated on this version carry (a trainer's step;
+        default: the base weights' version). External launch: every rank calls this alike."""
+        return self._lora.load_from_folder(lora_name, os.fspath(lora_path), pinned, allowed_dirs, weight_version)
 
-    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
-                                       pinned: bool = False) -> WeightResult:
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict, pinned: bool = False,
+                                       weight_version: Optional[str] = None) -> WeightResult:
         """``load_lora_adapter`` from memory: ``tensors`` (a dict or (name, tensor) pairs, peft's names as
-        ``get_peft_model_state_dict`` gives them) and ``config_dict`` (peft's LoRA config as a dict)."""
-        self._lora_available()
-        return self._lora.load_from_tensors(lora_name, tensors, config_dict, pinned)
+        ``get_peft_model_state_dict`` gives them, or as the peft model names its parameters) and
+        ``config_dict`` (peft's LoRA config as a dict)."""
+        return self._lora.load_from_tensors(lora_name, tensors, config_dict, pinned, weight_version)
 
     def unload_lora_adapter(self, lora_name: str) -> WeightResult:
         """Stop serving ``lora_name`` and free its slots; refused while running requests use it."""
-        self._lora_available()
         return self._lora.unload(lora_name)
 
     def lora_adapter_names(self) -> list[str]:
         """The names requests can run on now (no wait for the loop: for routing a request by name)."""
-        return [] if self._ext is not None else self._lora.names()
+        return self._lora.names()
 
     def list_lora_adapters(self) -> list[dict]:
         """The resident adapter versions: name, version, slot, whether new requests get it, requests on it."""
-        return [] if self._ext is not None else self._lora.list()
+        return self._lora.list()
 
     # ------------------------------------------------------------------ checks
 

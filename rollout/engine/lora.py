@@ -19,7 +19,7 @@ import torch
 
 from rollout.engine.loop import EngineLoop
 from rollout.scheduler.scheduler import Scheduler
-from rollout.weights.lora import LORA_DTYPE, AdapterConfig, read_peft_folder
+from rollout.weights.lora import AdapterConfig, read_peft_folder
 from rollout.weights.safetensors_io import FolderNotAllowed
 from rollout.worker.messages import LoadLora, UnloadLora, WeightResult
 from rollout.worker.tp_worker import BaseTpWorker
@@ -45,7 +45,8 @@ class EngineLora:
     def registry(self):
         return self.scheduler.loras
 
-    def load_from_folder(self, name: str, path: str, pinned: bool = False, allowed=()) -> WeightResult:
+    def load_from_folder(self, name: str, path: str, pinned: bool = False, allowed=(),
+                         weight_version: Optional[str] = None) -> WeightResult:
         t0 = time.perf_counter()
         _check_name(name)
         try:
@@ -55,9 +56,10 @@ class EngineLora:
         except (ValueError, OSError) as exc:
             return WeightResult.fail(f"adapter {name!r}: {exc}").published(self.scheduler.weight_version,
                                                                            time.perf_counter() - t0)
-        return self._load(name, config, named, str(path), pinned, t0)
+        return self._load(name, config, named, str(path), pinned, t0, weight_version)
 
-    def load_from_tensors(self, name: str, tensors, config: dict, pinned: bool = False) -> WeightResult:
+    def load_from_tensors(self, name: str, tensors, config: dict, pinned: bool = False,
+                          weight_version: Optional[str] = None) -> WeightResult:
         """``tensors``: a dict or (name, tensor) pairs under peft's names; ``config``: peft's LoRA config."""
         t0 = time.perf_counter()
         _check_name(name)
@@ -67,12 +69,12 @@ class EngineLora:
         except ValueError as exc:
             return WeightResult.fail(f"adapter {name!r}: {exc}").published(self.scheduler.weight_version,
                                                                            time.perf_counter() - t0)
-        return self._load(name, dict(config), named, "tensors", pinned, t0)
+        return self._load(name, dict(config), named, "tensors", pinned, t0, weight_version)
 
-    def _load(self, name: str, config: dict, named: list, source: str, pinned: bool, t0: float) -> WeightResult:
+    def _load(self, name: str, config: dict, named: list, source: str, pinned: bool, t0: float,
+              weight_version: Optional[str]) -> WeightResult:
         if not all(isinstance(t, torch.Tensor) for _, t in named):
             return WeightResult.fail(f"adapter {name!r}: every value must be a tensor")
-        full_bytes = sum(t.numel() * LORA_DTYPE.itemsize for _, t in named)  # any rank holds at most this
 
         def on_loop() -> WeightResult:
             self._collect()
@@ -82,20 +84,18 @@ class EngineLora:
                 names = sorted({av.name for av in reg.resident.values()})
                 return WeightResult.fail(f"adapter {name!r}: max_loaded_loras={reg.max_loaded} adapter versions are "
                                          f"resident ({', '.join(names)}); unload one or raise max_loaded_loras")
-            if self.max_memory_bytes is not None:
-                held = sum(av.nbytes for av in reg.resident.values())
-                if held + full_bytes > self.max_memory_bytes:
-                    return WeightResult.fail(
-                        f"adapter {name!r}: {full_bytes / 1e6:.1f} MB beside the {held / 1e6:.1f} MB resident exceeds "
-                        f"max_lora_memory_mb={self.max_memory_bytes / 1e6:g}; unload an adapter or raise the budget")
+            left = None if self.max_memory_bytes is None else \
+                max(0, self.max_memory_bytes - sum(av.nbytes for av in reg.resident.values()))
             if self.weights.ranks_in_other_processes:
-                msg = LoadLora(slot, name, config, handle=self.weights._write_bucket(named), max_rank=self.max_rank)
+                msg = LoadLora(slot, name, config, handle=self.weights._write_bucket(named), max_rank=self.max_rank,
+                               max_bytes=left)
             else:
-                msg = LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank)
+                msg = LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left)
             result = self.worker.run_weight_op(msg)
             if result.success:
                 av = reg.add(name, slot, nbytes=result.num_bytes, max_rank=result.detail.get("max_rank", 0),
-                             modules=list(result.detail.get("modules", ())), source=source, pinned=pinned)
+                             modules=list(result.detail.get("modules", ())), source=source, pinned=pinned,
+                             weight_version=None if weight_version is None else str(weight_version))
                 result = WeightResult.ok(f"adapter {name!r} version {av.version} loaded into slot {slot}",
                                          num_bytes=result.num_bytes, lora_name=name, lora_version=av.version,
                                          slot=slot, modules=av.modules,

@@ -2,9 +2,10 @@
 applied to a batch that mixes rows on different adapters and on none.
 
 A linear's output is its one base GEMM over every row of the batch (whatever kernel the CPU plan
-picks), plus, for each adapter slot present in the batch, ``(x_s A^T) B^T * scale`` over that
-slot's rows only (``x_s``: the rows of the requests on that adapter). Base weights are never merged
-or copied, and a batch runs one base pass whatever mix of adapters it holds.
+picks), plus, for each adapter slot present in the batch, ``(x_s A^T) (B * scale)^T`` over that
+slot's rows only (``x_s``: the rows of the requests on that adapter; a merged linear's pieces fused
+into one pair of GEMMs). Base weights are never merged or copied, and a batch runs one base pass
+whatever mix of adapters it holds.
 
 Tensor parallelism follows the base weight's split: a column-parallel linear keeps ``A`` whole and
 this rank's output rows of ``B`` (the rows its weight holds, replicated KV heads included); a
@@ -17,7 +18,7 @@ dtype (fp32) and added to the base output in fp32, rounded once to the layer's d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +34,17 @@ class LoraPiece:
     b: torch.Tensor  # [out, rank] (column-parallel: this rank's output rows of the piece)
     scale: float
 
-    def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+Rows = Union[None, slice, torch.Tensor]  # every row, a run of rows, or row indices
 
 
 @dataclass
 class LoraBatch:
-    """Which rows of one forward use which adapter slot: ``groups`` of (slot, row indices), where
-    None stands for every row of the batch. Rows on no adapter appear in no group."""
+    """Which rows of one forward use which adapter slot: ``groups`` of (slot, rows), rows being None
+    (every row of the batch), a ``slice`` (a run: the scheduler puts each adapter's sequences side by
+    side) or an index tensor. Rows on no adapter appear in no group."""
 
-    groups: list[tuple[int, Optional[torch.Tensor]]]
+    groups: list[tuple[int, Rows]]
 
     @staticmethod
     def from_sequences(slots: Optional[list[int]], q_lens: list[int], device: torch.device) -> Optional[LoraBatch]:
@@ -58,7 +60,11 @@ class LoraBatch:
             if slot >= 0:
                 rows.setdefault(slot, []).extend(range(start, start + q))
             start += q
-        return LoraBatch([(s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in sorted(rows.items())])
+        groups: list[tuple[int, Rows]] = []
+        for s, r in sorted(rows.items()):
+            run = r[-1] - r[0] + 1 == len(r)
+            groups.append((s, slice(r[0], r[-1] + 1) if run else torch.tensor(r, dtype=torch.long, device=device)))
+        return LoraBatch(groups)
 
 
 @dataclass
@@ -71,12 +77,29 @@ class LoraContext:
 
 @dataclass
 class LoraSlots:
-    """A linear's resident adapters: slot -> {piece index -> ``LoraPiece``} (a merged linear's pieces,
-    e.g. q/k/v, each with an adapter or not), and where each piece's columns lie in the output."""
+    """A linear's resident adapters: slot -> (``a`` [R, in], ``bt`` [R, out]) fused over the pieces of a
+    merged linear (q/k/v, gate/up), each piece's rows of ``a`` its own ``A`` and its block of ``bt`` its
+    ``(B * scale)^T`` in its own columns (zero elsewhere: a piece with no adapter gets exactly nothing).
+    A linear's low-rank term is then two GEMMs whatever its pieces: ``(x a^T) bt`` added to the base
+    output (``addmm``), in fp32."""
 
     piece_offsets: list[tuple[int, int]]  # (start, length) of each piece in this rank's output
     context: Optional[LoraContext] = None
-    adapters: dict[int, dict[int, LoraPiece]] = field(default_factory=dict)
+    adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def fuse(self, pieces: dict[int, LoraPiece]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's pieces of this linear as (``a``, ``bt``) (new tensors, not yet resident)."""
+        order = sorted(pieces)
+        a = torch.cat([pieces[i].a for i in order]).contiguous()
+        width = max(start + length for start, length in self.piece_offsets)
+        bt = torch.zeros(a.shape[0], width, dtype=LORA_DTYPE, device=a.device)
+        r0 = 0
+        for i in order:
+            start, length = self.piece_offsets[i]
+            rank = pieces[i].a.shape[0]
+            bt[r0: r0 + rank, start: start + length] = (pieces[i].b * pieces[i].scale).t()
+            r0 += rank
+        return a, bt
 
     def active(self) -> Optional[LoraBatch]:
         if not self.adapters or self.context is None:
@@ -88,22 +111,22 @@ class LoraSlots:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
         for slot, rows in batch.groups:
-            pieces = self.adapters.get(slot)
-            if not pieces:
+            weights = self.adapters.get(slot)
+            if weights is None:
                 continue
-            xs = (x2 if rows is None else x2.index_select(0, rows)).to(LORA_DTYPE)
-            out = y2 if rows is None else y2.index_select(0, rows)
-            for i, piece in pieces.items():
-                start, length = self.piece_offsets[i]
-                delta = F.linear(F.linear(xs, piece.a), piece.b) * piece.scale
-                cols = out[:, start: start + length]
-                if cols.dtype == LORA_DTYPE:
-                    cols.add_(delta)
-                else:  # added in fp32, rounded once to the layer's dtype
-                    cols.copy_(cols.to(LORA_DTYPE) + delta)
-            if rows is not None:
-                y2.index_copy_(0, rows, out)
+            a, bt = weights
+            if isinstance(rows, torch.Tensor):  # rows scattered over the batch: gathered, then put back
+                out = torch.addmm(y2.index_select(0, rows).to(LORA_DTYPE),
+                                  F.linear(x2.index_select(0, rows).to(LORA_DTYPE), a), bt)
+                y2.index_copy_(0, rows, out.to(y2.dtype))
+                continue
+            xs, ys = (x2, y2) if rows is None else (x2[rows], y2[rows])  # views
+            t = F.linear(xs.to(LORA_DTYPE), a)
+            if ys.dtype == LORA_DTYPE:
+                ys.addmm_(t, bt)
+            else:  # added in fp32, rounded once to the layer's dtype
+                ys.copy_(torch.addmm(ys.to(LORA_DTYPE), t, bt))
         return y2.view(y.shape)
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() for pieces in self.adapters.values() for p in pieces.values())
+        return sum(a.numel() * a.element_size() + bt.numel() * bt.element_size() for a, bt in self.adapters.values())

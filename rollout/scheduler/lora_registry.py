@@ -27,12 +27,14 @@ class AdapterVersion:
     modules: list[str] = field(default_factory=list)
     source: str = ""  # the folder it was read from, or "tensors"
     pinned: bool = False
+    weight_version: Optional[str] = None  # the label its tokens carry (None: the base weights' version)
     retired: bool = False
 
     def describe(self, users: int) -> dict:
         return {"name": self.name, "version": self.version, "slot": self.slot, "current": not self.retired,
                 "num_running_requests": users, "bytes": self.nbytes, "max_rank": self.max_rank,
-                "modules": len(self.modules), "source": self.source, "pinned": self.pinned}
+                "modules": len(self.modules), "source": self.source, "pinned": self.pinned,
+                "weight_version": self.weight_version}
 
 
 class LoraRegistry:

@@ -460,6 +460,8 @@ class Scheduler:
         return self._build_batch(scheduled)
 
     def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        if any(seq.req.lora is not None for seq, _ in scheduled):  # each adapter's rows side by side
+            scheduled = sorted(scheduled, key=lambda sq: -1 if sq[0].req.lora is None else sq[0].req.lora.slot)
         input_ids: list[int] = []
         tables, ctx_lens, q_lens, logits_rows, sample_idx = [], [], [], [], []
         lora_slots: list[int] = []
@@ -605,7 +607,9 @@ class Scheduler:
                     if seq.req.top_logprobs_num and top_ids is not None:
                         k = seq.req.top_logprobs_num
                         seq.output_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])))
-                seq.output_versions.append(batch.weight_version)
+                # an adapter loaded under a version label of its own (a trainer's step): that label
+                seq.output_versions.append(batch.weight_version if seq.req.lora is None or
+                                           seq.req.lora.weight_version is None else seq.req.lora.weight_version)
                 if masks is not None and i in masks:
                     if masks[i][0] is None:  # the kept set is larger than the cap: this request fails alone
                         self._fail_request(seq.req, self._mask_too_large())

@@ -60,7 +60,8 @@ class AdapterConfig:
     def from_peft(cfg: Any) -> AdapterConfig:
         if not isinstance(cfg, dict):
             raise LoraError("adapter_config.json must hold a JSON object (peft's LoraConfig)")
-        peft_type = str(cfg.get("peft_type", "LORA")).upper()
+        peft_type = cfg.get("peft_type", "LORA")
+        peft_type = str(getattr(peft_type, "value", peft_type)).upper()  # peft's PeftType enum, or its value
         if peft_type != "LORA":
             raise LoraError(f"peft_type {cfg.get('peft_type')!r}: only LoRA adapters are served")
         refusals = [
@@ -99,14 +100,15 @@ class AdapterConfig:
 
 @dataclass
 class AdapterPlan:
-    """A checked adapter, this rank's parts: (linear, piece index, ``LoraPiece``) per targeted module."""
+    """A checked adapter, this rank's parts, already in the form the linears hold: (linear, (``a``,
+    ``bt``)) per targeted linear (``LoraSlots.fuse``)."""
 
-    items: list[tuple[nn.Module, int, LoraPiece]]
+    items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]
     modules: list[str]  # the Hugging Face modules it targets
     max_rank: int
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() for _, _, p in self.items)
+        return sum(a.numel() * a.element_size() + bt.numel() * bt.element_size() for _, (a, bt) in self.items)
 
 
 def module_name(tensor_name: str) -> tuple[str, str]:
@@ -127,9 +129,9 @@ def module_name(tensor_name: str) -> tuple[str, str]:
 
 
 def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_tensors,
-                 max_rank: int, device: torch.device) -> AdapterPlan:
+                 max_rank: int, device: torch.device, max_bytes: Optional[int] = None) -> AdapterPlan:
     """Check every tensor of an adapter against the model and slice this rank's part (copies in
-    fp32 on ``device``); raises ``LoraError`` naming the first problem."""
+    fp32 on ``device``), at most ``max_bytes`` of them; raises ``LoraError`` naming the first problem."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
         module, ab = module_name(name)
@@ -140,7 +142,8 @@ def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_
         pairs[module][ab] = tensor
     if not pairs:
         raise LoraError("the adapter holds no LoRA matrices")
-    items, top = [], 0
+    by_layer: dict[nn.Module, dict[int, LoraPiece]] = {}
+    top = 0
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoraError(f"{module}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
@@ -176,11 +179,15 @@ def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_
             b = layer.lora_b_slice(target.shard_id).source(b)
         else:
             raise LoraError(f"{module}: this linear takes no adapter")
-        items.append((layer, piece, LoraPiece(
-            a.to(device=device, dtype=LORA_DTYPE, copy=True).contiguous(),
-            b.to(device=device, dtype=LORA_DTYPE, copy=True).contiguous(), config.scale(module, rank))))
+        by_layer.setdefault(layer, {})[piece] = LoraPiece(a.to(device=device, dtype=LORA_DTYPE),
+                                                          b.to(device=device, dtype=LORA_DTYPE),
+                                                          config.scale(module, rank))
         top = max(top, rank)
-    return AdapterPlan(items, sorted(pairs), top)
+    plan = AdapterPlan([(layer, layer.lora.fuse(pieces)) for layer, pieces in by_layer.items()], sorted(pairs), top)
+    if max_bytes is not None and plan.nbytes() > max_bytes:
+        raise LoraError(f"its {plan.nbytes() / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
+                        f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
+    return plan
 
 
 def read_peft_folder(path: str, allowed=()) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
@@ -210,15 +217,15 @@ def lora_layers(model: nn.Module) -> list[nn.Module]:
 def install(model: nn.Module, slot: int, plan: AdapterPlan) -> None:
     """Put a planned adapter in ``slot`` (whatever the slot held before is dropped first)."""
     remove(model, slot)
-    for layer, piece, lp in plan.items:
-        layer.lora.adapters.setdefault(slot, {})[piece] = lp
+    for layer, weights in plan.items:
+        layer.lora.adapters[slot] = weights
 
 
 def remove(model: nn.Module, slot: int) -> int:
     """Empty ``slot`` in every linear; returns the bytes freed."""
     freed = 0
     for layer in lora_layers(model):
-        pieces = layer.lora.adapters.pop(slot, None)
-        if pieces:
-            freed += sum(p.nbytes() for p in pieces.values())
+        weights = layer.lora.adapters.pop(slot, None)
+        if weights is not None:
+            freed += sum(t.numel() * t.element_size() for t in weights)
     return freed

@@ -171,7 +171,7 @@ class RankWeights:
         error, plan = None, None
         try:
             plan = lora.plan_adapter(self.runner.model, self.runner.name_map, lora.AdapterConfig.from_peft(msg.config),
-                                     named, msg.max_rank, self.device)
+                                     named, msg.max_rank, self.device, msg.max_bytes)
         except INPUT_ERRORS as exc:
             error = f"adapter {msg.name!r}: {exc}"
         if not self._vote(error is None):

@@ -213,6 +213,7 @@ class LoadLora:
     named_tensors: tuple = ()  # ((name, tensor), ...), in this process
     handle: Optional[dict] = None
     max_rank: int = 64
+    max_bytes: Optional[int] = None  # what the memory budget leaves for it on a rank (None: no budget)
 
 
 @dataclass(frozen=True)

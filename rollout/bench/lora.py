@@ -1,0 +1,143 @@
+"""``rollout bench lora``: LoRA adapters against the base weights, in one run on one engine.
+
+- push: ``load_lora_adapter_from_tensors`` of a rank-``--rank`` adapter on every linear (as a trainer
+  holds it, fp32) against ``update_weights_from_tensor`` of the whole model in the engine's dtype and
+  against a bare ``copy_`` of the adapter's bytes (each the best of ``--repeats``);
+- push to first token: from the start of an adapter push to the first token served on it;
+- decode: the decode step with adapters against the same batch on the base weights — one adapter
+  at batch 1, 8 and 64, four adapters mixed at batch 64 (32-token prompts, 32 new tokens, greedy).
+
+Writes JSON and a PNG to ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.bench.common import add_model_flags, add_output_flags, build_model, machine, write_result
+from rollout.bench.sync import best
+from rollout.tools.hf import hf_parameter_order
+
+
+def _adapter(path: str, folder: str, rank: int, seed: int) -> tuple[list, dict]:
+    from rollout.tools.tiny import make_tiny_adapter
+
+    if not os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+        make_tiny_adapter(path, folder, r=rank, lora_alpha=2 * rank, seed=seed, std=0.01)
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    return list(tensors.items()), json.load(open(os.path.join(folder, "adapter_config.json")))
+
+
+def _bench_push(engine: RolloutEngine, path: str, adapter: list, config: dict, repeats: int) -> dict:
+    dtype = engine.dtype
+    by_name = load_file(os.path.join(path, "model.safetensors"))
+    full = [(n, by_name[n].to(dtype).contiguous()) for n in hf_parameter_order(path) if n in by_name]
+    full_s = best(lambda: engine.update_weights_from_tensor(full, flush_cache=False), repeats)
+    adapter_s = best(lambda: engine.load_lora_adapter_from_tensors("bench", adapter, config), repeats)
+    dst = [torch.empty_like(t, dtype=torch.float32) for _, t in adapter]
+    copy_s = best(lambda: torch._foreach_copy_(dst, [t for _, t in adapter]), repeats)
+    adapter_bytes = sum(t.numel() * 4 for _, t in adapter)
+    return {"full_push_s": full_s, "full_bytes": sum(t.numel() * t.element_size() for _, t in full),
+            "adapter_push_s": adapter_s, "adapter_bytes": adapter_bytes, "bare_copy_s": copy_s,
+            "adapter_vs_full": full_s / adapter_s, "fraction_of_raw": copy_s / adapter_s}
+
+
+def _push_to_first_token(engine: RolloutEngine, adapter: list, config: dict, prompt: list[int], repeats: int) -> float:
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+
+    def run():
+        engine.load_lora_adapter_from_tensors("fresh", adapter, config)
+        engine.generate(input_ids=prompt, sampling_params=one, lora_path="fresh")
+
+    return best(run, repeats)
+
+
+def _decode_step_s(engine: RolloutEngine, prompts: list[list[int]], loras, new_tokens: int) -> float:
+    """Seconds per decode step: a run of ``new_tokens`` minus a 1-token run (its prefill), per step."""
+    def run(n: int) -> float:
+        sp = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=sp, lora_path=loras, return_logprob=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm: the row counts' kernels and copies
+    return (min(run(new_tokens) for _ in range(2)) - min(run(1) for _ in range(2))) / (new_tokens - 1)
+
+
+def _bench_decode(engine: RolloutEngine, adapters: list, config: dict, vocab: int, new_tokens: int,
+                  batches: list[int]) -> dict:
+    for i, a in enumerate(adapters):
+        assert engine.load_lora_adapter_from_tensors(f"a{i}", a, config).success
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for batch, mix in [(b, 1) for b in batches] + [(max(batches), len(adapters))]:
+        prompts = torch.randint(3, vocab, (batch, 32), generator=g).tolist()
+        base = _decode_step_s(engine, prompts, None, new_tokens)
+        lora = _decode_step_s(engine, prompts, [f"a{i % mix}" for i in range(batch)], new_tokens)
+        out[f"batch{batch}_adapters{mix}"] = {"base_step_s": base, "lora_step_s": lora, "lora_over_base": lora / base}
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="rollout bench lora", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(ap)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", default="1,8,64", help="decode batches with one adapter; four mixed at the largest")
+    add_output_flags(ap)
+    args = ap.parse_args(argv)
+    path = build_model(args.model, args.workdir)
+    folder = os.path.join(args.workdir, f"lora-{os.path.basename(path.rstrip('/'))}-r{args.rank}")
+    adapters = [_adapter(path, f"{folder}-{i}", args.rank, i) for i in range(4)]
+    config = adapters[0][1]
+    res: dict = {"benchmark": "lora", "machine": machine(),
+                 "config": {"model": args.model, "dtype": args.dtype, "rank": args.rank, "repeats": args.repeats,
+                            "new_tokens": args.new_tokens}}
+    top = max(int(b) for b in args.batches.split(","))
+    with RolloutEngine(path, dtype=args.dtype, kv_cache_tokens=top * (32 + args.new_tokens) + 256,
+                       use_generation_config=False) as engine:
+        res["push"] = _bench_push(engine, path, adapters[0][0], config, args.repeats)
+        prompt = [5] * 32
+        res["push_to_first_token_s"] = _push_to_first_token(engine, adapters[0][0], config, prompt, args.repeats)
+        for name in ("bench", "fresh"):
+            engine.unload_lora_adapter(name)
+        res["decode"] = _bench_decode(engine, [a for a, _ in adapters], config, engine.model_config.vocab_size,
+                                      args.new_tokens, [int(b) for b in args.batches.split(",")])
+    print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1), flush=True)
+    write_result(res, args.out_dir, "lora", plot)
+    return res
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    push = res["push"]
+    bars = a.bar(["full push", "adapter push", "bare copy"],
+                 [push["full_push_s"] * 1e3, push["adapter_push_s"] * 1e3, push["bare_copy_s"] * 1e3])
+    a.bar_label(bars, fmt="%.1f", fontsize=8)
+    a.set_ylabel("ms")
+    a.set_title(f"rank {res['config']['rank']}: {push['adapter_bytes'] / 1e6:.1f} MB adapter, "
+                f"{push['full_bytes'] / 1e6:.0f} MB model", fontsize=9)
+    labels = list(res["decode"])
+    bars = b.bar(labels, [res["decode"][k]["lora_over_base"] for k in labels])
+    b.bar_label(bars, fmt="%.2f", fontsize=8)
+    b.axhline(1.0, ls="--", lw=0.8, color="gray")
+    b.set_ylabel("decode step with adapters / base")
+    b.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""LoRA on the trainer side: a ``peft`` adapter trained under DeepSpeed (any ZeRO stage), and only its
+tensors pushed to the rollout engine; the base weights never move.
+
+``wrap_lora`` puts a fresh adapter on the trainer's model (``lora_B = 0``: at step 0 the policy is the
+base model) with dropout 0, so the trainer's recompute is the function the engine serves.
+``adapter_tensors`` gathers the adapter's parameters (ZeRO-3 partitions all-gathered, a few
+megabytes) under the names ``peft`` gives them, in fp32; ``adapter_config`` is its config as a JSON
+object. ``push_adapter`` hands both to a target as a new version of one adapter name.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch import nn
+
+from rollout.engine.engine import RolloutEngine
+from rollout.worker.messages import WeightResult
+from trainer_bridge.push import gathered, unwrapped
+
+ADAPTER = "default"  # peft's name for the one adapter it trains here
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: int
+    target_modules: Union[str, list[str]] = "all-linear"
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+
+
+def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """The model with a trainable ``peft`` LoRA adapter; everything else frozen."""
+    import peft
+
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.target_modules,
+                             use_rslora=spec.use_rslora, lora_dropout=0.0)
+    with warnings.catch_warnings():  # peft asks transformers a question transformers has renamed
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def adapter_config(model) -> dict:
+    """The adapter's ``peft`` config as JSON types (what ``adapter_config.json`` would hold)."""
+    from peft import PeftModel
+
+    peft_model = unwrapped(model)
+    if not isinstance(peft_model, PeftModel):
+        raise ValueError("the trainer's model is not a peft model: build it with --lora")
+    cfg = peft_model.peft_config[ADAPTER].to_dict()
+    return {k: (sorted(v) if isinstance(v, (set, frozenset)) else v.value if isinstance(v, enum.Enum) else v)
+            for k, v in cfg.items()}
+
+
+def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """Every LoRA matrix, whole (ZeRO-3: all-gathered; a collective, every rank calls it), in fp32."""
+    named = [(n, p) for n, p in unwrapped(model).named_parameters() if ".lora_" in n]
+    if not named:
+        raise ValueError("the trainer's model has no LoRA parameters: build it with --lora")
+    with gathered([p for _, p in named]):
+        return [(n, p.detach().float().clone()) for n, p in named]
+
+
+@dataclass
+class AdapterPush:
+    result: WeightResult
+    num_bytes: int
+    gather_s: float
+    load_s: float
+
+
+def push_adapter(model, engine: RolloutEngine, name: str, version: str) -> AdapterPush:
+    """The adapter's current tensors into ``engine`` (``load_lora_adapter_from_tensors``) as a new
+    version of ``name`` whose tokens carry ``version``."""
+    t0 = time.perf_counter()
+    tensors = adapter_tensors(model)
+    config = adapter_config(model)
+    t1 = time.perf_counter()
+    result = engine.load_lora_adapter_from_tensors(name, tensors, config, weight_version=version)
+    return AdapterPush(result, sum(t.numel() * t.element_size() for _, t in tensors), t1 - t0,
+                       time.perf_counter() - t1)
