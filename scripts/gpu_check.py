@@ -5,6 +5,8 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``paged_decode_kernel``: the Triton paged decode attention equals the torch reference path;
 - ``graph_vs_eager``: CUDA-graph decode gives the tokens and logprobs of eager decode;
 - ``overlap_parity``: overlap scheduling on/off gives identical tokens and logprobs;
+- ``lora``: two LoRA adapters and the base in one batch equal each alone and a CPU engine; base batches
+  (graphs) unchanged by loading adapters;
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
@@ -213,6 +215,37 @@ def check_overlap_parity(device, workdir, quick):
     return {"ok": same and lp < 1e-5, "tokens_equal": same, "max_logprob_diff": lp}
 
 
+def check_lora(device, workdir, quick):
+    """LoRA on the device: two adapters and the base in one batch give each request what it gets alone
+    and what a CPU engine gives (fp32 tokens); base-only batches still replay their graphs and say what
+    they said before any adapter was loaded."""
+    from rollout.tools.tiny import make_tiny_adapter
+
+    path = _model(workdir, "tiny-llama", arch="llama")
+    adapters = [os.path.join(workdir, f"tiny-llama-lora{i}") for i in range(2)]
+    for i, folder in enumerate(adapters):
+        if not os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+            make_tiny_adapter(path, folder, r=8, seed=i)
+    prompts = _prompts(6)
+    sp = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    mix = ["a0", None, "a1", "a1", None, "a0"]
+    out = {}
+    for dev in dict.fromkeys([device, "cpu"]):
+        with RolloutEngine(path, dtype="float32", device=dev, kv_cache_tokens=4096) as e:
+            before = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+            for i, folder in enumerate(adapters):
+                assert e.load_lora_adapter(f"a{i}", folder).success
+            mixed = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp, lora_path=mix)]
+            alone = [e.generate(input_ids=p, sampling_params=sp, lora_path=m)[0].output_token_ids
+                     for p, m in zip(prompts, mix)]
+            after = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+            out[dev] = (before, mixed, alone, after)
+    before, mixed, alone, after = out[device]
+    checks = {"mixed_equals_alone": mixed == alone, "base_unchanged": before == after,
+              "equals_cpu": mixed == out["cpu"][1], "adapters_change_tokens": mixed != before}
+    return {"ok": all(checks.values()), **checks}
+
+
 def check_nccl_tp1(device, workdir, quick):
     if device != "cuda":
         return {"skipped": "needs CUDA"}
@@ -283,6 +316,7 @@ CHECKS = {
     "paged_decode_kernel": check_paged_decode_kernel,
     "graph_vs_eager": check_graph_vs_eager,
     "overlap_parity": check_overlap_parity,
+    "lora": check_lora,
     "nccl_tp1": check_nccl_tp1,
     "inplace_update_no_recapture": check_inplace_update_no_recapture,
     "release_resume_memory": check_release_resume_memory,

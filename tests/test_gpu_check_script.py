@@ -17,6 +17,7 @@ def test_gpu_check_cpu_parts(tmp_path):
     checks = json.load(open(out))["checks"]
     assert checks["overlap_parity"]["ok"] and checks["overlap_parity"]["tokens_equal"]
     assert checks["throughput_vs_hf"]["ok"]
+    assert checks["lora"]["ok"], checks["lora"]
     for name in ("paged_decode_kernel", "graph_vs_eager", "nccl_tp1", "cuda_graph_speedup",
                  "inplace_update_no_recapture", "release_resume_memory"):
         assert checks[name]["skipped"] == "needs CUDA"

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 
 from rollout.engine.loop import EngineLoop
+from rollout.engine.weights import EngineWeights
+from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.scheduler import Scheduler
 from rollout.weights.lora import AdapterConfig, read_peft_folder
 from rollout.weights.safetensors_io import FolderNotAllowed
@@ -32,8 +34,8 @@ def _check_name(name) -> str:
 
 
 class EngineLora:
-    def __init__(self, worker: BaseTpWorker, scheduler: Scheduler, loop: EngineLoop, weights, max_rank: int,
-                 max_memory_mb: Optional[float]):
+    def __init__(self, worker: BaseTpWorker, scheduler: Scheduler, loop: EngineLoop, weights: EngineWeights,
+                 max_rank: int, max_memory_mb: Optional[float]):
         self.worker = worker
         self.scheduler = scheduler
         self.loop = loop
@@ -42,7 +44,7 @@ class EngineLora:
         self.max_memory_bytes = None if max_memory_mb is None else int(max_memory_mb * 1e6)
 
     @property
-    def registry(self):
+    def registry(self) -> LoraRegistry:
         return self.scheduler.loras
 
     def load_from_folder(self, name: str, path: str, pinned: bool = False, allowed=(),
@@ -87,7 +89,7 @@ class EngineLora:
             left = None if self.max_memory_bytes is None else \
                 max(0, self.max_memory_bytes - sum(av.nbytes for av in reg.resident.values()))
             if self.weights.ranks_in_other_processes:
-                msg = LoadLora(slot, name, config, handle=self.weights._write_bucket(named), max_rank=self.max_rank,
+                msg = LoadLora(slot, name, config, handle=self.weights.write_bucket(named), max_rank=self.max_rank,
                                max_bytes=left)
             else:
                 msg = LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left)

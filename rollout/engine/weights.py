@@ -95,10 +95,12 @@ class EngineWeights:
         every rank lives in this process, else this engine's own bucket (written here, once)."""
         if not self.ranks_in_other_processes:
             return StageTensors(tuple(named)) if stage else ApplyTensors(tuple(named), check_finite, partial)
-        handle = self._write_bucket(named)
+        handle = self.write_bucket(named)
         return StageHandle(handle) if stage else ApplyHandle(handle, check_finite, partial)
 
-    def _write_bucket(self, named: list) -> dict:
+    def write_bucket(self, named: list) -> dict:
+        """(name, tensor) pairs into this engine's own bucket (shared memory, or CUDA IPC for GPU
+        tensors, created once and reused): the handle spawned ranks open."""
         named = [(n, t.detach()) for n, t in named]
         if named and named[0][1].is_cuda:
             if self.ipc is None:

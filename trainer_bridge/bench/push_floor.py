@@ -108,7 +108,8 @@ def main(argv=None) -> dict:
         relaunch_under_torchrun("trainer_bridge.bench.push_floor", args.trainer_ranks, own)
     from trainer_bridge.grpo_setup import build_trainer
 
-    ns = argparse.Namespace(model=args.model, seed=0, dtype=args.dtype, lr=1e-5, zero_stage=args.zero_stage)
+    ns = argparse.Namespace(model=args.model, seed=0, dtype=args.dtype, lr=1e-5, zero_stage=args.zero_stage, lora=0,
+                            lora_alpha=None)
     ds_engine, path, tied, rank, world = build_trainer(ns)
     import torch
     import torch.distributed as dist
