@@ -22,7 +22,7 @@ from torch import nn
 
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LORA_DTYPE, LoraPiece, LoraSlots
-from rollout.weights.loader import WeightLoadError
+from rollout.weights.loader import WeightLoadError, nonfinite_names
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,6 +142,9 @@ def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_
         pairs[module][ab] = tensor
     if not pairs:
         raise LoraError("the adapter holds no LoRA matrices")
+    bad = nonfinite_names((f"{module}.lora_{k}.weight", t) for module, ab in pairs.items() for k, t in ab.items())
+    if bad:
+        raise LoraError(f"{bad[0]} holds non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     by_layer: dict[nn.Module, dict[int, LoraPiece]] = {}
     top = 0
     for module, ab in sorted(pairs.items()):
@@ -168,9 +171,6 @@ def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_
                             f"[{out_features}, {in_features}] (an adapter trained on another model?)")
         if rank > max_rank:
             raise LoraError(f"{module}: rank {rank} exceeds the engine's max_lora_rank={max_rank}; raise it")
-        for t, which in ((a, "lora_A"), (b, "lora_B")):
-            if not torch.isfinite(t).all():
-                raise LoraError(f"{module}.{which}.weight holds non-finite values")
         if isinstance(layer, RowParallelLinear):
             piece = layer.lora_piece()
             a = layer.lora_a_slice().source(a)
