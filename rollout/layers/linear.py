@@ -204,11 +204,6 @@ class ColumnParallelLinear(nn.Module):
         """The piece of this linear's output a Hugging Face module's adapter applies to."""
         return self._piece(shard_id)
 
-    def lora_b_slice(self, shard_id=None) -> LoadSlice:
-        """Where this rank's rows of a full adapter ``B`` (one per Hugging Face module) come from: the
-        rows its weight holds."""
-        return self.load_slice(self.weight, shard_id)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x, self.weight, self.bias, self.packed_weight)
         batch = self.lora.active()
@@ -288,15 +283,6 @@ class RowParallelLinear(nn.Module):
 
     def full_from_parts(self, parts, shard_id=None):
         return cat_parts(parts, 1) if parts[0].dim() == 2 else parts[0]
-
-    def lora_piece(self, shard_id=None) -> int:
-        if shard_id is not None:
-            raise KeyError(f"unexpected shard {shard_id!r}")
-        return 0
-
-    def lora_a_slice(self) -> LoadSlice:
-        """Where this rank's input columns of a full adapter ``A`` come from: its weight's columns."""
-        return self.load_slice(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = packed_linear(x, self.weight, None, self.packed_weight)

@@ -54,16 +54,19 @@ class LoraBatch:
             return None
         if all(s == slots[0] for s in slots):
             return LoraBatch([(slots[0], None)])
-        rows: dict[int, list[int]] = {}
+        spans: dict[int, list[tuple[int, int]]] = {}  # slot -> its sequences' (start, end) rows
         start = 0
         for slot, q in zip(slots, q_lens):
             if slot >= 0:
-                rows.setdefault(slot, []).extend(range(start, start + q))
+                spans.setdefault(slot, []).append((start, start + q))
             start += q
         groups: list[tuple[int, Rows]] = []
-        for s, r in sorted(rows.items()):
-            run = r[-1] - r[0] + 1 == len(r)
-            groups.append((s, slice(r[0], r[-1] + 1) if run else torch.tensor(r, dtype=torch.long, device=device)))
+        for s, runs in sorted(spans.items()):
+            if all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1)):
+                groups.append((s, slice(runs[0][0], runs[-1][1])))
+            else:
+                rows = [r for a, b in runs for r in range(a, b)]
+                groups.append((s, torch.tensor(rows, dtype=torch.long, device=device)))
         return LoraBatch(groups)
 
 

@@ -13,7 +13,6 @@ name an adapter as ``lora_path`` on ``/generate`` and as ``model`` on the OpenAI
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -23,7 +22,7 @@ from pydantic import Field, model_validator
 from rollout.server import protocol as P
 from rollout.server.auth import admin
 from rollout.server.encoding import JSONResponse
-from rollout.server.service import EngineService, local_bucket_handle, service_of
+from rollout.server.service import EngineService, local_bucket_handle, result_json, service_of
 from rollout.weights.safetensors_io import FolderNotAllowed
 from rollout.worker.messages import WeightResult
 
@@ -57,10 +56,7 @@ class LoadLoraTensorsRequest(P.Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_pickles(cls, data: Any) -> Any:
-        payload = data.get("serialized_tensors") if isinstance(data, dict) else None
-        if isinstance(payload, str) or (isinstance(payload, list) and any(isinstance(p, str) for p in payload)):
-            raise ValueError(P.PICKLED_TENSORS.replace("serialized_named_tensors", "serialized_tensors"))
-        return data
+        return P.refuse_pickles(data, "serialized_tensors")
 
 
 def _loaded(result: WeightResult, svc: EngineService) -> dict:
@@ -72,9 +68,8 @@ def _loaded(result: WeightResult, svc: EngineService) -> dict:
 
 def _sglang(result: WeightResult, svc: EngineService) -> JSONResponse:
     """The result as the weight routes answer it, with SGLang's ``error_message`` and ``loaded_adapters``."""
-    body = {k: v for k, v in dataclasses.asdict(result).items() if k != "value"}
-    body.update(error_message=None if result.success else result.message, loaded_adapters=_loaded(result, svc))
-    return JSONResponse(body, status_code=200 if result.success else 400)
+    return result_json(result, error_message=None if result.success else result.message,
+                       loaded_adapters=_loaded(result, svc))
 
 
 async def _load_folder(svc: EngineService, body: LoadLoraRequest) -> WeightResult:

@@ -280,6 +280,14 @@ PICKLED_TENSORS = (
     "weight_sync.CudaIpcBucket(device).write(named_tensors) on GPU (README: colocated trainers)")
 
 
+def refuse_pickles(data: Any, field_name: str) -> Any:
+    """A body whose ``field_name`` holds SGLang's pickled tensors (strings) is refused unread."""
+    payload = data.get(field_name) if isinstance(data, dict) else None
+    if isinstance(payload, str) or (isinstance(payload, list) and any(isinstance(p, str) for p in payload)):
+        raise ValueError(PICKLED_TENSORS.replace("serialized_named_tensors", field_name))
+    return data
+
+
 class UpdateFromTensorRequest(Lenient):
     """A same-host bucket handle (``weight_sync.SharedMemoryBucket.write`` / ``CudaIpcBucket.write``):
     plain JSON, never a pickle. SGLang sends one payload per TP rank; our ranks all open the one.
@@ -290,10 +298,7 @@ class UpdateFromTensorRequest(Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_pickles(cls, data: Any) -> Any:
-        payload = data.get("serialized_named_tensors") if isinstance(data, dict) else None
-        if isinstance(payload, str) or (isinstance(payload, list) and any(isinstance(p, str) for p in payload)):
-            raise ValueError(PICKLED_TENSORS)
-        return data
+        return refuse_pickles(data, "serialized_named_tensors")
     load_format: Optional[str] = None
     flush_cache: bool = True
     abort_all_requests: bool = False

@@ -66,10 +66,11 @@ class ServerConfig:
     reasoning_parser: str = "auto"
 
 
-def result_json(result: WeightResult) -> JSONResponse:
-    """A weight operation's result as the route answers it: 200 on success, 400 otherwise."""
+def result_json(result: WeightResult, **extra) -> JSONResponse:
+    """A weight operation's result as the route answers it (plus ``extra`` fields): 200 on success,
+    400 otherwise."""
     body = {k: v for k, v in dataclasses.asdict(result).items() if k != "value"}
-    return JSONResponse(body, status_code=200 if result.success else 400)
+    return JSONResponse({**body, **extra}, status_code=200 if result.success else 400)
 
 
 def local_bucket_handle(request: Request, payload, field: str) -> dict:

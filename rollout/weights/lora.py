@@ -171,12 +171,12 @@ def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_
                             f"[{out_features}, {in_features}] (an adapter trained on another model?)")
         if rank > max_rank:
             raise LoraError(f"{module}: rank {rank} exceeds the engine's max_lora_rank={max_rank}; raise it")
+        # this rank's part, sliced as the base weight is (``target.slice``): A's input columns of a
+        # row-parallel linear, B's output rows of a column-parallel one
         if isinstance(layer, RowParallelLinear):
-            piece = layer.lora_piece()
-            a = layer.lora_a_slice().source(a)
+            piece, a = 0, target.slice.source(a)
         elif isinstance(layer, ColumnParallelLinear):
-            piece = layer.lora_piece(target.shard_id)
-            b = layer.lora_b_slice(target.shard_id).source(b)
+            piece, b = layer.lora_piece(target.shard_id), target.slice.source(b)
         else:
             raise LoraError(f"{module}: this linear takes no adapter")
         by_layer.setdefault(layer, {})[piece] = LoraPiece(a.to(device=device, dtype=LORA_DTYPE),
