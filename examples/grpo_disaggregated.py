@@ -11,6 +11,9 @@ of the prompts):
 Against servers already running (``rollout serve --model-path ... --port ...``):
     python -m torch.distributed.run --nproc_per_node 1 examples/grpo_disaggregated.py \\
         --engine-url http://host1:30000 --engine-url http://host2:30000 --master-address <this host>
+LoRA (``--lora RANK``): the trainer trains a peft adapter and each step broadcasts only its tensors
+(``/load_lora_adapter_from_distributed``, miles' route), loaded on every replica as a new version
+of the adapter the rollouts run on; the base weights never move.
 Synchronous (staleness 0): every rollout uses the weights of the step before it; ``--max-staleness 1``
 generates the next step's rollouts while this one trains. A replica that dies is named in the step
 log and dropped; the others carry on, and once it answers again (restarted at its URL) it rejoins
@@ -63,6 +66,16 @@ def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> list:
             for _ in range(n)]
 
 
+def served_versions(replicas, lora_name):
+    """Each replica's weight version; with LoRA, the version of the adapter it serves (None: down)."""
+    from trainer_bridge import ReplicaRouter
+
+    if lora_name is None:
+        return ReplicaRouter(replicas).get_weight_versions()
+    return [next((a["weight_version"] for a in c.get_server_info()["lora_adapters"]
+                  if a["name"] == lora_name and a["current"]), None) for c in replicas.replicas]
+
+
 def main(argv=None) -> list:
     own, args = parse(argv)
     servers: list = []  # the local replicas rank 0 starts
@@ -107,8 +120,8 @@ def main(argv=None) -> list:
                         tie_word_embeddings=tied, log_fn=log, target=target)
         finish(logs)
         if rank == 0:
-            print(f"rollout service: {type(service).__name__}; replica versions:",
-                  ReplicaRouter(replicas).get_weight_versions(), flush=True)
+            print(f"rollout service: {type(service).__name__}; replica versions:", served_versions(replicas, cfg.lora_name),
+                  flush=True)
         target.close()
     finally:
         for c in clients:

@@ -84,6 +84,7 @@ class FakeTarget(WeightTarget):
         self.version = "default"
         self.transactions: list[tuple[str, list[list[tuple[str, torch.dtype, tuple]]]]] = []
         self._pending: dict[str, torch.Tensor] = {}
+        self.adapters: dict[str, tuple] = {}
 
     def begin(self, version: str) -> None:
         self.transactions.append((version, []))
@@ -101,3 +102,10 @@ class FakeTarget(WeightTarget):
         self.weights.update(pending)
         self.version = self.transactions[-1][0]
         return WeightResult.ok(f"loaded {len(pending)} tensors").published(self.version, 0.0)
+
+    def push_adapter(self, name, config, named_tensors, version) -> WeightResult:
+        """Kept as ``adapters[name] = (version, config, {tensor name: fp32 copy})``."""
+        if self.refuse:
+            return WeightResult.fail(self.refuse)
+        self.adapters[name] = (version, dict(config), {n: t.detach().float().clone() for n, t in named_tensors})
+        return WeightResult.ok(f"adapter {name!r} loaded").published(version, 0.0)

@@ -44,6 +44,17 @@ def test_disaggregated_grpo_learns_and_both_replicas_serve_each_push(tmp_path):
     assert "rollout service: ReplicaRouter; replica versions: ['step-20', 'step-20']" in stdout
 
 
+def test_disaggregated_lora_grpo_pushes_only_the_adapter_and_learns(tmp_path):
+    """``--lora 8``: each step broadcasts the adapter's tensors once over the weight group both replicas
+    joined (``/load_lora_adapter_from_distributed``); both serve each version, the run learns, fp32."""
+    logs, stdout = run_example(tmp_path, "--lora", "8", steps=20, show_warnings=True)
+    rewards = [x["reward"] for x in logs]
+    assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
+    assert all(x["mismatch_max"] < 1e-4 for x in logs)
+    assert all(0 < x["sync_phases"]["adapter_bytes"] < 4e6 for x in logs)  # the adapter alone, fp32
+    assert "rollout service: ReplicaRouter; replica versions: ['step-20', 'step-20']" in stdout
+
+
 def test_disaggregated_control_without_pushes_stays_flat(tmp_path):
     logs, _ = run_example(tmp_path, "--no-push", steps=12)
     rewards = [x["reward"] for x in logs]
@@ -99,6 +110,9 @@ class _KillOnBucket(WeightTarget):
 
     def commit(self):
         return self.target.commit()
+
+    def push_adapter(self, name, config, named_tensors, version):
+        return self.target.push_adapter(name, config, named_tensors, version)
 
 
 def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two_replicas):

@@ -334,27 +334,128 @@ def test_adapters_over_http_with_sglang_and_vllm_names(make_server, adapters, tm
     client.close()
 
 
+def _trainer_side(path: str):
+    """(peft's tensors in fp32, as a trainer holds them; peft's config)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    return [(n, t.float().contiguous()) for n, t in tensors.items()], json.load(open(os.path.join(path,
+                                                                                        "adapter_config.json")))
+
+
+def test_adapters_pushed_over_the_weight_update_group_as_miles_sends_them(make_server, adapters):
+    """miles' ``/load_lora_adapter_from_distributed`` on a real socket: the body (names, dtype strings,
+    shapes, ``upsert``) then one broadcast per tensor over the group the trainer hosts; our bucketed
+    layout too. Refused adapters (a DoRA config, a wrong shape, tokens added) answer 400 or
+    ``success: false``, are drained so the trainer's broadcasts complete, and change nothing: the next
+    push on the same group lands."""
+    import httpx
+
+    from rollout.server.client import RolloutClient
+    from trainer_bridge.distributed_target import _Call
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
+    server = make_server(base, "--dtype", "float32", "--kv-cache-tokens", "1024")
+    client = RolloutClient(server.url)
+    http = httpx.Client(base_url=server.url, timeout=60)
+    port = free_port()
+    join = _Call("join", client.init_weights_update_group, "127.0.0.1", port, 1, 2, "lora-group", "gloo", 30)
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "lora-group", timeout_s=30)
+    assert join.get(40).success
+
+    def push(tensors, config, load_format=None, **extra):
+        body = {"lora_name": "policy", "config_dict": config, "names": [n for n, _ in tensors],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in tensors],
+                "shapes": [list(t.shape) for _, t in tensors], "group_name": "lora-group", "pinned": False,
+                "upsert": True, **({"load_format": load_format} if load_format else {}), **extra}
+        call = _Call("load", http.post, "/load_lora_adapter_from_distributed", json=body)
+        sender.send(tensors, load_format=load_format or "direct", bucket_bytes=64 << 10)
+        return call.get(60)
+
+    tensors_a, config_a = _trainer_side(path_a)
+    r = push(tensors_a, config_a)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert set(r.json()["loaded_adapters"]) == {"policy"}
+    outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs_a
+    # refused, drained, nothing changed
+    bad_shape = [(n, t[:, :-1].contiguous()) if i == 0 else (n, t) for i, (n, t) in enumerate(tensors_a)]
+    r = push(bad_shape, config_a)
+    assert r.status_code == 400 and not r.json()["success"] and "do not fit the base weight" in r.text
+    r = push(tensors_a, {**config_a, "use_dora": True})
+    assert r.status_code == 400 and "DoRA" in r.text
+    added = http.post("/load_lora_adapter_from_distributed", json={
+        "lora_name": "x", "config_dict": config_a, "names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
+        "added_tokens_config": {"tokens": ["<x>"]}})
+    assert added.status_code == 400 and "added_tokens_config" in added.text
+    outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs_a
+    # a new version of the name over the same group, in our bucketed layout
+    tensors_b, config_b = _trainer_side(path_b)
+    r = push(tensors_b, config_b, load_format="rollout_bucket", bucket_bytes=64 << 10, weight_version="step-2")
+    assert r.status_code == 200 and r.json()["success"], r.text
+    outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs_b and outs[0].lora_version == 2
+    assert set(outs[0].output_weight_versions) == {"step-2"}
+    client.destroy_weights_update_group("lora-group")
+    sender.close()
+    http.close()
+    client.close()
+
+
+def test_distributed_target_pushes_adapters_to_a_tp2_engine(adapters):
+    """``DistributedTarget.push_adapter`` into an engine of two TP ranks (rank 1 in its own process)
+    whose ranks join the trainer's group: only the adapter moves, and greedy tokens equal peft's."""
+    from rollout import RolloutEngine
+    from trainer_bridge import DistributedTarget
+
+    base, path, prompts, refs = adapters["llama-patterns-mlp"]
+    tensors, config = _trainer_side(path)
+    engine = RolloutEngine(base, dtype="float32", tp_size=2, kv_cache_tokens=1024, use_generation_config=False)
+    try:
+        target = DistributedTarget(engine, timeout_s=30)
+        checksum = engine.get_weights_checksum()
+        result = target.push_adapter("policy", config, tensors, "step-1")
+        assert result.success, result.message
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+        assert [o.output_token_ids for o in outs] == refs
+        assert engine.get_weights_checksum() == checksum and engine.get_weight_version() != "step-1"
+        target.close()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(dtype):
     """``LoraSlots.add`` over every row, a run of rows and scattered rows (two adapters, two pieces of a
     merged linear, one piece without an adapter) equals the term computed row by row in fp32."""
-    from rollout.layers.lora import LoraBatch, LoraPiece, LoraSlots
+    from rollout.layers.lora import LoraBatch, LoraSlots
 
     g = torch.Generator().manual_seed(0)
     slots = LoraSlots([(0, 6), (6, 4)])
-    pieces = {0: {0: LoraPiece(torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g), 0.5),
-                  1: LoraPiece(torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g), 2.0)},
-              1: {1: LoraPiece(torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g), 1.0)}}
+    # slot -> piece -> (A [r, in], B [out, r], scale)
+    pieces = {0: {0: (torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g), 0.5),
+                  1: (torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g), 2.0)},
+              1: {1: (torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g), 1.0)}}
     for slot, p in pieces.items():
-        slots.adapters[slot] = slots.fuse(p)
+        blocks = slots.blocks({i: a.shape[0] for i, (a, _, _) in p.items()})
+        rank = sum(a.shape[0] for a, _, _ in p.values())
+        a_fused, b_fused = torch.zeros(rank, 5), torch.zeros(slots.width, rank)
+        for i, (r0, r, start, length) in blocks.items():
+            a_fused[r0: r0 + r] = p[i][0]
+            b_fused[start: start + length, r0: r0 + r] = p[i][1] * p[i][2]
+        slots.adapters[slot] = (a_fused, b_fused)
     x, y = torch.randn(7, 5, generator=g).to(dtype), torch.randn(7, 10, generator=g).to(dtype)
 
     def expected(row_slots):
         want = y.float().clone()
         for r, slot in enumerate(row_slots):
-            for i, piece in pieces.get(slot, {}).items():
+            for i, (a, b, scale) in pieces.get(slot, {}).items():
                 start, length = slots.piece_offsets[i]
-                want[r, start: start + length] += (x[r].float() @ piece.a.t() @ piece.b.t()) * piece.scale
+                want[r, start: start + length] += (x[r].float() @ a.t() @ b.t()) * scale
         return want.to(dtype)
 
     cases = [([0] * 7, LoraBatch([(0, None)])),
@@ -370,9 +471,12 @@ def test_the_lora_benchmark_writes_its_numbers_and_plot(tmp_path):
     from rollout.cli import main
 
     assert main(["bench", "lora", "--model", "tiny", "--dtype", "float32", "--rank", "4", "--repeats", "1",
-                 "--new-tokens", "4", "--batches", "1,4", "--out-dir", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+                 "--new-tokens", "12", "--batches", "1,4", "--out-dir", str(tmp_path), "--workdir", str(tmp_path)]) == 0
     res = json.load(open(tmp_path / "lora.json"))
     assert res["push"]["adapter_bytes"] < res["push"]["full_bytes"] and res["push"]["adapter_push_s"] > 0
+    dist = res["distributed_push"]
+    assert dist["adapter_bytes"] == res["push"]["adapter_bytes"]
+    assert all(dist[f]["push_s"] > 0 and dist[f]["bare_broadcast_s"] > 0 for f in ("direct", "rollout_bucket"))
     assert set(res["decode"]) == {"batch1_adapters1", "batch4_adapters1", "batch4_adapters4"}
     assert all(v["lora_step_s"] > 0 and v["base_step_s"] > 0 for v in res["decode"].values())
     assert (tmp_path / "lora.png").exists() and res["machine"]["cpu"]

@@ -37,7 +37,7 @@ from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
 from trainer_bridge.serving import WeightReplica
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool
-from weight_sync.distributed import WeightUpdateSender
+from weight_sync.distributed import ADAPTER_BUCKET_BYTES, WeightUpdateSender
 from weight_sync.process_group import free_port
 
 logger = logging.getLogger(__name__)
@@ -296,6 +296,66 @@ class DistributedTarget(WeightTarget):
         if kind == "error":
             raise value
         return value
+
+    # ------------------------------------------------------------------ adapters
+
+    def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                     version: str) -> WeightResult:
+        """A LoRA adapter to every member: each posts its receives (``load_lora_adapter_from_distributed``)
+        while rank 0 broadcasts the tensors once, in buckets. The base weights never move. A refusal
+        comes back as the failed result (replicas that took it serve the new version, the others keep
+        the one they had); a replica that fails is named in a ``ReplicaError`` on every trainer rank,
+        marked down, and ``heal`` rebuilds the group (the adapter is pushed again then)."""
+        payload = None
+        if self.is_sender:
+            self._failed, self._rejected = {}, None
+            self._wait_pending()
+            if self._broken or not self.members:
+                self._failed = {i: "not in a working weight group (heal() rebuilds it)"
+                                for i in range(len(self.replicas)) if i not in self.members or self._broken}
+            else:
+                payload = self._send_adapter(name, config, named_tensors, version)
+            if self._failed:
+                for i in self._failed:
+                    self.replicas.mark(i, False)
+                self._broken = True
+                payload = ("error", self._error())
+        kind, value = self._share(payload)
+        if kind == "error":
+            raise value
+        return value
+
+    def _send_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                      version: str) -> tuple[str, Any]:
+        names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
+        calls = {i: _Call("load_lora_adapter_from_distributed",
+                          self.replicas.replicas[i].load_lora_adapter_from_distributed, name, config, names, dtypes,
+                          shapes, self.group, load_format="rollout_bucket", bucket_bytes=ADAPTER_BUCKET_BYTES,
+                          weight_version=version)
+                 for i in self.members}
+        try:
+            assert self.sender is not None
+            self.sender.send(named_tensors, bucket_bytes=ADAPTER_BUCKET_BYTES)  # one broadcast reaches every replica
+        except Exception as exc:  # noqa: BLE001 - a peer is gone: find out which
+            logger.warning("weight group %r: %s", self.group, exc)
+            self._broken = True
+        results = {}
+        for i, call in calls.items():
+            try:
+                results[i] = call.get(self.timeout_s + 10)
+                if not results[i].success and results[i].error_kind == WeightResult.GROUP:
+                    self._broken = True
+            except Exception as exc:  # noqa: BLE001
+                self._failed[i] = f"load_lora_adapter_from_distributed: {type(exc).__name__}: {exc}"
+        if self._broken:
+            self._find_dead()
+            if not self._failed:
+                self._failed = {i: "its weight group broke during an adapter push" for i in self.members}
+        bad = [r for r in results.values() if not r.success]
+        if not self._failed and not bad:
+            for i in self.members:
+                self.replicas.mark(i, True)  # rejoined replicas serve once they hold the adapter
+        return ("result", bad[0] if bad else results[self.members[0]])
 
     # ------------------------------------------------------------------ membership
 

@@ -335,14 +335,29 @@ class _GRPORun:
         return ["kv_cache"] if self.cfg.lora_name is not None else ["kv_cache", "weights"]
 
     def push_adapter(self, version: str) -> dict:
-        """LoRA: the adapter's tensors as a new version of ``cfg.lora_name``; the push's phases."""
+        """LoRA: the adapter's tensors as a new version of ``cfg.lora_name`` (to a colocated engine, or
+        to servers over the weight-update group); the push's phases. A replica failing mid-push is
+        dropped (named), the group rebuilt, the push redone."""
         assert self.cfg.lora_name is not None
-        if not isinstance(self.engine, RolloutEngine):
-            raise ValueError("LoRA pushes go to a colocated engine here; pushing adapters to servers is not built yet")
-        pushed = push_adapter(self.ds_engine, self.engine, self.cfg.lora_name, version)
+        for attempt in range(8):
+            try:
+                pushed = push_adapter(self.ds_engine, self.target, self.cfg.lora_name, version)
+                break
+            except ReplicaError as err:
+                self.events.append(f"adapter push {version}: {err}")
+                logger.warning("adapter push %s failed: %s; the rest carry on", version, err)
+                if attempt == 7 or not self.target.heal():
+                    raise
         if not pushed.result.success:
             raise RuntimeError(f"adapter push {version} failed: {pushed.result.message}")
         return {"gather_s": pushed.gather_s, "load_s": pushed.load_s, "adapter_bytes": pushed.num_bytes}
+
+    def push_current(self, version: str) -> None:
+        """The current policy again (to a rebuilt weight group): the adapter, or the full weights."""
+        if self.cfg.lora_name is not None:
+            self.push_adapter(version)
+        else:
+            self.push(version)
 
     def sync_weights(self, step: int) -> tuple[dict, Optional[bool]]:
         """After a training step: the engine's weights storage back (if released) -> push the new
@@ -454,7 +469,7 @@ class _GRPORun:
                 t_step = time.perf_counter()
                 if cfg.push_weights and self.target.heal():  # e.g. a replica came back: it gets the current weights
                     self.events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
-                    self.push(f"step-{step}")
+                    self.push_current(f"step-{step}")
                 t_wait = time.perf_counter()
                 if ahead is not None:
                     if step + cfg.max_staleness < cfg.steps:

@@ -5,7 +5,8 @@ tensors pushed to the rollout engine; the base weights never move.
 base model) with dropout 0, so the trainer's recompute is the function the engine serves.
 ``adapter_tensors`` gathers the adapter's parameters (ZeRO-3 partitions all-gathered, a few
 megabytes) under the names ``peft`` gives them, in fp32; ``adapter_config`` is its config as a JSON
-object. ``push_adapter`` hands both to a target as a new version of one adapter name.
+object. ``push_adapter`` hands both to a weight target (a colocated engine, or servers over the
+weight-update group) as a new version of one adapter name.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Union
 import torch
 from torch import nn
 
-from rollout.engine.engine import RolloutEngine
 from rollout.worker.messages import WeightResult
 from trainer_bridge.push import gathered, unwrapped
+from trainer_bridge.targets import WeightTarget
+from weight_sync.bucket import FlattenedTensorBucket
 
 ADAPTER = "default"  # peft's name for the one adapter it trains here
 
@@ -62,12 +64,13 @@ def adapter_config(model) -> dict:
 
 
 def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """Every LoRA matrix, whole (ZeRO-3: all-gathered; a collective, every rank calls it), in fp32."""
+    """Every LoRA matrix, whole (ZeRO-3: all-gathered; a collective, every rank calls it), in fp32: views
+    of one buffer in bucket layout, so a broadcast sends it with no further copy."""
     named = [(n, p) for n, p in unwrapped(model).named_parameters() if ".lora_" in n]
     if not named:
         raise ValueError("the trainer's model has no LoRA parameters: build it with --lora")
     with gathered([p for _, p in named]):
-        return [(n, p.detach().float().clone()) for n, p in named]
+        return FlattenedTensorBucket([(n, p.detach()) for n, p in named], dtype=torch.float32).named_tensors()
 
 
 @dataclass
@@ -78,13 +81,14 @@ class AdapterPush:
     load_s: float
 
 
-def push_adapter(model, engine: RolloutEngine, name: str, version: str) -> AdapterPush:
-    """The adapter's current tensors into ``engine`` (``load_lora_adapter_from_tensors``) as a new
-    version of ``name`` whose tokens carry ``version``."""
+def push_adapter(model, target: WeightTarget, name: str, version: str) -> AdapterPush:
+    """The adapter's current tensors into ``target``'s engines as a new version of ``name`` whose
+    tokens carry ``version``: a colocated engine loads them from memory, servers receive them over
+    the weight-update group. A collective: every trainer rank calls it."""
     t0 = time.perf_counter()
     tensors = adapter_tensors(model)
     config = adapter_config(model)
     t1 = time.perf_counter()
-    result = engine.load_lora_adapter_from_tensors(name, tensors, config, weight_version=version)
+    result = target.push_adapter(name, config, tensors, version)
     return AdapterPush(result, sum(t.numel() * t.element_size() for _, t in tensors), t1 - t0,
                        time.perf_counter() - t1)

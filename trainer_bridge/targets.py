@@ -33,6 +33,12 @@ class WeightTarget(ABC):
     def commit(self) -> WeightResult:
         """Apply everything added, all-or-nothing; returns the engine's ``WeightResult``."""
 
+    @abstractmethod
+    def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                     version: str) -> WeightResult:
+        """A LoRA adapter (peft's config and tensors, whole) as a new version of ``name`` whose tokens
+        carry ``version``; only its tensors move. Every trainer rank calls it alike."""
+
     def heal(self) -> bool:
         """Collective on every trainer rank: bring the target's membership up to date; True when the
         current weights must be pushed again. A target whose engines cannot come and go: False."""
@@ -67,3 +73,7 @@ class ColocatedTarget(WeightTarget):
         pending, self._pending = self._pending, []
         return self.engine.update_weights_from_tensor(pending, weight_version=self._version,
                                                       flush_cache=self.flush_cache)
+
+    def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                     version: str) -> WeightResult:
+        return self.engine.load_lora_adapter_from_tensors(name, named_tensors, config, weight_version=version)

@@ -23,6 +23,8 @@ from weight_sync.layout import bucket_layouts, contiguous_run, dtype_name, pack,
 from weight_sync.process_group import new_process_group
 
 DEFAULT_BUCKET_BYTES = 128 << 20
+# a LoRA adapter's buckets: small enough that a receiver copies one out while the next is on the wire
+ADAPTER_BUCKET_BYTES = 4 << 20
 # load_format of a distributed update: how the sender's broadcasts lay out the tensors of one call
 DIRECT = "direct"  # SGLang's default: one broadcast per tensor, in the call's order, exactly its bytes
 FLATTENED = "flattened_bucket"  # SGLang's flattened bucket: one broadcast, the tensors' bytes in order
@@ -90,7 +92,7 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
 
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
-                    on_bucket=None, pool: list | None = None, place=None):
+                    on_bucket=None, pool: list | None = None, place=None, posted_first=None):
     """Receive every bucket the sender broadcasts for ``specs``.
 
     With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
@@ -99,7 +101,8 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     the wire; pool views are only valid during the call. Returns None.
     Without: every bucket is kept, each in a fresh buffer of its own with every receive posted
     up front, and the (name, view) pairs are returned.
-    Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket."""
+    Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket.
+    ``posted_first()``: work to do once the first receives are posted, while the first bytes travel."""
     buckets = bucket_layouts(specs, bucket_bytes)
     placed = [None] * len(buckets)
     if on_bucket is None:  # every bucket kept: its own buffer, all posted at once
@@ -126,6 +129,8 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
 
     for i in range(min(window, len(buckets))):
         post(i)
+    if posted_first is not None:
+        posted_first()
     for i, (metas, total) in enumerate(buckets):
         try:
             group.wait(posted.pop(i))
@@ -169,13 +174,14 @@ def exact_transfers(specs, load_format: str = DIRECT, chunk_bytes: int = VLLM_PA
 
 def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: str, on_transfer,
                   load_format: str = DIRECT, pool: list | None = None,
-                  chunk_bytes: int = VLLM_PACKED_BUFFER_BYTES) -> None:
+                  chunk_bytes: int = VLLM_PACKED_BUFFER_BYTES, posted_first=None) -> None:
     """Receive a call sent SGLang's or vLLM's way (``exact_transfers``) and hand each transfer's
     (name, view) pairs to ``on_transfer`` while the next is on the wire (two reused buffers, ``pool``).
 
     On gloo every transfer is checked against what the call announced: the buffer posted is twice
     the announced bytes plus ``CANARY`` (gloo accepts a shorter message silently and aborts the
-    process on a longer one than the buffer), with random marks at the end of the announced bytes
+    process on a longer one than the buffer; ``posted_first`` as for ``receive_buckets``), with random
+    marks at the end of the announced bytes
     and just past them; a mark left in place (fewer bytes arrived, by ``CANARY`` or more) or
     overwritten (more arrived) raises ``WeightSizeMismatch`` naming the tensor, what was announced
     and what differed. A sender that sends more than twice what it announced takes gloo's own
@@ -213,6 +219,8 @@ def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: s
 
     for i in range(min(2, len(transfers))):
         post(i)
+    if posted_first is not None:
+        posted_first()
     mismatch = None  # the first transfer of another size than announced; the rest is still drained
     for i, entries in enumerate(transfers):
         try:

@@ -3,6 +3,9 @@
 - push: ``load_lora_adapter_from_tensors`` of a rank-``--rank`` adapter on every linear (as a trainer
   holds it, fp32) against ``update_weights_from_tensor`` of the whole model in the engine's dtype and
   against a bare ``copy_`` of the adapter's bytes (each the best of ``--repeats``);
+- distributed push: ``load_lora_adapter_from_distributed`` from a trainer process over gloo (the
+  adapter held in one buffer, as ``trainer_bridge.lora.adapter_tensors`` holds it) in our 4 MiB
+  buckets and in miles' one-broadcast-per-tensor layout, against bare broadcasts of the same bytes;
 - push to first token: from the start of an adapter push to the first token served on it;
 - decode: the decode step with adapters against the same batch on the base weights — one adapter
   at batch 1, 8 and 64, four adapters mixed at batch 64 (32-token prompts, 32 new tokens, greedy).
@@ -24,6 +27,7 @@ from rollout import RolloutEngine, SamplingParams
 from rollout.bench.common import add_model_flags, add_output_flags, build_model, machine, write_result
 from rollout.bench.sync import best
 from rollout.tools.hf import hf_parameter_order
+from weight_sync.distributed import ADAPTER_BUCKET_BYTES, WeightUpdateSender
 
 
 def _adapter(path: str, folder: str, rank: int, seed: int) -> tuple[list, dict]:
@@ -47,6 +51,68 @@ def _bench_push(engine: RolloutEngine, path: str, adapter: list, config: dict, r
     return {"full_push_s": full_s, "full_bytes": sum(t.numel() * t.element_size() for _, t in full),
             "adapter_push_s": adapter_s, "adapter_bytes": adapter_bytes, "bare_copy_s": copy_s,
             "adapter_vs_full": full_s / adapter_s, "fraction_of_raw": copy_s / adapter_s}
+
+
+ADAPTER_LAYOUTS = ("direct", "rollout_bucket")  # miles' one broadcast per tensor; ours, in 4 MiB buckets
+
+
+def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
+    """The trainer's side (its own process): per layout and repeat, a bare broadcast of the adapter's
+    bytes as one message, then the adapter as that layout sends it, held as our trainer holds it (in
+    one buffer, ``trainer_bridge.lora.adapter_tensors``)."""
+    torch.set_num_threads(1)  # the engine's process computes beside it on the same cores
+    import torch.distributed as dist
+
+    from weight_sync.bucket import FlattenedTensorBucket
+    from weight_sync.distributed import broadcast
+
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "bench-lora", timeout_s=120)
+    held = FlattenedTensorBucket(adapter)
+    flat, adapter = held.buffer, held.named_tensors()
+    for load_format in ADAPTER_LAYOUTS:
+        for _ in range(repeats + 1):
+            if load_format == "direct":  # bare: every tensor's own broadcast, posted at once
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                for work in [sender.group.pg.broadcast([t], opts) for _, t in adapter]:
+                    sender.group.wait(work)
+            else:
+                broadcast(sender.group, flat)
+            sender.send(adapter, bucket_bytes=ADAPTER_BUCKET_BYTES, load_format=load_format)
+    sender.close()
+
+
+def _bench_distributed_push(engine: RolloutEngine, adapter: list, config: dict, repeats: int) -> dict:
+    """``load_lora_adapter_from_distributed`` from a sender process over gloo, against bare broadcasts
+    of the same bytes on the same group — one message for our buckets, one per tensor for miles'
+    ``direct`` — each the best of ``repeats``, after one warm-up."""
+    import multiprocessing as mp
+
+    from weight_sync.process_group import free_port
+
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_adapter_sender, args=(port, adapter, repeats))
+    proc.start()
+    assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench-lora", timeout_s=120).success
+    names, dtypes, shapes = WeightUpdateSender.describe(adapter)
+    sizes = [t.numel() * t.element_size() for _, t in adapter]
+    nbytes = sum(sizes)
+    res = {"adapter_bytes": nbytes, "tensors": len(adapter)}
+    for load_format in ADAPTER_LAYOUTS:
+        raw, push = [], []
+        for _ in range(repeats + 1):
+            raw.append(engine.probe_weights_update_group("bench-lora", nbytes, sizes if load_format == "direct" else None))
+            t0 = time.perf_counter()
+            out = engine.load_lora_adapter_from_distributed("dist", config, names, dtypes, shapes, "bench-lora",
+                                                            load_format=load_format, bucket_bytes=ADAPTER_BUCKET_BYTES)
+            push.append(time.perf_counter() - t0)
+            assert out.success, out.message
+        res[load_format] = {"push_s": min(push[1:]), "bare_broadcast_s": min(raw[1:]),
+                            "fraction_of_raw": min(raw[1:]) / min(push[1:])}
+    proc.join(120)
+    engine.destroy_weights_update_group("bench-lora")
+    engine.unload_lora_adapter("dist")
+    return res
 
 
 def _push_to_first_token(engine: RolloutEngine, adapter: list, config: dict, prompt: list[int], repeats: int) -> float:
@@ -106,6 +172,7 @@ def main(argv=None) -> dict:
     with RolloutEngine(path, dtype=args.dtype, kv_cache_tokens=top * (32 + args.new_tokens) + 256,
                        use_generation_config=False) as engine:
         res["push"] = _bench_push(engine, path, adapters[0][0], config, args.repeats)
+        res["distributed_push"] = _bench_distributed_push(engine, adapters[0][0], config, args.repeats)
         prompt = [5] * 32
         res["push_to_first_token_s"] = _push_to_first_token(engine, adapters[0][0], config, prompt, args.repeats)
         for name in ("bench", "fresh"):
@@ -122,8 +189,10 @@ def plot(res: dict, path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     push = res["push"]
-    bars = a.bar(["full push", "adapter push", "bare copy"],
-                 [push["full_push_s"] * 1e3, push["adapter_push_s"] * 1e3, push["bare_copy_s"] * 1e3])
+    dist = res["distributed_push"]["rollout_bucket"]
+    bars = a.bar(["full push", "adapter push", "bare copy", "adapter over\nthe group", "bare\nbroadcast"],
+                 [push["full_push_s"] * 1e3, push["adapter_push_s"] * 1e3, push["bare_copy_s"] * 1e3,
+                  dist["push_s"] * 1e3, dist["bare_broadcast_s"] * 1e3])
     a.bar_label(bars, fmt="%.1f", fontsize=8)
     a.set_ylabel("ms")
     a.set_title(f"rank {res['config']['rank']}: {push['adapter_bytes'] / 1e6:.1f} MB adapter, "

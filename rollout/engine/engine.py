@@ -644,6 +644,30 @@ class RolloutEngine:
         ``config_dict`` (peft's LoRA config as a dict)."""
         return self._lora.load_from_tensors(lora_name, tensors, config_dict, pinned, weight_version)
 
+    def load_lora_adapter_from_distributed(self, lora_name: str, config_dict: dict, names: list[str], dtypes: list,
+                                           shapes: list, group_name: str, load_format: Optional[str] = None,
+                                           bucket_bytes: Optional[int] = None, pinned: bool = False,
+                                           weight_version: Optional[str] = None) -> WeightResult:
+        """``load_lora_adapter`` from a trainer's broadcasts over the weight-update group ``group_name``
+        (``init_weights_update_group``): the adapter's tensors ``names`` (peft's names) / ``dtypes`` /
+        ``shapes``, laid out as ``update_weights_from_distributed``'s ``load_format`` says (default: one
+        broadcast per tensor, as miles sends them). Only adapter tensors travel; the base weights and
+        their caches stay. Refused adapters are still received, so the sender's broadcasts complete."""
+        load_format = DIRECT if load_format is None else load_format
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: use one of {list(LOAD_FORMATS)}")
+        if bucket_bytes is None:
+            bucket_bytes = VLLM_PACKED_BUFFER_BYTES if load_format == PACKED else DEFAULT_BUCKET_BYTES
+        try:
+            spec = (tuple(str(n) for n in names), tuple(str(d) for d in dtypes),
+                    tuple(tuple(int(x) for x in s) for s in shapes), str(group_name), int(bucket_bytes),
+                    str(load_format))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"names, dtypes and shapes must be lists (shapes: lists of ints): {exc}") from None
+        if not isinstance(config_dict, dict):
+            raise ValueError("config_dict must be peft's LoRA config as a JSON object")
+        return self._lora.load_from_distributed(lora_name, config_dict, spec, pinned, weight_version)
+
     def unload_lora_adapter(self, lora_name: str) -> WeightResult:
         """Stop serving ``lora_name`` and free its slots; refused while running requests use it."""
         return self._lora.unload(lora_name)

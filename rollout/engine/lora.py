@@ -23,7 +23,7 @@ from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.scheduler import Scheduler
 from rollout.weights.lora import AdapterConfig, read_peft_folder
 from rollout.weights.safetensors_io import FolderNotAllowed
-from rollout.worker.messages import LoadLora, UnloadLora, WeightResult
+from rollout.worker.messages import LoadLora, ReceiveLora, UnloadLora, WeightResult
 from rollout.worker.tp_worker import BaseTpWorker
 
 
@@ -73,26 +73,61 @@ class EngineLora:
                                                                            time.perf_counter() - t0)
         return self._load(name, dict(config), named, "tensors", pinned, t0, weight_version)
 
+    def load_from_distributed(self, name: str, config: dict, spec: tuple, pinned: bool = False,
+                              weight_version: Optional[str] = None) -> WeightResult:
+        """``spec``: ``ReceiveLora``'s (names, dtypes, shapes, group_name, bucket_bytes, load_format). A
+        refused call still receives (drains) the broadcasts when the group stands, so the sender completes."""
+        t0 = time.perf_counter()
+        _check_name(name)
+        try:
+            AdapterConfig.from_peft(config)
+        except ValueError as exc:
+            error = f"adapter {name!r}: {exc}"
+        else:
+            error = None
+
+        def message(slot: Optional[int], left: Optional[int]) -> ReceiveLora:
+            load = LoadLora(-1 if slot is None else slot, name, dict(config), max_rank=self.max_rank, max_bytes=left)
+            return ReceiveLora(load, *spec)
+
+        return self._run(name, message, "distributed", pinned, t0, weight_version, refused=error, drain=True)
+
     def _load(self, name: str, config: dict, named: list, source: str, pinned: bool, t0: float,
               weight_version: Optional[str]) -> WeightResult:
         if not all(isinstance(t, torch.Tensor) for _, t in named):
             return WeightResult.fail(f"adapter {name!r}: every value must be a tensor")
 
+        def message(slot: Optional[int], left: Optional[int]) -> LoadLora:
+            assert slot is not None
+            if self.weights.ranks_in_other_processes:
+                return LoadLora(slot, name, config, handle=self.weights.write_bucket(named), max_rank=self.max_rank,
+                                max_bytes=left)
+            return LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left)
+
+        return self._run(name, message, source, pinned, t0, weight_version)
+
+    def _run(self, name: str, message, source: str, pinned: bool, t0: float, weight_version: Optional[str],
+             refused: Optional[str] = None, drain: bool = False) -> WeightResult:
+        """On the loop: a free slot and what the budget leaves, the ranks' load, the registry. A
+        distributed load (``drain``) refused here still runs on the ranks, with slot -1 (receive and
+        drop), so that the sender's broadcasts complete; its answer is then the refusal."""
+
         def on_loop() -> WeightResult:
-            self._collect()
+            self._collect(keep_spare=True)  # a retired version's memory, reused by this load
             reg = self.registry
             slot = reg.free_slot()
-            if slot is None:
+            error = refused
+            if error is None and slot is None:
                 names = sorted({av.name for av in reg.resident.values()})
-                return WeightResult.fail(f"adapter {name!r}: max_loaded_loras={reg.max_loaded} adapter versions are "
-                                         f"resident ({', '.join(names)}); unload one or raise max_loaded_loras")
+                error = (f"adapter {name!r}: max_loaded_loras={reg.max_loaded} adapter versions are "
+                         f"resident ({', '.join(names)}); unload one or raise max_loaded_loras")
+            if error is not None:
+                if drain:
+                    self.worker.run_weight_op(message(None, None))
+                return WeightResult.fail(error).published(self.scheduler.weight_version, time.perf_counter() - t0)
             left = None if self.max_memory_bytes is None else \
                 max(0, self.max_memory_bytes - sum(av.nbytes for av in reg.resident.values()))
-            if self.weights.ranks_in_other_processes:
-                msg = LoadLora(slot, name, config, handle=self.weights.write_bucket(named), max_rank=self.max_rank,
-                               max_bytes=left)
-            else:
-                msg = LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left)
+            msg = message(slot, left)
             result = self.worker.run_weight_op(msg)
             if result.success:
                 av = reg.add(name, slot, nbytes=result.num_bytes, max_rank=result.detail.get("max_rank", 0),
@@ -126,11 +161,12 @@ class EngineLora:
 
         return self.loop.call(on_loop)
 
-    def _collect(self) -> int:
-        """Empty the slots of retired versions no running request uses (on the loop)."""
+    def _collect(self, keep_spare: bool = False) -> int:
+        """Empty the slots of retired versions no running request uses (on the loop); ``keep_spare``:
+        the ranks keep the last one's memory for the load that follows."""
         freed = 0
         for av in self.registry.collectable(self.scheduler.requests.values()):
-            result = self.worker.run_weight_op(UnloadLora(av.slot))
+            result = self.worker.run_weight_op(UnloadLora(av.slot, keep_spare))
             if result.success:
                 freed += int(result.detail.get("freed_bytes", 0))
                 self.registry.drop(av)

@@ -26,15 +26,6 @@ import torch.nn.functional as F
 LORA_DTYPE = torch.float32  # adapters are held and applied in fp32 (peft's default on bf16 bases)
 
 
-@dataclass
-class LoraPiece:
-    """One adapter on one linear (or one piece of a merged linear), this rank's part."""
-
-    a: torch.Tensor  # [rank, in] (row-parallel: this rank's input columns)
-    b: torch.Tensor  # [out, rank] (column-parallel: this rank's output rows of the piece)
-    scale: float
-
-
 Rows = Union[None, slice, torch.Tensor]  # every row, a run of rows, or row indices
 
 
@@ -80,29 +71,32 @@ class LoraContext:
 
 @dataclass
 class LoraSlots:
-    """A linear's resident adapters: slot -> (``a`` [R, in], ``bt`` [R, out]) fused over the pieces of a
-    merged linear (q/k/v, gate/up), each piece's rows of ``a`` its own ``A`` and its block of ``bt`` its
-    ``(B * scale)^T`` in its own columns (zero elsewhere: a piece with no adapter gets exactly nothing).
-    A linear's low-rank term is then two GEMMs whatever its pieces: ``(x a^T) bt`` added to the base
+    """A linear's resident adapters: slot -> (``a`` [R, in], ``b`` [out, R]) fused over the pieces of a
+    merged linear (q/k/v, gate/up), each piece's rows of ``a`` its own ``A`` and its block of ``b`` its
+    ``B * scale``, in its own output rows and its own rank columns (zero elsewhere: a piece with no
+    adapter gets exactly nothing; ``blocks`` says where; ``rollout.weights.lora`` writes them).
+    A linear's low-rank term is then two GEMMs whatever its pieces: ``(x a^T) b^T`` added to the base
     output (``addmm``), in fp32."""
 
     piece_offsets: list[tuple[int, int]]  # (start, length) of each piece in this rank's output
     context: Optional[LoraContext] = None
     adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def fuse(self, pieces: dict[int, LoraPiece]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's pieces of this linear as (``a``, ``bt``) (new tensors, not yet resident)."""
-        order = sorted(pieces)
-        a = torch.cat([pieces[i].a for i in order]).contiguous()
-        width = max(start + length for start, length in self.piece_offsets)
-        bt = torch.zeros(a.shape[0], width, dtype=LORA_DTYPE, device=a.device)
-        r0 = 0
-        for i in order:
+    @property
+    def width(self) -> int:
+        """This rank's output features (``b``'s rows)."""
+        return max(start + length for start, length in self.piece_offsets)
+
+    def blocks(self, ranks: dict[int, int]) -> dict[int, tuple[int, int, int, int]]:
+        """Where each adapted piece (piece -> its rank) lies in a fused (``a``, ``b``): (its first row of
+        ``a`` and first column of ``b``, its rank, its first row of ``b``, its rows of ``b``). Pieces in
+        order, ranks back to back; ``b`` is zero outside the blocks."""
+        out, r0 = {}, 0
+        for i in sorted(ranks):
             start, length = self.piece_offsets[i]
-            rank = pieces[i].a.shape[0]
-            bt[r0: r0 + rank, start: start + length] = (pieces[i].b * pieces[i].scale).t()
-            r0 += rank
-        return a, bt
+            out[i] = (r0, ranks[i], start, length)
+            r0 += ranks[i]
+        return out
 
     def active(self) -> Optional[LoraBatch]:
         if not self.adapters or self.context is None:
@@ -117,7 +111,8 @@ class LoraSlots:
             weights = self.adapters.get(slot)
             if weights is None:
                 continue
-            a, bt = weights
+            a, b = weights
+            bt = b.t()  # a view: the GEMM reads b transposed
             if isinstance(rows, torch.Tensor):  # rows scattered over the batch: gathered, then put back
                 out = torch.addmm(y2.index_select(0, rows).to(LORA_DTYPE),
                                   F.linear(x2.index_select(0, rows).to(LORA_DTYPE), a), bt)
@@ -132,4 +127,4 @@ class LoraSlots:
         return y2.view(y.shape)
 
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + bt.numel() * bt.element_size() for a, bt in self.adapters.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.adapters.values())

@@ -48,7 +48,8 @@ def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None) -> Roll
         output_weight_versions=list(meta.get("output_weight_versions") or []),
         output_token_sampling_mask=list(meta.get("output_token_sampling_mask") or []),
         output_token_sampling_logprobs=list(meta.get("output_token_sampling_logprobs") or []),
-        num_cached_tokens=meta.get("cached_tokens", 0), latency_s=meta.get("e2e_latency"))
+        num_cached_tokens=meta.get("cached_tokens", 0), latency_s=meta.get("e2e_latency"),
+        lora_name=meta.get("lora_name"), lora_version=meta.get("lora_version"))
 
 
 class RolloutClient:
@@ -183,6 +184,18 @@ class RolloutClient:
         """``handle``: a same-host bucket (``weight_sync.SharedMemoryBucket().write(named)``) of peft's tensors."""
         return self._weight("/load_lora_adapter_from_tensors", {"lora_name": lora_name, "config_dict": config_dict,
                                                                 "serialized_tensors": handle, "pinned": pinned})
+
+    def load_lora_adapter_from_distributed(self, lora_name: str, config_dict: dict, names: list[str],
+                                           dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                           load_format: Optional[str] = None, bucket_bytes: Optional[int] = None,
+                                           pinned: bool = False, weight_version: Optional[str] = None
+                                           ) -> WeightResult:
+        """miles' ``/load_lora_adapter_from_distributed``: the tensors follow as broadcasts over the group
+        (run beside the broadcasts: the server answers once they have arrived)."""
+        return self._weight("/load_lora_adapter_from_distributed", {
+            "lora_name": lora_name, "config_dict": config_dict, "names": names, "dtypes": dtypes, "shapes": shapes,
+            "group_name": group_name, "load_format": load_format, "bucket_bytes": bucket_bytes, "pinned": pinned,
+            "weight_version": weight_version})
 
     def unload_lora_adapter(self, lora_name: str) -> WeightResult:
         return self._weight("/unload_lora_adapter", {"lora_name": lora_name})

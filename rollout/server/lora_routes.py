@@ -1,7 +1,8 @@
 """LoRA adapter routes under the field's names (``RolloutEngine.load_lora_adapter`` and its kin).
 
-SGLang's ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/load_lora_adapter_from_tensors``
-answer SGLang's ``{"success", "error_message", "loaded_adapters"}`` (200, or 400 on failure);
+SGLang's ``/load_lora_adapter``, ``/unload_lora_adapter``, ``/load_lora_adapter_from_tensors`` and
+``/load_lora_adapter_from_distributed`` (miles' adapter push over the weight-update group) answer
+SGLang's ``{"success", "error_message", "loaded_adapters"}`` (200, or 400 on failure);
 prime-rl and AReaL send the first to vLLM servers too, so both families get it. vLLM's
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` answer as vLLM does: a plain-text success
 line, 400 for a name already loaded unless ``load_inplace`` (which loads a new version), 404 for
@@ -13,7 +14,7 @@ name an adapter as ``lora_path`` on ``/generate`` and as ``model`` on the OpenAI
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import PlainTextResponse
@@ -57,6 +58,24 @@ class LoadLoraTensorsRequest(P.Lenient):
     @classmethod
     def _no_pickles(cls, data: Any) -> Any:
         return P.refuse_pickles(data, "serialized_tensors")
+
+
+class LoadLoraDistributedRequest(P.Lenient):
+    """SGLang's (and miles') ``load_lora_adapter_from_distributed``: the adapter's tensors come as
+    broadcasts over a weight-update group (``init_weights_update_group``), described here."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    config_dict: dict[str, Any]
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    pinned: bool = False
+    upsert: bool = True  # miles': refresh a loaded name in place (here: always a new version of it)
+    added_tokens_config: Optional[dict[str, Any]] = None
+    load_format: Optional[Literal["direct", "flattened_bucket", "rollout_bucket", "packed"]] = None
+    bucket_bytes: Optional[int] = Field(None, gt=0)
+    weight_version: Optional[str] = None
 
 
 def _loaded(result: WeightResult, svc: EngineService) -> dict:
@@ -110,6 +129,19 @@ async def load_lora_adapter_from_tensors(body: LoadLoraTensorsRequest, request: 
             bucket.close()
 
     return _sglang(await svc.call(load), svc)
+
+
+@router.post("/load_lora_adapter_from_distributed", dependencies=ADMIN)
+async def load_lora_adapter_from_distributed(body: LoadLoraDistributedRequest, svc: EngineService = Svc):
+    """The answer comes once every broadcast has arrived; a refused adapter is still received (drained),
+    so the trainer's broadcasts complete. ``added_tokens_config`` (an adapter that adds tokens) is
+    refused: adapters here cannot change the vocabulary."""
+    if body.added_tokens_config:
+        raise HTTPException(400, "added_tokens_config: adapters that add tokens are not supported (the vocabulary "
+                                 "and embeddings are the base model's); send the adapter without it")
+    return _sglang(await svc.call(svc.engine.load_lora_adapter_from_distributed, body.lora_name, body.config_dict,
+                                  body.names, body.dtypes, body.shapes, body.group_name, body.load_format,
+                                  body.bucket_bytes, body.pinned, body.weight_version), svc)
 
 
 def _current(svc: EngineService) -> set[str]:

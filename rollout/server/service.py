@@ -401,6 +401,7 @@ class EngineService:
     async def server_info(self) -> dict:
         engine, config = self.engine, self.config
         stats = await self.read(engine.get_stats)
+        adapters = await self.read(engine.list_lora_adapters)
         tp = engine.tp_size
         return {"engine_config": dataclasses.asdict(engine.config), "served_model_name": self.model_name,
                 "model_path": engine.config.model_path,
@@ -413,4 +414,5 @@ class EngineService:
                 "dtype": self.dtype_name, "tp_size": engine.tp_size,
                 "max_body_bytes": config.max_body_bytes, "request_timeout_s": config.request_timeout_s,
                 "auth": config.api_key is not None, "admin_auth": config.admin_api_key is not None,
-                "allowed_weight_dirs": self.allowed_dirs, "cpu": engine.cpu_kernels()}
+                "allowed_weight_dirs": self.allowed_dirs, "cpu": engine.cpu_kernels(),
+                "lora_adapters": adapters}

@@ -54,6 +54,8 @@ def sglang_item(o: RolloutOutput, return_logprob: bool, text_of: TokenText = _no
         "cached_tokens": o.num_cached_tokens, "weight_version": o.weight_version,
         "output_weight_versions": o.output_weight_versions, "e2e_latency": o.latency_s,
     }
+    if o.lora_name is not None:  # the adapter and its version the request ran on (ours)
+        meta["lora_name"], meta["lora_version"] = o.lora_name, o.lora_version
     if return_logprob:
         meta["logprob_mode"] = o.logprob_mode
         meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(o.output_logprobs, o.output_token_ids)]

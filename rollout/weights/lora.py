@@ -4,16 +4,19 @@ of every linear it targets, all or nothing.
 
 ``AdapterConfig.from_peft`` reads and checks the config (what the engine can serve: plain LoRA and
 rsLoRA on the Llama family's linears, per-module ranks and alphas; DoRA, ``modules_to_save``, LoRA
-biases and embedding or LM-head targets refused, saying so). ``plan_adapter`` maps every
-``...<module>.lora_A.weight`` / ``lora_B.weight`` to its linear, checks shapes against the base
-weights, finiteness and the rank limit, and slices this rank's part; ``install`` puts a plan in a
-slot, ``remove`` empties one. Nothing touches the model until the whole adapter is planned.
+biases and embedding or LM-head targets refused, saying so). ``AdapterLayout`` maps every
+``...<module>.lora_A.weight`` / ``lora_B.weight`` to its linear and checks shapes against the base
+weights and the rank limit from the names and shapes alone, then takes the tensors as they arrive
+(this rank's part, fused) and checks finiteness; ``plan_adapter`` does both for tensors in hand.
+``install`` puts a plan in a slot, ``remove`` empties one. Nothing touches the model until the whole
+adapter is planned.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,8 +24,8 @@ import torch
 from torch import nn
 
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
-from rollout.layers.lora import LORA_DTYPE, LoraPiece, LoraSlots
-from rollout.weights.loader import WeightLoadError, nonfinite_names
+from rollout.layers.lora import LORA_DTYPE, LoraSlots
+from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -101,14 +104,15 @@ class AdapterConfig:
 @dataclass
 class AdapterPlan:
     """A checked adapter, this rank's parts, already in the form the linears hold: (linear, (``a``,
-    ``bt``)) per targeted linear (``LoraSlots.fuse``)."""
+    ``b``)) per targeted linear (``LoraSlots``), every one a view of ``buffer`` (one allocation)."""
 
     items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]
     modules: list[str]  # the Hugging Face modules it targets
     max_rank: int
+    buffer: torch.Tensor
 
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + bt.numel() * bt.element_size() for _, (a, bt) in self.items)
+        return self.buffer.numel() * self.buffer.element_size()
 
 
 def module_name(tensor_name: str) -> tuple[str, str]:
@@ -128,66 +132,156 @@ def module_name(tensor_name: str) -> tuple[str, str]:
     return m.group("module"), m.group("ab")
 
 
+@dataclass(frozen=True)
+class _Route:
+    """Where a Hugging Face module's adapter goes on this rank."""
+
+    layer: nn.Module
+    piece: int
+    narrow: Optional[tuple[int, int, int]]  # the base weight's (dim, start, length) on this rank (None: whole); the
+    # same narrowing cuts A's input columns (row-parallel) or B's output rows (column-parallel)
+    row_parallel: bool
+    full_shape: tuple[int, int]  # the module's whole weight [out, in]
+
+
+_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: _Route}, built once
+
+
+def _route(model: nn.Module, name_map: dict, module: str) -> _Route:
+    routes = _ROUTES.setdefault(model, {})
+    found = routes.get(module)
+    if found is not None:
+        return found
+    short = module.rsplit(".", 1)[-1]
+    if short in ("lm_head", "embed_tokens"):
+        raise LoraError(f"{module}: LoRA on the embedding or the LM head is not supported")
+    target = name_map.get(f"{module}.weight")
+    if short not in LORA_MODULES or target is None:
+        raise LoraError(f"{module}: not a linear this model can adapt (LoRA targets are "
+                        f"{', '.join(LORA_MODULES)} of model.layers.N)")
+    layer = model.get_submodule(target.param_name.rsplit(".", 1)[0])
+    if not isinstance(getattr(layer, "lora", None), LoraSlots) or \
+            not isinstance(layer, (RowParallelLinear, ColumnParallelLinear)):
+        raise LoraError(f"{module}: this linear takes no adapter")
+    row = isinstance(layer, RowParallelLinear)
+    sl = target.slice  # only its numbers are kept: its ``dst`` is a view of the weight's storage
+    found = _Route(layer, 0 if row else layer.lora_piece(target.shard_id),
+                   None if sl.dim is None else (sl.dim, sl.start, sl.length), row,
+                   tuple(target.param.shard_shape(target.param, target.shard_id)))
+    routes[module] = found
+    return found
+
+
+class AdapterLayout:
+    """Loading an adapter in two phases. From its (name, dtype, shape) list alone — before any byte
+    arrives — every name is mapped to its linear, checked against the base weight's shape, the rank
+    limit and the memory budget, and given its place in one fp32 buffer (``spare``, a collected
+    version's buffer of the same size, is reused: no fresh pages to fault in); then ``write`` puts
+    tensors in place as they arrive (a bucket while the next is on the wire), ``A`` as this rank's
+    slice, ``B`` scaled into its block of ``b``; ``finish`` checks that all came and
+    are finite and returns the plan. Raises ``LoraError`` naming the first problem."""
+
+    def __init__(self, model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int,
+                 device: torch.device, max_bytes: Optional[int] = None, spare: Optional[torch.Tensor] = None):
+        pairs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        for name, dtype, shape in specs:
+            module, ab = module_name(name)
+            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise LoraError(f"{name}: must be a floating-point tensor, got {dtype}")
+            if ab in pairs.setdefault(module, {}):
+                raise LoraError(f"{name}: given twice")
+            pairs[module][ab] = (name, tuple(shape))
+        if not pairs:
+            raise LoraError("the adapter holds no LoRA matrices")
+        per_layer: dict[nn.Module, dict[int, tuple[str, _Route, int]]] = {}
+        self.max_rank = 0
+        for module, ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                raise LoraError(f"{module}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
+            route = _route(model, name_map, module)
+            (_, a), (_, b) = ab["A"], ab["B"]
+            if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+                raise LoraError(f"{module}: lora_A {a} and lora_B {b} are not [r, in] and [out, r] of one rank r")
+            out_features, in_features = route.full_shape
+            if a[1] != in_features or b[0] != out_features:
+                raise LoraError(f"{module}: lora_A {a} / lora_B {b} do not fit the base weight "
+                                f"[{out_features}, {in_features}] (an adapter trained on another model?)")
+            if a[0] > max_rank:
+                raise LoraError(f"{module}: rank {a[0]} exceeds the engine's max_lora_rank={max_rank}; raise it")
+            per_layer.setdefault(route.layer, {})[route.piece] = (module, route, a[0])
+            self.max_rank = max(self.max_rank, a[0])
+        self.modules = sorted(pairs)
+        # sizes: every linear's ``a`` first, then every ``b`` (zeroed in one pass)
+        shapes = []
+        for layer, pieces in per_layer.items():
+            route = next(iter(pieces.values()))[1]
+            in_local = route.narrow[2] if route.row_parallel and route.narrow is not None else route.full_shape[1]
+            rank = sum(r for _, _, r in pieces.values())
+            shapes.append((layer, (rank, in_local), (layer.lora.width, rank)))
+        n_a = sum(math.prod(sa) for _, sa, _ in shapes)
+        total = n_a + sum(math.prod(sb) for _, _, sb in shapes)
+        nbytes = total * LORA_DTYPE.itemsize
+        if max_bytes is not None and nbytes > max_bytes:
+            raise LoraError(f"its {nbytes / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
+                            f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
+        reuse = spare is not None and spare.numel() == total and spare.device == device and spare.dtype == LORA_DTYPE
+        self.buffer = spare if reuse else torch.empty(total, dtype=LORA_DTYPE, device=device)
+        self.buffer[n_a:].zero_()
+        self.items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]] = []
+        # name -> (its place, the narrowing of the tensor this rank keeps, B's scale)
+        self.places: dict[str, tuple[torch.Tensor, Optional[tuple[int, int, int]], Optional[float]]] = {}
+        ia, ib = 0, n_a
+        for layer, sa, sb in shapes:
+            a = self.buffer[ia: ia + math.prod(sa)].view(sa)
+            b = self.buffer[ib: ib + math.prod(sb)].view(sb)
+            ia, ib = ia + math.prod(sa), ib + math.prod(sb)
+            self.items.append((layer, (a, b)))
+            pieces = per_layer[layer]
+            for piece, (r0, rank, start, length) in layer.lora.blocks({p: r for p, (_, _, r) in pieces.items()}).items():
+                module, route, _ = pieces[piece]
+                name_a, name_b = pairs[module]["A"][0], pairs[module]["B"][0]
+                self.places[name_a] = (a[r0: r0 + rank], route.narrow if route.row_parallel else None, None)
+                self.places[name_b] = (b[start: start + length, r0: r0 + rank],
+                                       None if route.row_parallel else route.narrow, config.scale(module, rank))
+        self.missing = set(self.places)
+
+    def write(self, named) -> None:
+        """Tensors of the adapter (any of its names, in any order) into their places."""
+        for name, tensor in named:
+            dst, narrow, scale = self.places[name]
+            src = tensor if narrow is None else tensor.narrow(*narrow)
+            if scale is None:
+                dst.copy_(src)
+            elif src.dtype == LORA_DTYPE:
+                torch.mul(src, scale, out=dst)  # dst: rows of b, each a run of rank values
+            else:  # scaled in fp32, as peft does on an fp32 adapter
+                dst.copy_(src)
+                dst.mul_(scale)
+            self.missing.discard(name)
+
+    def finish(self) -> AdapterPlan:
+        if self.missing:
+            raise LoraError(f"{sorted(self.missing)[0]} never arrived")
+        lo, hi = torch.aminmax(self.buffer)  # one pass and one sync for the whole adapter
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            bad = sorted(n for n, (dst, _, _) in self.places.items() if not bool(torch.isfinite(dst).all()))
+            raise LoraError(f"{bad[0]} holds non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        return AdapterPlan(self.items, self.modules, self.max_rank, self.buffer)
+
+
 def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_tensors,
-                 max_rank: int, device: torch.device, max_bytes: Optional[int] = None) -> AdapterPlan:
-    """Check every tensor of an adapter against the model and slice this rank's part (copies in
-    fp32 on ``device``), at most ``max_bytes`` of them; raises ``LoraError`` naming the first problem."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in named_tensors:
-        module, ab = module_name(name)
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                 max_rank: int, device: torch.device, max_bytes: Optional[int] = None,
+                 spare: Optional[torch.Tensor] = None) -> AdapterPlan:
+    """An adapter given as tensors: checked against the model and put in this rank's form
+    (``AdapterLayout``); raises ``LoraError`` naming the first problem."""
+    named = list(named_tensors)
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
             raise LoraError(f"{name}: must be a floating-point tensor")
-        if ab in pairs.setdefault(module, {}):
-            raise LoraError(f"{name}: given twice")
-        pairs[module][ab] = tensor
-    if not pairs:
-        raise LoraError("the adapter holds no LoRA matrices")
-    bad = nonfinite_names((f"{module}.lora_{k}.weight", t) for module, ab in pairs.items() for k, t in ab.items())
-    if bad:
-        raise LoraError(f"{bad[0]} holds non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-    by_layer: dict[nn.Module, dict[int, LoraPiece]] = {}
-    top = 0
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise LoraError(f"{module}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
-        short = module.rsplit(".", 1)[-1]
-        if short in ("lm_head", "embed_tokens"):
-            raise LoraError(f"{module}: LoRA on the embedding or the LM head is not supported")
-        target = name_map.get(f"{module}.weight")
-        if short not in LORA_MODULES or target is None:
-            raise LoraError(f"{module}: not a linear this model can adapt (LoRA targets are "
-                            f"{', '.join(LORA_MODULES)} of model.layers.N)")
-        layer = model.get_submodule(target.param_name.rsplit(".", 1)[0])
-        if not isinstance(getattr(layer, "lora", None), LoraSlots):
-            raise LoraError(f"{module}: this linear takes no adapter")
-        a, b = ab["A"], ab["B"]
-        out_features, in_features = target.param.shard_shape(target.param, target.shard_id)
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-            raise LoraError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and "
-                            f"[out, r] of one rank r")
-        rank = a.shape[0]
-        if a.shape[1] != in_features or b.shape[0] != out_features:
-            raise LoraError(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base weight "
-                            f"[{out_features}, {in_features}] (an adapter trained on another model?)")
-        if rank > max_rank:
-            raise LoraError(f"{module}: rank {rank} exceeds the engine's max_lora_rank={max_rank}; raise it")
-        # this rank's part, sliced as the base weight is (``target.slice``): A's input columns of a
-        # row-parallel linear, B's output rows of a column-parallel one
-        if isinstance(layer, RowParallelLinear):
-            piece, a = 0, target.slice.source(a)
-        elif isinstance(layer, ColumnParallelLinear):
-            piece, b = layer.lora_piece(target.shard_id), target.slice.source(b)
-        else:
-            raise LoraError(f"{module}: this linear takes no adapter")
-        by_layer.setdefault(layer, {})[piece] = LoraPiece(a.to(device=device, dtype=LORA_DTYPE),
-                                                          b.to(device=device, dtype=LORA_DTYPE),
-                                                          config.scale(module, rank))
-        top = max(top, rank)
-    plan = AdapterPlan([(layer, layer.lora.fuse(pieces)) for layer, pieces in by_layer.items()], sorted(pairs), top)
-    if max_bytes is not None and plan.nbytes() > max_bytes:
-        raise LoraError(f"its {plan.nbytes() / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
-                        f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
-    return plan
+    layout = AdapterLayout(model, name_map, config, [(n, t.dtype, tuple(t.shape)) for n, t in named], max_rank,
+                           device, max_bytes, spare)
+    layout.write(named)
+    return layout.finish()
 
 
 def read_peft_folder(path: str, allowed=()) -> tuple[dict, list[tuple[str, torch.Tensor]]]:

@@ -47,6 +47,7 @@ from rollout.worker.messages import (
     ProbeUpdateGroup,
     ReadWeight,
     ReceiveDistributed,
+    ReceiveLora,
     ReleaseMemory,
     ResumeMemory,
     StageDistributed,
@@ -97,6 +98,8 @@ class RankWeights:
         self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
+        self.lora_buffers: dict[int, torch.Tensor] = {}  # slot -> the buffer its adapter's tensors are views of
+        self.lora_spare: Optional[torch.Tensor] = None  # a collected adapter's buffer, for the load that follows
 
     def handle(self, msg) -> WeightResult:
         """Run one weight message on this rank (every rank of the engine runs the same one)."""
@@ -160,27 +163,96 @@ class RankWeights:
                 if msg.handle is not None:
                     return self._with_bucket(msg.handle, lambda named: self._load_lora(msg, named), vote=True)
                 return self._load_lora(msg, msg.named_tensors)
+            case ReceiveLora():
+                return self._receive_lora(msg)
             case UnloadLora():
                 freed = lora.remove(self.runner.model, msg.slot)
+                buffer = self.lora_buffers.pop(msg.slot, None)
+                if msg.keep_spare:
+                    self.lora_spare = buffer
                 return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=freed)
         raise TypeError(f"not a weight message: {type(msg).__name__}")
+
+    def _take_spare(self) -> Optional[torch.Tensor]:
+        spare, self.lora_spare = self.lora_spare, None  # used by this load, or dropped
+        return spare
 
     def _load_lora(self, msg: LoadLora, named) -> WeightResult:
         """Plan the whole adapter on this rank (names, shapes, finiteness, rank), vote, then install:
         every rank holds it, or none does. Base weights and their CPU copies are untouched."""
+        spare = self._take_spare()
         error, plan = None, None
         try:
             plan = lora.plan_adapter(self.runner.model, self.runner.name_map, lora.AdapterConfig.from_peft(msg.config),
-                                     named, msg.max_rank, self.device, msg.max_bytes)
+                                     named, msg.max_rank, self.device, msg.max_bytes, spare)
         except INPUT_ERRORS as exc:
             error = f"adapter {msg.name!r}: {exc}"
+        return self._install_lora(msg, plan, error)
+
+    def _install_lora(self, msg: LoadLora, plan: Optional[lora.AdapterPlan], error: Optional[str]) -> WeightResult:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
         assert plan is not None
         lora.install(self.runner.model, msg.slot, plan)
+        self.lora_buffers[msg.slot] = plan.buffer
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
                                f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,
                                max_rank=plan.max_rank)
+
+    def _receive_lora(self, msg: ReceiveLora) -> WeightResult:
+        """Check the adapter from its names and shapes and lay out its buffer while the first bytes
+        travel, then put each bucket in place as it lands (while the next is on the wire), check
+        finiteness, vote and install. Whatever is wrong, every broadcast is drained so the sender completes."""
+        error, specs = self._specs(msg)
+        drain_only = msg.load.slot < 0  # refused by the engine already (no vote then)
+        if error is not None:  # nothing can be received without the group and specs
+            if not drain_only:
+                self._vote(False)
+            return WeightResult.fail(error, kind=self._group_kind(msg.group_name))
+        layout = None
+        spare = self._take_spare()
+
+        def plan() -> None:  # runs while the first buckets are on the wire
+            nonlocal layout, error
+            if drain_only:
+                return
+            try:
+                layout = lora.AdapterLayout(self.runner.model, self.runner.name_map,
+                                            lora.AdapterConfig.from_peft(msg.load.config), specs, msg.load.max_rank,
+                                            self.device, msg.load.max_bytes, spare)
+            except INPUT_ERRORS as exc:
+                error = f"adapter {msg.load.name!r}: {exc}"
+
+        def write(named) -> None:
+            if layout is not None:
+                with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
+                    layout.write(named)
+
+        try:
+            if msg.load_format == ROLLOUT_BUCKET:
+                receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
+                                msg.group_name, lambda named, placed: write(named), pool=self.receive_pool,
+                                posted_first=plan)
+            else:
+                receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name, write,
+                              load_format=msg.load_format, pool=self.receive_pool, chunk_bytes=msg.bucket_bytes,
+                              posted_first=plan)
+        except WeightSizeMismatch as exc:  # the group still stands: only this adapter failed
+            error = f"adapter {msg.load.name!r}: {exc}; nothing was loaded"
+        except WeightGroupError as exc:
+            if not drain_only:
+                self._vote(False)
+            return WeightResult.fail(self._group_failed(msg.group_name, exc), kind=WeightResult.GROUP)
+        if drain_only:
+            return WeightResult.fail(f"adapter {msg.load.name!r}: received and dropped")
+        plan = None
+        if error is None:
+            assert layout is not None
+            try:
+                plan = layout.finish()
+            except INPUT_ERRORS as exc:
+                error = f"adapter {msg.load.name!r}: {exc}"
+        return self._install_lora(msg.load, plan, error)
 
     # ------------------------------------------------------------------ voting, applying
 

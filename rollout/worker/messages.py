@@ -217,16 +217,36 @@ class LoadLora:
 
 
 @dataclass(frozen=True)
+class ReceiveLora:
+    """A LoRA adapter broadcast by the trainer over a weight-update group (miles'
+    ``load_lora_adapter_from_distributed``): every rank receives the tensors ``names`` /
+    ``dtypes`` / ``shapes`` laid out as ``load_format`` says (``ReceiveDistributed``'s formats), then
+    loads them as ``load`` says (its tensors empty), all or nothing. A refused adapter is still
+    drained, so the group keeps working."""
+
+    load: LoadLora
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    bucket_bytes: int
+    load_format: str = "direct"
+    reply_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class UnloadLora:
-    """Empty an adapter slot (its memory freed)."""
+    """Empty an adapter slot (its memory freed; with ``keep_spare``, kept for the load that follows,
+    which reuses it when its adapter has the same size: a new version of the same adapter)."""
 
     slot: int
+    keep_spare: bool = False
 
 
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
                    StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
                    DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight,
-                   WeightsChecksum, LoadLora, UnloadLora)
+                   WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)
 LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe
 
 
