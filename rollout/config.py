@@ -83,6 +83,13 @@ class EngineConfig:
     max_loaded_loras: int = 8
     max_lora_rank: int = 64
     max_lora_memory_mb: Optional[float] = None
+    # how adapter terms are computed (SGLang's name): "triton" — one segmented kernel per linear for
+    # every adapter in the batch (rollout.layers.lora_triton; CUDA, or a CPU under TRITON_INTERPRET=1),
+    # "torch" — two GEMMs per adapter over its rows; "auto": triton on CUDA, torch on CPU
+    lora_backend: str = "auto"
+    # AReaL's adapter names: loading "<name>-v<N>" replaces "<name>-v<M>" (M < N) — retired like a
+    # replaced version, its name routed to the newest (rollout.scheduler.lora_registry)
+    lora_versioned_names: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -118,6 +125,8 @@ class EngineConfig:
             bad("tp_timeout_s", "must be > 0 seconds")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        if self.lora_backend not in ("auto", "torch", "triton"):
+            bad("lora_backend", "must be auto, torch or triton")
         for name in ("max_loaded_loras", "max_lora_rank"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
                     getattr(self, name) < 1:

@@ -5,8 +5,9 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``paged_decode_kernel``: the Triton paged decode attention equals the torch reference path;
 - ``graph_vs_eager``: CUDA-graph decode gives the tokens and logprobs of eager decode;
 - ``overlap_parity``: overlap scheduling on/off gives identical tokens and logprobs;
-- ``lora``: two LoRA adapters and the base in one batch equal each alone and a CPU engine; base batches
-  (graphs) unchanged by loading adapters;
+- ``lora``: two LoRA adapters and the base in one batch equal each alone and a CPU engine, through the
+  batched Triton kernel (``lora_backend`` auto on CUDA) and through the torch path; base batches (graphs)
+  unchanged by loading adapters;
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
@@ -230,8 +231,9 @@ def check_lora(device, workdir, quick):
     sp = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     mix = ["a0", None, "a1", "a1", None, "a0"]
     out = {}
-    for dev in dict.fromkeys([device, "cpu"]):
-        with RolloutEngine(path, dtype="float32", device=dev, kv_cache_tokens=4096) as e:
+    runs = [(device, "auto"), ("cpu", "auto")] + ([(device, "torch")] if device != "cpu" else [])
+    for dev, backend in dict.fromkeys(runs):
+        with RolloutEngine(path, dtype="float32", device=dev, kv_cache_tokens=4096, lora_backend=backend) as e:
             before = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
             for i, folder in enumerate(adapters):
                 assert e.load_lora_adapter(f"a{i}", folder).success
@@ -239,11 +241,13 @@ def check_lora(device, workdir, quick):
             alone = [e.generate(input_ids=p, sampling_params=sp, lora_path=m)[0].output_token_ids
                      for p, m in zip(prompts, mix)]
             after = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
-            out[dev] = (before, mixed, alone, after)
-    before, mixed, alone, after = out[device]
+            out[(dev, backend)] = (before, mixed, alone, after, e.worker.model_runner.lora_context.backend)
+    before, mixed, alone, after, used = out[(device, "auto")]
     checks = {"mixed_equals_alone": mixed == alone, "base_unchanged": before == after,
-              "equals_cpu": mixed == out["cpu"][1], "adapters_change_tokens": mixed != before}
-    return {"ok": all(checks.values()), **checks}
+              "equals_cpu": mixed == out[("cpu", "auto")][1], "adapters_change_tokens": mixed != before}
+    if device != "cpu":
+        checks["triton_equals_torch"] = mixed == out[(device, "torch")][1]
+    return {"ok": all(checks.values()), "backend": used, **checks}
 
 
 def check_nccl_tp1(device, workdir, quick):

@@ -363,8 +363,9 @@ def test_areal_vllm_extension_push(compat_srv, compat_model, compat_model_b):
     _restore(compat_srv, compat_model)
     r = compat_srv.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
     assert r.status_code == 400 and "pass a PEFT LoRA adapter folder" in r.json()["error"]["message"]
-    r = compat_srv.post("/areal_update_weights_lora", json={"lora_name": "a", "lora_path": "/x"})
-    assert r.status_code == 400 and "/v1/load_lora_adapter" in r.text  # named: what to send instead
+    r = compat_srv.post("/areal_update_weights_lora", json={"lora_model_path": "/x", "lora_name": "a-v1",
+                                                             "lora_int_id": 1, "base_model_name": compat_model})
+    assert r.status_code == 400 and "pass a PEFT LoRA adapter folder" in r.json()["message"]  # served: test_lora.py
 
 
 def test_trl_vllm_serve_routes_and_push(compat_srv, compat_model, compat_model_b, compat_tok):

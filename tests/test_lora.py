@@ -406,6 +406,73 @@ def test_adapters_pushed_over_the_weight_update_group_as_miles_sends_them(make_s
     client.close()
 
 
+def test_areal_lora_updates_over_the_group_and_from_disk_with_versioned_names(make_server, adapters, tmp_path):
+    """AReaL's LoRA routes as its vLLM backend sends them: ``/areal_set_update_weight_meta_lora`` then
+    ``/areal_update_weights_lora_xccl`` (the body again, or ``{}`` as older AReaL sends) with one
+    broadcast per tensor under the peft model's parameter names; ``/areal_update_weights_lora`` from a
+    saved folder. Each version is ``<name>-v<version>``: a newer one replaces the older (freed once
+    unused), whose names keep routing to the newest, so versions never pile up."""
+    import httpx
+
+    from trainer_bridge.distributed_target import _Call
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
+    allowed = tmp_path / "adapters"
+    shutil.copytree(path_b, allowed / "v2")
+    server = make_server(base, "--dtype", "float32", "--kv-cache-tokens", "1024", "--allowed-weight-dirs",
+                         str(allowed))
+    http = httpx.Client(base_url=server.url, timeout=60)
+    port = free_port()
+    join = _Call("join", http.post, "/areal_init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
+        "backend": "gloo", "group_name": "areal"})
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "areal", timeout_s=30)
+    assert join.get(40).status_code == 200
+    tensors, config = _trainer_side(path_a)
+    # the trainer's parameter names (peft's adapter name inside), as AReaL gathers them
+    tensors = [(n.replace(".weight", ".default.weight"), t) for n, t in tensors]
+    body = {"names": [n for n, _ in tensors], "dtypes": ["float32"] * len(tensors),
+            "shapes": [list(t.shape) for _, t in tensors], "group_name": "areal", "lora_name": "policy-v1",
+            "lora_int_id": 1, "lora_target_modules": config["target_modules"], "lora_rank": config["r"],
+            "lora_alpha": config["lora_alpha"], "lora_bias": "none", "base_model_name": base}
+
+    def completions(model):
+        got = []
+        for p in prompts:
+            c = http.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": NEW, "temperature": 0,
+                                                   "ignore_eos": True, "return_token_ids": True}).json()
+            got.append(c["choices"][0]["token_ids"])
+        return got
+
+    def xccl(update_body):
+        assert http.post("/areal_set_update_weight_meta_lora", json=body).status_code == 200
+        call = _Call("update", http.post, "/areal_update_weights_lora_xccl", json=update_body)
+        sender.send(tensors, load_format="direct")
+        return call.get(60)
+
+    r = xccl(body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert completions("policy-v1") == refs_a
+    r = http.post("/areal_update_weights_lora", json={"lora_model_path": str(allowed / "v2"), "lora_name": "policy-v2",
+                                                      "lora_int_id": 1, "base_model_name": base})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert completions("policy-v2") == refs_b and completions("policy-v1") == refs_b  # the old name: the newest
+    body["lora_name"] = "policy-v3"
+    r = xccl({})  # older AReaL: the metadata set before says it all
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert completions("policy-v1") == refs_a and completions("policy-v3") == refs_a
+    resident = http.get("/get_server_info").json()["lora_adapters"]
+    assert [a["name"] for a in resident if a["current"]] == ["policy-v3"] and len(resident) <= 2
+    outside = http.post("/areal_update_weights_lora", json={"lora_model_path": path_a, "lora_name": "x-v1",
+                                                            "lora_int_id": 2, "base_model_name": base})
+    assert outside.status_code == 403
+    sender.close()
+    http.close()
+
+
 def test_distributed_target_pushes_adapters_to_a_tp2_engine(adapters):
     """``DistributedTarget.push_adapter`` into an engine of two TP ranks (rank 1 in its own process)
     whose ranks join the trainer's group: only the adapter moves, and greedy tokens equal peft's."""
@@ -428,18 +495,24 @@ def test_distributed_target_pushes_adapters_to_a_tp2_engine(adapters):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(dtype):
+def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(dtype, backend):
     """``LoraSlots.add`` over every row, a run of rows and scattered rows (two adapters, two pieces of a
-    merged linear, one piece without an adapter) equals the term computed row by row in fp32."""
-    from rollout.layers.lora import LoraBatch, LoraSlots
+    merged linear, one piece without an adapter, a slot this linear holds nothing in) equals the term
+    computed row by row in fp32 — with the torch path and with the batched Triton kernel (run by
+    Triton's interpreter on this CPU: ``TRITON_INTERPRET=1``, set by conftest.py)."""
+    from rollout.layers.lora import LoraBatch, LoraContext, LoraSlots
 
+    if backend == "triton":
+        pytest.importorskip("triton", reason="needs the test extra 'triton' (pip install -e '.[test]')")
+        assert os.environ.get("TRITON_INTERPRET") == "1"
     g = torch.Generator().manual_seed(0)
-    slots = LoraSlots([(0, 6), (6, 4)])
-    # slot -> piece -> (A [r, in], B [out, r], scale)
-    pieces = {0: {0: (torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g), 0.5),
+    slots = LoraSlots([(0, 70), (70, 4)], context=LoraContext(backend=backend))
+    # slot -> piece -> (A [r, in], B [out, r], scale); 70 output rows: two column blocks of the kernel
+    pieces = {0: {0: (torch.randn(3, 5, generator=g), torch.randn(70, 3, generator=g), 0.5),
                   1: (torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g), 2.0)},
-              1: {1: (torch.randn(4, 5, generator=g), torch.randn(4, 4, generator=g), 1.0)}}
+              1: {1: (torch.randn(17, 5, generator=g), torch.randn(4, 17, generator=g), 1.0)}}
     for slot, p in pieces.items():
         blocks = slots.blocks({i: a.shape[0] for i, (a, _, _) in p.items()})
         rank = sum(a.shape[0] for a, _, _ in p.values())
@@ -448,7 +521,7 @@ def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(d
             a_fused[r0: r0 + r] = p[i][0]
             b_fused[start: start + length, r0: r0 + r] = p[i][1] * p[i][2]
         slots.adapters[slot] = (a_fused, b_fused)
-    x, y = torch.randn(7, 5, generator=g).to(dtype), torch.randn(7, 10, generator=g).to(dtype)
+    x, y = torch.randn(19, 5, generator=g).to(dtype), torch.randn(19, 74, generator=g).to(dtype)
 
     def expected(row_slots):
         want = y.float().clone()
@@ -458,13 +531,31 @@ def test_the_low_rank_term_lands_on_its_rows_alone_whatever_form_the_rows_take(d
                 want[r, start: start + length] += (x[r].float() @ a.t() @ b.t()) * scale
         return want.to(dtype)
 
-    cases = [([0] * 7, LoraBatch([(0, None)])),
-             ([-1, 0, 0, 0, 1, 1, -1], LoraBatch([(0, slice(1, 4)), (1, slice(4, 6))])),
-             ([1, 0, -1, 0, 1, -1, 0], LoraBatch([(0, torch.tensor([1, 3, 6])), (1, torch.tensor([0, 4]))]))]
+    scattered = [1, 0, -1, 0, 1, -1, 0] + [0] * 10 + [2, 1]  # slot 2: resident elsewhere, not in this linear
+    cases = [([0] * 19, LoraBatch([(0, None)])),
+             ([-1, 0, 0, 0, 1, 1] + [-1] * 13, LoraBatch([(0, slice(1, 4)), (1, slice(4, 6))])),
+             (scattered, LoraBatch([(0, torch.tensor([1, 3, 6, *range(7, 17)])), (1, torch.tensor([0, 4, 18])),
+                                    (2, torch.tensor([17]))]))]
     for row_slots, batch in cases:
         got = slots.add(y.clone(), x, batch)
-        assert torch.allclose(got.float(), expected(row_slots).float(), atol=1e-5 if dtype == torch.float32 else 0.05)
-        assert len(LoraBatch.from_sequences(row_slots, [1] * 7, torch.device("cpu")).groups) == len(batch.groups)
+        # bf16: the interpreter truncates fp32 -> bf16 stores (a GPU rounds to nearest): a whole ulp
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=2 ** -7)
+        assert torch.allclose(got.float(), expected(row_slots).float(), **tol)
+        assert len(LoraBatch.from_sequences(row_slots, [1] * 19, torch.device("cpu")).groups) == len(batch.groups)
+
+
+def test_the_batched_triton_kernel_serves_a_mixed_batch_as_peft_does(make_engine, adapters):
+    """The whole engine with ``lora_backend="triton"`` (the kernel under Triton's interpreter on this
+    CPU): two adapters and the base in one batch, greedy tokens equal to peft's and the base model's."""
+    pytest.importorskip("triton", reason="needs the test extra 'triton' (pip install -e '.[test]')")
+    base, path_a, prompts, refs_a = adapters["llama-r8-all"]
+    _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
+    engine = make_engine(base, lora_backend="triton")
+    assert engine.worker.model_runner.lora_context.backend == "triton"
+    assert engine.load_lora_adapter("a", path_a).success and engine.load_lora_adapter("b", path_b).success
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=["a", None, "b"])
+    plain = hf_greedy(base, prompts[1], NEW)[0]
+    assert [o.output_token_ids for o in outs] == [refs_a[0], plain, refs_b[2]]
 
 
 def test_the_lora_benchmark_writes_its_numbers_and_plot(tmp_path):

@@ -173,8 +173,9 @@ class EngineLora:
         return freed
 
     def names(self) -> list[str]:
-        """The adapters new requests can name (read off the loop: a snapshot of a dict's keys)."""
-        return list(self.registry.current)
+        """The adapters new requests can name, replaced AReaL versions included (read off the loop:
+        snapshots of dicts' keys)."""
+        return list(self.registry.current) + list(self.registry.aliases)
 
     def list(self) -> list[dict]:
         return self.loop.call(lambda: self.registry.describe(self.scheduler.requests.values()))

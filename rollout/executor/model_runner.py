@@ -10,6 +10,7 @@ after every weight change), decode CUDA graphs, and the order of a release or re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -75,6 +76,18 @@ def _input_ids(batch: ModelWorkerBatch, device: torch.device, future_token_ids: 
     return input_ids
 
 
+def _lora_backend(choice: str, device: torch.device) -> str:
+    """``lora_backend`` resolved: auto is the batched Triton kernel on CUDA (when Triton is there), torch elsewhere."""
+    if choice == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("engine option lora_backend='triton' needs CUDA (or, on a CPU, TRITON_INTERPRET=1 set "
+                             "before Triton is imported); use 'auto' or 'torch'")
+        if not _has_triton():
+            raise ValueError("engine option lora_backend='triton' needs Triton (pip install triton)")
+        return "triton"
+    return "triton" if choice == "auto" and device.type == "cuda" and _has_triton() else "torch"
+
+
 def _has_triton() -> bool:
     import importlib.util
 
@@ -132,7 +145,7 @@ class ModelRunner:
                 module.fused_act = cpu_kernels and config.cpu_fused_silu
         self.fused_sampler = cpu_kernels and config.cpu_fused_sampler
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
-        self.lora_context = LoraContext()
+        self.lora_context = LoraContext(backend=_lora_backend(config.lora_backend, device), slots=config.max_loaded_loras)
         self.lora_layers = lora_layers(self.model)
         for module in self.lora_layers:
             module.lora.context = self.lora_context

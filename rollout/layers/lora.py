@@ -36,6 +36,30 @@ class LoraBatch:
     side) or an index tensor. Rows on no adapter appear in no group."""
 
     groups: list[tuple[int, Rows]]
+    _segments: Optional[tuple] = field(default=None, init=False, repr=False)
+
+    def segments(self, num_rows: int, device: torch.device) -> tuple:
+        """The groups as the batched kernel reads them (``rollout.layers.lora_triton``), built once per
+        forward for every linear: (rows [T] int32, each group's rows back to back; starts [G];
+        lengths [G]; slots [G]; the longest group's length)."""
+        if self._segments is None:
+            parts, starts, lens, slots = [], [], [], []
+            offset = 0
+            for slot, rows in self.groups:
+                if rows is None:
+                    idx = torch.arange(num_rows, dtype=torch.int32)
+                elif isinstance(rows, slice):
+                    idx = torch.arange(rows.start, rows.stop, dtype=torch.int32)
+                else:
+                    idx = rows.to(device="cpu", dtype=torch.int32)
+                parts.append(idx)
+                starts.append(offset)
+                lens.append(idx.numel())
+                slots.append(slot)
+                offset += idx.numel()
+            meta = torch.tensor([starts, lens, slots], dtype=torch.int32).to(device)
+            self._segments = (torch.cat(parts).to(device), meta[0], meta[1], meta[2], max(lens, default=0))
+        return self._segments
 
     @staticmethod
     def from_sequences(slots: Optional[list[int]], q_lens: list[int], device: torch.device) -> Optional[LoraBatch]:
@@ -64,9 +88,13 @@ class LoraBatch:
 @dataclass
 class LoraContext:
     """Shared by every LoRA-capable linear of a model: the current forward's ``LoraBatch`` (set by
-    the model runner around each forward; None: no adapter in this batch)."""
+    the model runner around each forward; None: no adapter in this batch), and how the adapters'
+    terms are computed: ``"torch"`` (two GEMMs per adapter over its rows) or ``"triton"`` (one
+    segmented kernel launch per linear for all adapters, ``rollout.layers.lora_triton``)."""
 
     batch: Optional[LoraBatch] = None
+    backend: str = "torch"
+    slots: int = 8  # adapter slots of the engine (max_loaded_loras): the kernel's tables have one entry each
 
 
 @dataclass
@@ -81,6 +109,7 @@ class LoraSlots:
     piece_offsets: list[tuple[int, int]]  # (start, length) of each piece in this rank's output
     context: Optional[LoraContext] = None
     adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _tables: Optional[tuple] = field(default=None, repr=False)  # (key, tables) for the batched kernel
 
     @property
     def width(self) -> int:
@@ -103,10 +132,29 @@ class LoraSlots:
             return None
         return self.context.batch
 
+    def tables(self, device: torch.device) -> tuple:
+        """The batched kernel's view of the resident adapters: (the address of each slot's ``a``, of its
+        ``b``, its rank; 0 for a slot this linear has no adapter in — every slot of the engine has an
+        entry), and the largest rank. Rebuilt only when the resident adapters change."""
+        key = tuple((slot, a.data_ptr(), b.data_ptr(), a.shape[0]) for slot, (a, b) in sorted(self.adapters.items()))
+        if self._tables is None or self._tables[0] != key:
+            size = max(self.context.slots if self.context is not None else 0, max(self.adapters, default=0) + 1)
+            table = torch.zeros(3, size, dtype=torch.int64)
+            for slot, a_ptr, b_ptr, rank in key:
+                table[:, slot] = torch.tensor([a_ptr, b_ptr, rank])
+            table = table.to(device)
+            self._tables = (key, ((table[0], table[1], table[2].to(torch.int32)), max((k[3] for k in key), default=1)))
+        return self._tables[1]
+
     def add(self, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """``y`` (the base output of ``x``) with every resident adapter's term added to its rows."""
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
+        if self.context is not None and self.context.backend == "triton":
+            from rollout.layers.lora_triton import lora_segments
+
+            lora_segments(y2, x2.contiguous(), batch.segments(x2.shape[0], x2.device), self.tables(x2.device))
+            return y2.view(y.shape)
         for slot, rows in batch.groups:
             weights = self.adapters.get(slot)
             if weights is None:

@@ -98,7 +98,7 @@ class Scheduler:
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
         self.sessions = SessionTable(config.session_timeout_s)
-        self.loras = LoraRegistry(config.max_loaded_loras)
+        self.loras = LoraRegistry(config.max_loaded_loras, config.lora_versioned_names)
         self._sessions_checked = time.monotonic()
 
     @property

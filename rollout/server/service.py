@@ -218,6 +218,7 @@ class EngineService:
         self.chat_sessions = ChatSessions(engine)  # /v1/chat/completions turns named by a session id
         self.weights_snapshot: Optional[str] = None  # /weights_checker's snapshot (a checksum)
         self.areal_meta = None  # AReaL's /areal_set_update_weight_meta, read by /areal_update_weights_xccl
+        self.areal_lora_meta = None  # /areal_set_update_weight_meta_lora, read by /areal_update_weights_lora_xccl
         # Two pools instead of asyncio's one shared default (6 threads on 2 cores): the admin's calls
         # (an update waiting for a quiet point, /abort_request) and everyone's reads never queue
         # behind each other.

@@ -21,9 +21,9 @@ import asyncio
 import uuid
 from typing import Any, Literal, Optional
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError
 
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
@@ -31,6 +31,7 @@ from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse, openai_logprob
 from rollout.server.openai_routes import prompt_logprob_dicts
 from rollout.server.service import EngineService, service_of
+from rollout.weights.safetensors_io import FolderNotAllowed
 from rollout.worker.messages import WeightResult
 from weight_sync.distributed import DIRECT, PACKED
 
@@ -599,9 +600,74 @@ async def areal_update_weights(body: ArealDiskRequest, svc: EngineService = Svc)
     return _areal(await svc.update_from_disk(body.model_path, abort_all_requests=True))
 
 
-@router.post("/areal_update_weights_lora", dependencies=ADMIN)
-@router.post("/areal_update_weights_lora_xccl", dependencies=ADMIN)
+class ArealLoraMetaRequest(P.Lenient):
+    """AReaL's ``/areal_set_update_weight_meta_lora`` body (also sent again to
+    ``/areal_update_weights_lora_xccl``; older AReaL sends ``{}`` there)."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "update_weight_group"
+    lora_name: str = Field(min_length=1, max_length=256)  # "<name>-v<version>"
+    lora_int_id: Optional[int] = None
+    lora_target_modules: Any = None
+    lora_rank: int = Field(ge=1)
+    lora_alpha: float
+    lora_bias: Optional[str] = "none"
+    base_model_name: Optional[str] = None
+
+    def peft_config(self) -> dict:
+        """The adapter's peft config, from the fields AReaL sends."""
+        return {"peft_type": "LORA", "r": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "target_modules": self.lora_target_modules, "bias": self.lora_bias or "none"}
+
+
+class ArealLoraDiskRequest(P.Lenient):
+    lora_model_path: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None
+    base_model_name: Optional[str] = None
+    load_format: Optional[str] = "auto"
+    abort_all_requests: bool = False
+
+
 @router.post("/areal_set_update_weight_meta_lora", dependencies=ADMIN)
-async def lora_not_yet():
-    raise HTTPException(400, "AReaL's LoRA update routes are not supported yet: load each adapter version with "
-                             "/v1/load_lora_adapter (name <name>-v<version>)")
+async def areal_set_update_weight_meta_lora(body: ArealLoraMetaRequest, svc: EngineService = Svc):
+    """What the next ``/areal_update_weights_lora_xccl`` receives: the adapter's tensors (one broadcast
+    each, in this order) and its name and config."""
+    if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
+        raise HTTPException(400, "names, dtypes and shapes must have the same length")
+    svc.areal_lora_meta = body
+    return {"success": True, "message": f"LoRA metadata of {len(body.names)} tensors set for {body.lora_name!r}"}
+
+
+@router.post("/areal_update_weights_lora_xccl", dependencies=ADMIN)
+async def areal_update_weights_lora_xccl(body: Optional[dict[str, Any]] = Body(None), svc: EngineService = Svc):
+    """Receives the adapter the metadata announced (the body, when AReaL sends it again, wins) and
+    loads it as ``lora_name``: AReaL's ``<name>-v<version>`` replaces the name's older versions, which
+    stay routable to it (``lora_versioned_names``). Running requests are not aborted: each finishes
+    on the version it started with."""
+    meta = svc.areal_lora_meta
+    if body and body.get("names"):
+        try:
+            meta = ArealLoraMetaRequest.model_validate(body)
+        except ValidationError as exc:
+            raise HTTPException(422, f"the LoRA update body: {exc}") from None
+    if meta is None:
+        raise HTTPException(400, "no LoRA metadata: call /areal_set_update_weight_meta_lora first")
+    return _areal(await svc.call(svc.engine.load_lora_adapter_from_distributed, meta.lora_name, meta.peft_config(),
+                                 meta.names, [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes,
+                                 meta.group_name))
+
+
+@router.post("/areal_update_weights_lora", dependencies=ADMIN)
+async def areal_update_weights_lora(body: ArealLoraDiskRequest, svc: EngineService = Svc):
+    """A saved adapter folder (under ``--allowed-weight-dirs``) loaded as ``lora_name``."""
+    if body.abort_all_requests:
+        await svc.call(svc.engine.abort_request, None, True)
+    try:
+        result = await svc.call(svc.engine.load_lora_adapter, body.lora_name, body.lora_model_path, False,
+                                svc.allowed_dirs)
+    except FolderNotAllowed as exc:
+        raise HTTPException(403, str(exc)) from None
+    return _areal(result)

@@ -172,17 +172,22 @@ def _route(model: nn.Module, name_map: dict, module: str) -> _Route:
     return found
 
 
-class AdapterLayout:
-    """Loading an adapter in two phases. From its (name, dtype, shape) list alone — before any byte
-    arrives — every name is mapped to its linear, checked against the base weight's shape, the rank
-    limit and the memory budget, and given its place in one fp32 buffer (``spare``, a collected
-    version's buffer of the same size, is reused: no fresh pages to fault in); then ``write`` puts
-    tensors in place as they arrive (a bucket while the next is on the wire), ``A`` as this rank's
-    slice, ``B`` scaled into its block of ``b``; ``finish`` checks that all came and
-    are finite and returns the plan. Raises ``LoraError`` naming the first problem."""
+_RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {adapter shape: _Recipe}
 
-    def __init__(self, model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int,
-                 device: torch.device, max_bytes: Optional[int] = None, spare: Optional[torch.Tensor] = None):
+
+@dataclass
+class _Recipe:
+    """Where an adapter of a given shape goes on this rank, as numbers (no tensors): checked once."""
+
+    modules: list[str]
+    max_rank: int
+    n_a: int  # fp32 values of every linear's ``a`` (then every ``b``)
+    total: int
+    layers: list[tuple[nn.Module, int, tuple[int, int], int, tuple[int, int]]]  # (layer, a at, a shape, b at, b shape)
+    places: list[tuple[str, int, tuple[int, int], tuple[int, int], Optional[tuple[int, int, int]], Optional[float]]]
+
+    @staticmethod
+    def plan(model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int) -> _Recipe:
         pairs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         for name, dtype, shape in specs:
             module, ab = module_name(name)
@@ -194,7 +199,6 @@ class AdapterLayout:
         if not pairs:
             raise LoraError("the adapter holds no LoRA matrices")
         per_layer: dict[nn.Module, dict[int, tuple[str, _Route, int]]] = {}
-        self.max_rank = 0
         for module, ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
                 raise LoraError(f"{module}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
@@ -209,40 +213,67 @@ class AdapterLayout:
             if a[0] > max_rank:
                 raise LoraError(f"{module}: rank {a[0]} exceeds the engine's max_lora_rank={max_rank}; raise it")
             per_layer.setdefault(route.layer, {})[route.piece] = (module, route, a[0])
-            self.max_rank = max(self.max_rank, a[0])
-        self.modules = sorted(pairs)
-        # sizes: every linear's ``a`` first, then every ``b`` (zeroed in one pass)
-        shapes = []
+        # every linear's ``a`` first, then every ``b`` (zeroed in one pass)
+        sizes = []
         for layer, pieces in per_layer.items():
             route = next(iter(pieces.values()))[1]
             in_local = route.narrow[2] if route.row_parallel and route.narrow is not None else route.full_shape[1]
             rank = sum(r for _, _, r in pieces.values())
-            shapes.append((layer, (rank, in_local), (layer.lora.width, rank)))
-        n_a = sum(math.prod(sa) for _, sa, _ in shapes)
-        total = n_a + sum(math.prod(sb) for _, _, sb in shapes)
-        nbytes = total * LORA_DTYPE.itemsize
-        if max_bytes is not None and nbytes > max_bytes:
-            raise LoraError(f"its {nbytes / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
-                            f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
-        reuse = spare is not None and spare.numel() == total and spare.device == device and spare.dtype == LORA_DTYPE
-        self.buffer = spare if reuse else torch.empty(total, dtype=LORA_DTYPE, device=device)
-        self.buffer[n_a:].zero_()
-        self.items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]] = []
-        # name -> (its place, the narrowing of the tensor this rank keeps, B's scale)
-        self.places: dict[str, tuple[torch.Tensor, Optional[tuple[int, int, int]], Optional[float]]] = {}
-        ia, ib = 0, n_a
-        for layer, sa, sb in shapes:
-            a = self.buffer[ia: ia + math.prod(sa)].view(sa)
-            b = self.buffer[ib: ib + math.prod(sb)].view(sb)
-            ia, ib = ia + math.prod(sa), ib + math.prod(sb)
-            self.items.append((layer, (a, b)))
+            sizes.append((layer, (rank, in_local), (layer.lora.width, rank)))
+        n_a = sum(math.prod(sa) for _, sa, _ in sizes)
+        layers, places, ia, ib = [], [], 0, n_a
+        for layer, sa, sb in sizes:
+            layers.append((layer, ia, sa, ib, sb))
             pieces = per_layer[layer]
             for piece, (r0, rank, start, length) in layer.lora.blocks({p: r for p, (_, _, r) in pieces.items()}).items():
                 module, route, _ = pieces[piece]
-                name_a, name_b = pairs[module]["A"][0], pairs[module]["B"][0]
-                self.places[name_a] = (a[r0: r0 + rank], route.narrow if route.row_parallel else None, None)
-                self.places[name_b] = (b[start: start + length, r0: r0 + rank],
-                                       None if route.row_parallel else route.narrow, config.scale(module, rank))
+                places.append((pairs[module]["A"][0], ia + r0 * sa[1], (rank, sa[1]), (sa[1], 1),
+                               route.narrow if route.row_parallel else None, None))
+                places.append((pairs[module]["B"][0], ib + start * sb[1] + r0, (length, rank), (sb[1], 1),
+                               None if route.row_parallel else route.narrow, config.scale(module, rank)))
+            ia, ib = ia + math.prod(sa), ib + math.prod(sb)
+        return _Recipe(sorted(pairs), max(r for p in per_layer.values() for _, _, r in p.values()), n_a,
+                       ib, layers, places)
+
+
+class AdapterLayout:
+    """Loading an adapter in two phases. From its (name, dtype, shape) list alone — before any byte
+    arrives — every name is mapped to its linear, checked against the base weight's shape, the rank
+    limit and the memory budget, and given its place in one fp32 buffer (``spare``, a collected
+    version's buffer of the same size, is reused: no fresh pages to fault in); then ``write`` puts
+    tensors in place as they arrive (a bucket while the next is on the wire), ``A`` as this rank's
+    slice, ``B`` scaled into its block of ``b``; ``finish`` checks that all came and
+    are finite and returns the plan. Raises ``LoraError`` naming the first problem."""
+
+    def __init__(self, model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int,
+                 device: torch.device, max_bytes: Optional[int] = None, spare: Optional[torch.Tensor] = None):
+        specs = tuple((name, dtype, tuple(shape)) for name, dtype, shape in specs)
+        key = (specs, config.r, config.lora_alpha, config.use_rslora, tuple(sorted(config.alpha_pattern.items())),
+               max_rank)
+        cache = _RECIPES.setdefault(model, {})
+        recipe = cache.get(key)
+        if recipe is None:  # the same adapter shape again (every push of a training run): planned once
+            recipe = _Recipe.plan(model, name_map, config, specs, max_rank)
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = recipe
+        self.modules, self.max_rank = recipe.modules, recipe.max_rank
+        nbytes = recipe.total * LORA_DTYPE.itemsize
+        if max_bytes is not None and nbytes > max_bytes:
+            raise LoraError(f"its {nbytes / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
+                            f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
+        reuse = spare is not None and spare.numel() == recipe.total and spare.device == device and \
+            spare.dtype == LORA_DTYPE
+        self.buffer = spare if reuse else torch.empty(recipe.total, dtype=LORA_DTYPE, device=device)
+        buffer = self.buffer
+        buffer[recipe.n_a:].zero_()
+        self.items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]] = [
+            (layer, (buffer.as_strided(sa, (sa[1], 1), ia), buffer.as_strided(sb, (sb[1], 1), ib)))
+            for layer, ia, sa, ib, sb in recipe.layers]
+        # name -> (its place, the narrowing of the tensor this rank keeps, B's scale)
+        self.places: dict[str, tuple[torch.Tensor, Optional[tuple[int, int, int]], Optional[float]]] = {
+            name: (buffer.as_strided(shape, stride, offset), narrow, scale)
+            for name, offset, shape, stride, narrow, scale in recipe.places}
         self.missing = set(self.places)
 
     def write(self, named) -> None:
@@ -304,8 +335,14 @@ def read_peft_folder(path: str, allowed=()) -> tuple[dict, list[tuple[str, torch
     return config, named
 
 
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its adaptable linears
+
+
 def lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "lora", None), LoraSlots)]
+    layers = _LAYERS.get(model)
+    if layers is None:
+        layers = _LAYERS[model] = [m for m in model.modules() if isinstance(getattr(m, "lora", None), LoraSlots)]
+    return layers
 
 
 def install(model: nn.Module, slot: int, plan: AdapterPlan) -> None:
