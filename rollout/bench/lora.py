@@ -187,13 +187,14 @@ def main(argv=None) -> dict:
 def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.5))
     push = res["push"]
     dist = res["distributed_push"]["rollout_bucket"]
     bars = a.bar(["full push", "adapter push", "bare copy", "adapter over\nthe group", "bare\nbroadcast"],
                  [push["full_push_s"] * 1e3, push["adapter_push_s"] * 1e3, push["bare_copy_s"] * 1e3,
                   dist["push_s"] * 1e3, dist["bare_broadcast_s"] * 1e3])
     a.bar_label(bars, fmt="%.1f", fontsize=8)
+    a.tick_params(axis="x", labelsize=7)
     a.set_ylabel("ms")
     a.set_title(f"rank {res['config']['rank']}: {push['adapter_bytes'] / 1e6:.1f} MB adapter, "
                 f"{push['full_bytes'] / 1e6:.0f} MB model", fontsize=9)
