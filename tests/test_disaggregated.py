@@ -173,6 +173,49 @@ def test_a_replica_killed_mid_push_is_named_the_rest_carry_on_and_it_rejoins(two
         c.close()
 
 
+def test_an_adapter_push_to_a_dead_replica_is_named_and_the_healed_group_gets_it(two_replicas, tmp_path):
+    """LoRA over the weight group with replica 1 dead: the push fails naming it, and replica 0 holds the
+    whole adapter (its receive completed) or none, never part of one; after ``heal`` the push reaches
+    replica 0 alone, and once replica 1 is back it rejoins and the next push brings it the adapter:
+    both then serve it alike."""
+    import json as _json
+
+    from safetensors.torch import load_file
+
+    from rollout.tools.tiny import make_tiny_adapter
+    from trainer_bridge import DistributedTarget, ReplicaError, ReplicaRouter, ReplicaSet
+
+    path, ports, servers, serve = two_replicas
+    clients = [s.wait_ready(120).client(timeout_s=60) for s in servers]
+    folder = make_tiny_adapter(path, str(tmp_path / "adapter"), r=4, lora_alpha=8, seed=3)
+    tensors = [(n, t.float()) for n, t in load_file(os.path.join(folder, "adapter_model.safetensors")).items()]
+    config = _json.load(open(os.path.join(folder, "adapter_config.json")))
+    replicas = ReplicaSet(clients)
+    router = ReplicaRouter(replicas)
+    target = DistributedTarget(replicas, timeout_s=8)
+    servers[1].kill()
+    with pytest.raises(ReplicaError) as err:
+        target.push_adapter("policy", config, tensors, "v1")
+    assert 1 in err.value.replicas and f"127.0.0.1:{ports[1]}" in str(err.value)
+    held = clients[0].get_server_info()["lora_adapters"]
+    assert all(a["modules"] == len(tensors) // 2 for a in held)  # nothing half-loaded on the survivor
+    assert target.heal() is True and target.members == [0]
+    result = target.push_adapter("policy", config, tensors, "v1")
+    assert result.success, result.message
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = clients[0].generate(input_ids=[[1, 2, 3]], sampling_params=sp, lora_path="policy")[0].output_token_ids
+    servers[1] = serve(1).wait_ready(120)
+    assert target.heal() is True and sorted(target.members) == [0, 1] and replicas.serving() == [0]
+    assert target.push_adapter("policy", config, tensors, "v2").success
+    assert replicas.serving() == [0, 1]
+    outs = [c.generate(input_ids=[[1, 2, 3]], sampling_params=sp, lora_path="policy")[0] for c in clients]
+    assert [o.output_token_ids for o in outs] == [alone, alone] and {o.lora_name for o in outs} == {"policy"}
+    assert len(router.generate([[1, 2, 3]] * 4, sp, lora_path="policy")) == 4
+    target.close()
+    for c in clients:
+        c.close()
+
+
 def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, two_replicas):
     """The whole loop against two running servers: replica 1 is killed after step 2 and restarted at
     once (it takes a while to come up); every step still trains on a full batch, the loss of replica 1

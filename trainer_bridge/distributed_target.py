@@ -305,7 +305,8 @@ class DistributedTarget(WeightTarget):
         while rank 0 broadcasts the tensors once, in buckets. The base weights never move. A refusal
         comes back as the failed result (replicas that took it serve the new version, the others keep
         the one they had); a replica that fails is named in a ``ReplicaError`` on every trainer rank,
-        marked down, and ``heal`` rebuilds the group (the adapter is pushed again then)."""
+        marked down, and ``heal`` rebuilds the group (the adapter is pushed again then). Each replica
+        holds a whole version, never part of one: the others may already serve the new one."""
         payload = None
         if self.is_sender:
             self._failed, self._rejected = {}, None
