@@ -212,7 +212,7 @@ class RankWeights:
         layout = None
         spare = self._take_spare()
 
-        def plan() -> None:  # runs while the first buckets are on the wire
+        def lay_out() -> None:  # runs while the first buckets are on the wire
             nonlocal layout, error
             if drain_only:
                 return
@@ -232,11 +232,11 @@ class RankWeights:
             if msg.load_format == ROLLOUT_BUCKET:
                 receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
                                 msg.group_name, lambda named, placed: write(named), pool=self.receive_pool,
-                                posted_first=plan)
+                                posted_first=lay_out)
             else:
                 receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name, write,
                               load_format=msg.load_format, pool=self.receive_pool, chunk_bytes=msg.bucket_bytes,
-                              posted_first=plan)
+                              posted_first=lay_out)
         except WeightSizeMismatch as exc:  # the group still stands: only this adapter failed
             error = f"adapter {msg.load.name!r}: {exc}; nothing was loaded"
         except WeightGroupError as exc:
