@@ -4,6 +4,8 @@ what server tests check after a client left."""
 from __future__ import annotations
 
 import functools
+import random
+import socket
 
 import torch
 
@@ -112,3 +114,25 @@ def hf_lora_logprobs(path: str, adapter: str, prompt: list[int], output: list[in
     logits = hf_lora_model(path, adapter)(input_ids=torch.tensor([prompt + output])).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)], dim=-1)
     return [float(lp[i, t]) for i, t in enumerate(output)]
+
+
+def restartable_port(avoid=()) -> int:
+    """A free loopback port outside the kernel's ephemeral range, for a server a test kills and starts
+    again at the same address: in between, an outgoing connection (a weight group's rendezvous) may be
+    given any free ephemeral port as its own, and a server restarted there fails with EADDRINUSE."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        if port in avoid:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")

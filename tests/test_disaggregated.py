@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import env_showing_warnings, warning_lines
+from helpers import env_showing_warnings, restartable_port, warning_lines
 
 from trainer_bridge.targets import WeightTarget
 
@@ -81,9 +81,8 @@ def test_asynchronous_rollouts_with_staleness_one_still_learn_from_one_bare_serv
 @pytest.fixture()
 def two_replicas(llama_path, make_server):
     """Two servers on the tiny model (not waited for), and ``serve(i)`` to start replica ``i`` again at its port."""
-    from weight_sync.process_group import free_port
-
-    ports = [free_port(), free_port()]
+    ports = [restartable_port()]  # restarted at the same port: outside the ephemeral range
+    ports.append(restartable_port(avoid=ports))
 
     def serve(i: int):  # one thread each: cores are shared (launch_server bounds the OpenMP spin)
         return make_server(llama_path, "--dtype", "float32", "--kv-cache-tokens", "2048", "--no-use-generation-config",

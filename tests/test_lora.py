@@ -571,3 +571,17 @@ def test_the_lora_benchmark_writes_its_numbers_and_plot(tmp_path):
     assert set(res["decode"]) == {"batch1_adapters1", "batch4_adapters1", "batch4_adapters4"}
     assert all(v["lora_step_s"] > 0 and v["base_step_s"] > 0 for v in res["decode"].values())
     assert (tmp_path / "lora.png").exists() and res["machine"]["cpu"]
+
+
+def test_the_weight_sync_benchmark_reports_an_adapter_push(tmp_path):
+    """``rollout bench weight-sync`` with ``--lora-rank``: the adapter's pushes beside the full-weight paths."""
+    from rollout.cli import main
+
+    assert main(["bench", "weight-sync", "--models", "tiny", "--dtype", "float32", "--repeats", "1", "--bucket-mib", "1",
+                 "--lora-rank", "4", "--out-dir", str(tmp_path), "--workdir", str(tmp_path)]) == 0
+    res = json.load(open(tmp_path / "weight_sync.json"))
+    lora = res["models"][0]["lora"]
+    assert lora["rank"] == 4 and 0 < lora["adapter_bytes"] < lora["full_bytes"]
+    assert lora["adapter_push_s"] > 0 and lora["distributed"]["adapter_bytes"] == lora["adapter_bytes"]
+    assert all(lora["distributed"][f]["fraction_of_raw"] > 0 for f in ("direct", "rollout_bucket"))
+    assert (tmp_path / "weight_sync.png").exists()

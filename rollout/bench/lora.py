@@ -115,6 +115,18 @@ def _bench_distributed_push(engine: RolloutEngine, adapter: list, config: dict, 
     return res
 
 
+def adapter_pushes(engine: RolloutEngine, path: str, workdir: str, rank: int, repeats: int) -> dict:
+    """A rank-``rank`` adapter on every linear of the model at ``path``: pushed in process (against a full
+    push and a bare copy) and over a weight-update group (against bare broadcasts); what
+    ``rollout bench weight-sync --lora-rank`` reports beside the full-weight paths."""
+    folder = os.path.join(workdir, f"lora-{os.path.basename(path.rstrip('/'))}-r{rank}-0")
+    adapter, config = _adapter(path, folder, rank, 0)
+    res = _bench_push(engine, path, adapter, config, repeats)
+    res["distributed"] = _bench_distributed_push(engine, adapter, config, repeats)
+    engine.unload_lora_adapter("bench")
+    return res
+
+
 def _push_to_first_token(engine: RolloutEngine, adapter: list, config: dict, prompt: list[int], repeats: int) -> float:
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
 

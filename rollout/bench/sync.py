@@ -9,7 +9,10 @@
   (packed per bucket) and once holding them in one ``FlattenedTensorBucket`` (sent with no copy);
   and SGLang's layouts as its clients send them (slime, AReaL): one broadcast per tensor vs the
   same bare per-tensor broadcasts, and ``flattened_bucket`` vs one bare broadcast of its bytes;
-- disk: ``update_weights_from_disk`` vs a plain read of the same files with a warm page cache.
+- disk: ``update_weights_from_disk`` vs a plain read of the same files with a warm page cache;
+- LoRA (``--lora-rank``, 0: off): an adapter of that rank on every linear, pushed in process against a
+  full push and a bare copy, and over a weight-update group against bare broadcasts of its bytes
+  (``rollout.bench.lora.adapter_pushes``; ``rollout bench lora`` adds push-to-first-token and decode).
 
 Writes JSON and a PNG to ``--out-dir``. Models: SmolLM2-135M-sized and Qwen2-0.5B-sized (bf16).
 """
@@ -208,7 +211,8 @@ def _bench_disk(engine, path: str, repeats: int) -> dict:
             "update_finite_check_s": disk_checked, "fraction_of_raw": raw_read / disk}
 
 
-def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_sizes: list[int]) -> dict:
+def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_sizes: list[int], lora_rank: int = 0,
+                workdir: str = DEFAULT_WORKDIR) -> dict:
     # in the model's own order, as a trainer sends its state_dict (the file lists names alphabetically)
     by_name = load_file(os.path.join(path, "model.safetensors"))
     tensors = [(n, by_name[n].to(dtype).contiguous()) for n in hf_parameter_order(path) if n in by_name]
@@ -219,6 +223,10 @@ def bench_model(name: str, path: str, dtype: torch.dtype, repeats: int, bucket_s
         res["shared_memory"] = _bench_shared_memory(engine, tensors, repeats)
         res["distributed"] = _bench_distributed(engine, tensors, bucket_sizes, repeats, nbytes)
         res["disk"] = _bench_disk(engine, path, repeats)
+        if lora_rank:
+            from rollout.bench.lora import adapter_pushes
+
+            res["lora"] = {"rank": lora_rank, **adapter_pushes(engine, path, workdir, lora_rank, repeats)}
     return res
 
 
@@ -229,6 +237,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mib", default="32,128,512")
+    ap.add_argument("--lora-rank", type=int, default=16, help="a LoRA adapter of this rank pushed too (0: none)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
     args = ap.parse_args(argv)
@@ -238,9 +247,10 @@ def main(argv=None) -> dict:
 
     results = {"benchmark": "weight-sync", "machine": machine(),
                "config": {"models": args.models, "dtype": args.dtype, "repeats": args.repeats,
-                          "bucket_mib": args.bucket_mib}, "models": []}
+                          "bucket_mib": args.bucket_mib, "lora_rank": args.lora_rank}, "models": []}
     for name in tqdm(args.models.split(","), desc="weight-sync"):
-        res = bench_model(name, build_model(name, args.workdir), dtype, args.repeats, buckets)
+        res = bench_model(name, build_model(name, args.workdir), dtype, args.repeats, buckets, args.lora_rank,
+                          args.workdir)
         print(json.dumps(res, indent=1), flush=True)
         results["models"].append(res)
     write_result(results, args.out_dir, "weight_sync", plot)
@@ -255,6 +265,9 @@ def plot(results: dict, path: str) -> None:
         labels = ["tensor", "shm", "disk"] + [f"dist {k}" for k in res["distributed"]]
         vals = [res["tensor"]["fraction_of_raw"], res["shared_memory"]["fraction_of_raw"],
                 res["disk"]["fraction_of_raw"]] + [v["fraction_of_raw"] for v in res["distributed"].values()]
+        if "lora" in res:
+            labels += ["lora in process", "lora over group"]
+            vals += [res["lora"]["fraction_of_raw"], res["lora"]["distributed"]["rollout_bucket"]["fraction_of_raw"]]
         bars = ax.bar(labels, vals)
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         ax.axhline(0.8, ls="--", lw=0.8, color="gray")
