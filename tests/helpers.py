@@ -91,8 +91,11 @@ def hf_lora_model(path: str, adapter: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from rollout.weights.lora import peft_quietly
+
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return PeftModel.from_pretrained(base, adapter).eval()
+    with peft_quietly():
+        return PeftModel.from_pretrained(base, adapter).eval()
 
 
 @torch.no_grad()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import enum
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 from torch import nn
 
+from rollout.weights.lora import peft_quietly
 from rollout.worker.messages import WeightResult
 from trainer_bridge.push import gathered, unwrapped
 from trainer_bridge.targets import WeightTarget
@@ -46,8 +46,7 @@ def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
 
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.target_modules,
                              use_rslora=spec.use_rslora, lora_dropout=0.0)
-    with warnings.catch_warnings():  # peft asks transformers a question transformers has renamed
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with peft_quietly():
         return peft.get_peft_model(model, config)
 
 

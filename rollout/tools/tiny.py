@@ -162,7 +162,10 @@ def make_tiny_adapter(base_path: str, path: str, *, r: int = 8, lora_alpha: floa
     config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora,
                              rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {}, lora_dropout=0.0,
                              init_lora_weights=False, **config_extra)
-    model = peft.get_peft_model(model, config)
+    from rollout.weights.lora import peft_quietly
+
+    with peft_quietly():
+        model = peft.get_peft_model(model, config)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -14,8 +14,10 @@ adapter is planned.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,6 +36,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
 _PREFIX = "base_model.model."  # peft's wrapper, in the names it saves
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """Around ``peft`` wrapping a model: peft asks transformers a question transformers has renamed (a
+    FutureWarning each time, nothing to act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 class LoraError(WeightLoadError):
