@@ -155,14 +155,8 @@ class _Route:
     full_shape: tuple[int, int]  # the module's whole weight [out, in]
 
 
-_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {module: _Route}, built once
-
-
 def _route(model: nn.Module, name_map: dict, module: str) -> _Route:
-    routes = _ROUTES.setdefault(model, {})
-    found = routes.get(module)
-    if found is not None:
-        return found
+    """(Planned once per adapter shape: ``_Recipe`` is what is cached.)"""
     short = module.rsplit(".", 1)[-1]
     if short in ("lm_head", "embed_tokens"):
         raise LoraError(f"{module}: LoRA on the embedding or the LM head is not supported")
@@ -176,11 +170,9 @@ def _route(model: nn.Module, name_map: dict, module: str) -> _Route:
         raise LoraError(f"{module}: this linear takes no adapter")
     row = isinstance(layer, RowParallelLinear)
     sl = target.slice  # only its numbers are kept: its ``dst`` is a view of the weight's storage
-    found = _Route(layer, 0 if row else layer.lora_piece(target.shard_id),
-                   None if sl.dim is None else (sl.dim, sl.start, sl.length), row,
-                   tuple(target.param.shard_shape(target.param, target.shard_id)))
-    routes[module] = found
-    return found
+    return _Route(layer, 0 if row else layer.lora_piece(target.shard_id),
+                  None if sl.dim is None else (sl.dim, sl.start, sl.length), row,
+                  tuple(target.param.shard_shape(target.param, target.shard_id)))
 
 
 _RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {adapter shape: _Recipe}
