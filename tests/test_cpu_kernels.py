@@ -541,3 +541,53 @@ def test_fused_silu_mul_rounds_where_the_torch_path_rounds(dtype):
                 assert torch.equal(cpu_build.kernels_for(isa).silu_mul(gu[:r]), got[:r])
     with pytest.raises(RuntimeError, match="2 I"):
         cpu_build.kernels().silu_mul(torch.randn(3, 5))
+
+
+def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_finite():
+    """A received bucket into an adapter's places in one call (rollout.layers.cpu_copy), every ISA
+    variant this CPU runs: fp32, bf16 and fp16 pieces, narrowed sources (a TP rank's slice) and
+    strided places (a block of ``b``), each scaled — bitwise ``dst.copy_(src); dst.mul_(scale)``; the
+    non-finite values written are counted, an overflow of the scale's product too; a plan reaching
+    outside a buffer is refused before anything is written."""
+    from rollout.layers import cpu_build
+    from rollout.layers.cpu_copy import scatter_plan
+
+    g = torch.Generator().manual_seed(3)
+    slot = torch.zeros(1 << 16, dtype=torch.uint8)
+    shapes = [((16, 96), torch.float32, None, None), ((40, 8), torch.bfloat16, 1.7, None),
+              ((8, 64), torch.float16, None, (1, 16, 32)), ((48, 8), torch.float32, 0.3, (0, 8, 24))]
+    offset, srcs = 0, []
+    for shape, dtype, _, narrow in shapes:
+        n = shape[0] * shape[1] * dtype.itemsize
+        t = slot[offset:offset + n].view(dtype).view(shape)
+        t.copy_(torch.randn(shape, generator=g))
+        srcs.append(t if narrow is None else t.narrow(*narrow))
+        offset += -(-n // 64) * 64
+    buffer = torch.full((4096,), -1.0)
+    b = buffer[2048:].view(64, 32)  # the places: a contiguous run, then blocks of a wider matrix
+    places = [buffer[:16 * 96].view(16, 96), b[:40, 3:11], buffer[1600:1600 + 8 * 32].view(8, 32), b[40:64, 20:28]]
+    pieces = [(s, d, sc) for s, d, (_, _, sc, _) in zip(srcs, places, shapes)]
+    want = buffer.clone()
+    wplaces = [want[:16 * 96].view(16, 96), want[2048:].view(64, 32)[:40, 3:11], want[1600:1600 + 8 * 32].view(8, 32),
+               want[2048:].view(64, 32)[40:64, 20:28]]
+    for s, d, sc in zip(srcs, wplaces, [p[2] for p in shapes]):
+        d.copy_(s)
+        if sc is not None:
+            d.mul_(sc)
+    plan, scales = scatter_plan(slot, buffer, pieces)
+    for isa in cpu_capability().runnable_isas:
+        buffer.fill_(-1.0)
+        assert int(cpu_build.kernels_for(isa).scatter_scaled(slot, buffer, plan, scales)) == 0
+        assert torch.equal(buffer, want), isa
+    srcs[0][2, 5] = float("nan")
+    srcs[1][0, 0] = float("inf")
+    srcs[3][1, 1] = 3.0e38  # finite, but not once scaled ... by 0.3: still finite
+    pieces[3] = (srcs[3], places[3], 2.0)  # ... by 2: overflows
+    plan, scales = scatter_plan(slot, buffer, pieces)
+    assert int(cpu_build.kernels().scatter_scaled(slot, buffer, plan, scales)) == 3
+    bad = plan.clone()
+    bad[2, 5] = buffer.numel() - 10  # the place runs past the buffer's end
+    buffer.fill_(-1.0)
+    with pytest.raises(RuntimeError, match="outside a buffer"):
+        cpu_build.kernels().scatter_scaled(slot, buffer, bad, scales)
+    assert (buffer == -1.0).all()

@@ -400,6 +400,15 @@ def test_adapters_pushed_over_the_weight_update_group_as_miles_sends_them(make_s
     outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
     assert [o.output_token_ids for o in outs] == refs_b and outs[0].lora_version == 2
     assert set(outs[0].output_weight_versions) == {"step-2"}
+    # a NaN, and a value that overflows only once scaled (lora_alpha 64 on rank 4): refused in our layout
+    # too (counted as each bucket is put in place), drained, and version 2 still serves
+    first_b = next(i for i, (n, _) in enumerate(tensors_b) if "lora_B" in n)
+    for fill, config in ((float("nan"), config_b), (3.0e38, {**config_b, "lora_alpha": 64})):
+        edited = [(n, t.clone().fill_(fill) if i == first_b else t) for i, (n, t) in enumerate(tensors_b)]
+        r = push(edited, config, load_format="rollout_bucket", bucket_bytes=64 << 10)
+        assert r.status_code == 400 and "non-finite" in r.text, r.text
+    outs = client.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs_b and outs[0].lora_version == 2
     client.destroy_weights_update_group("lora-group")
     sender.close()
     http.close()

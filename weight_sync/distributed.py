@@ -11,6 +11,7 @@ whole bucket. Every rendezvous and every broadcast has a timeout; errors name th
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterable
@@ -92,7 +93,8 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
 
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
-                    on_bucket=None, pool: list | None = None, place=None, posted_first=None):
+                    on_bucket=None, pool: list | None = None, place=None, posted_first=None, on_raw=None,
+                    window: int = 2):
     """Receive every bucket the sender broadcasts for ``specs``.
 
     With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
@@ -102,18 +104,22 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     Without: every bucket is kept, each in a fresh buffer of its own with every receive posted
     up front, and the (name, view) pairs are returned.
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket.
-    ``posted_first()``: work to do once the first receives are posted, while the first bytes travel."""
-    buckets = bucket_layouts(specs, bucket_bytes)
+    ``posted_first()``: work to do once the first receives are posted, while the first bytes travel.
+    ``on_raw(i, slot, metas)`` instead of ``on_bucket``: bucket ``i``'s bytes and its tensors' metas,
+    no views made (the same specs give the very same ``metas`` objects each call)."""
+    buckets = _bucket_layouts(tuple(specs), bucket_bytes)
     placed = [None] * len(buckets)
-    if on_bucket is None:  # every bucket kept: its own buffer, all posted at once
+    kept = on_bucket is None and on_raw is None
+    if kept:  # every bucket kept: its own buffer, all posted at once
         slots, window = [torch.empty(total, dtype=torch.uint8, device=device) for _, total in buckets], len(buckets)
     else:
         need = max((total for _, total in buckets), default=0)
         if pool is None:
             pool = []
-        if len(pool) < 2 or pool[0].numel() < need or pool[0].device != device:
-            pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
-        slots, window = [pool[i % 2][:total] for i, (_, total) in enumerate(buckets)], 2
+        window = max(2, min(window, len(buckets)))
+        if len(pool) < window or pool[0].numel() < need or pool[0].device != device:
+            pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(window)]
+        slots = [pool[i % window][:total] for i, (_, total) in enumerate(buckets)]
         placed = [None if place is None else place(metas, total) for metas, total in buckets]
         slots = [p if p is not None else slot for p, slot in zip(placed, slots)]
     opts = dist.BroadcastOptions()
@@ -137,14 +143,21 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
-        named = views(slots[i], metas)
-        if on_bucket is None:
-            staged.extend(named)
+        if on_raw is not None:
+            on_raw(i, slots[i], metas)  # overlaps the next bucket's transfer
+        elif kept:
+            staged.extend(views(slots[i], metas))
         else:
-            on_bucket(named, placed[i] is not None)  # overlaps the next bucket's transfer
+            on_bucket(views(slots[i], metas), placed[i] is not None)  # overlaps the next bucket's transfer
         if i + window < len(buckets):
             post(i + window)
-    return staged if on_bucket is None else None
+    return staged if kept else None
+
+
+@functools.lru_cache(maxsize=8)
+def _bucket_layouts(specs: tuple, bucket_bytes: int) -> tuple:
+    """``bucket_layouts`` of one call's specs, kept: a trainer pushes the same list every step."""
+    return tuple((tuple(metas), total) for metas, total in bucket_layouts(specs, bucket_bytes))
 
 
 class WeightSizeMismatch(WeightGroupError):
@@ -306,9 +319,9 @@ class WeightUpdateSender:
             return self._send_exact(named, load_format, bucket_bytes)
         if load_format != ROLLOUT_BUCKET:
             raise ValueError(f"load_format={load_format!r}: use one of {LOAD_FORMATS}")
-        specs = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+        specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in named)
         tensors = dict(named)
-        buckets = bucket_layouts(specs, bucket_bytes)
+        buckets = _bucket_layouts(specs, bucket_bytes)
         if not buckets:
             return 0
         plan = [(metas, total, contiguous_run([tensors[m.name] for m in metas], metas, total))

@@ -16,6 +16,7 @@ Plain data and torch only: nothing here imports the engine.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -77,7 +78,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     offset: int  # bytes from the start of the bucket
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return dtype_from_name(self.dtype).itemsize * math.prod(self.shape)
 
@@ -142,9 +143,8 @@ def contiguous_run(tensors: list[torch.Tensor], metas: list[TensorMeta], total: 
     if start + total > storage.nbytes():
         return None
     base = first.data_ptr()
-    for t, m in zip(tensors, metas):
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() \
-                or t.data_ptr() - base != m.offset or t.numel() * t.element_size() != m.nbytes:
+    for t, m in zip(tensors, metas):  # each inside ``first``'s storage, at its offset (allocations never overlap)
+        if t.data_ptr() - base != m.offset or t.nbytes != m.nbytes or not t.is_contiguous():
             return None
     return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (total,), (1,))
 

@@ -659,9 +659,8 @@ class RolloutEngine:
         if bucket_bytes is None:
             bucket_bytes = VLLM_PACKED_BUFFER_BYTES if load_format == PACKED else DEFAULT_BUCKET_BYTES
         try:
-            spec = (tuple(str(n) for n in names), tuple(str(d) for d in dtypes),
-                    tuple(tuple(int(x) for x in s) for s in shapes), str(group_name), int(bucket_bytes),
-                    str(load_format))
+            spec = (tuple(map(str, names)), tuple(map(str, dtypes)), tuple(tuple(map(int, s)) for s in shapes),
+                    str(group_name), int(bucket_bytes), str(load_format))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"names, dtypes and shapes must be lists (shapes: lists of ints): {exc}") from None
         if not isinstance(config_dict, dict):

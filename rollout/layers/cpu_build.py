@@ -1,8 +1,8 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
 The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
-``rope_and_cache``, ``sample_rows``, ``silu_mul``) are C++ compiled on first use with the machine's compiler
-(``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their source is
+``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``) are C++ compiled on first use
+with the machine's compiler (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their source is
 compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
 translation unit and namespace under ``#pragma GCC target`` naming the ISA's extensions exactly (never
 ``-march=native``), with vectors of that ISA's width (``ROLLOUT_LANES``); a last unit holds the Python
@@ -28,7 +28,7 @@ from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
-             "silu_mul")
+             "silu_mul", "scatter_scaled")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
@@ -94,11 +94,11 @@ def module_name(name: str, source: str) -> str:
 
 
 def _body() -> str:
-    from rollout.layers import cpu_act, cpu_gemm, cpu_norm, cpu_rope, cpu_sample, paged_decode_cpu
+    from rollout.layers import cpu_act, cpu_copy, cpu_gemm, cpu_norm, cpu_rope, cpu_sample, paged_decode_cpu
 
     # in this order: cpu_act uses cpu_sample's vector exponential
     return paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE + cpu_sample.SOURCE + \
-        cpu_act.SOURCE
+        cpu_act.SOURCE + cpu_copy.SOURCE
 
 
 def _write_sources(module: str, units: dict[str, str]) -> list[str]:
@@ -167,8 +167,8 @@ def kernels() -> Optional[types.SimpleNamespace]:
     this CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``,
     ``tile_pack`` and ``tiled_linear`` (``rollout.layers.cpu_gemm``), ``rms_norm``
     (``rollout.layers.cpu_norm``), ``rope_and_cache`` (``rollout.layers.cpu_rope``), ``sample_rows``
-    (``rollout.layers.cpu_sample``) and ``silu_mul`` (``rollout.layers.cpu_act``). None where it
-    cannot be built."""
+    (``rollout.layers.cpu_sample``), ``silu_mul`` (``rollout.layers.cpu_act``) and ``scatter_scaled``
+    (``rollout.layers.cpu_copy``). None where it cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)
 
 

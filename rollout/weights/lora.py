@@ -25,10 +25,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from rollout.layers import cpu_build
+from rollout.layers.cpu_copy import DTYPE_CODES, scatter_plan, scatter_scaled
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LORA_DTYPE, LoraSlots
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
+from weight_sync.layout import views
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -115,15 +118,45 @@ class AdapterConfig:
 @dataclass
 class AdapterPlan:
     """A checked adapter, this rank's parts, already in the form the linears hold: (linear, (``a``,
-    ``b``)) per targeted linear (``LoraSlots``), every one a view of ``buffer`` (one allocation)."""
+    ``b``)) per targeted linear (``LoraSlots``), every one a view of ``buffer`` (one allocation).
+
+    Kept as a spare once its version is collected, the plan lends the next load of the same adapter
+    shape (every push of a training run) its buffer, its views and its copy programs: nothing of that
+    is built again."""
 
     items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]
     modules: list[str]  # the Hugging Face modules it targets
     max_rank: int
     buffer: torch.Tensor
+    recipe: Optional[_Recipe] = None
+    places: dict = field(default_factory=dict)  # tensor name -> (its place, narrowing, B's scale)
+    programs: dict = field(default_factory=dict)  # (bucket layout, source memory) -> _Program
 
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+@dataclass
+class _Program:
+    """One received bucket's tensors into their places, over views made once (of the receive buffer and
+    of the adapter's buffer): on CPU one C++ call that copies, scales ``B`` and counts non-finite values
+    (``rollout.layers.cpu_copy``); elsewhere the copies, then ``B``'s scales, as two foreach calls."""
+
+    names: list[str]
+    src: list[torch.Tensor]
+    dst: list[torch.Tensor]
+    scaled: list[torch.Tensor]  # the places of ``B`` tensors, scaled after the copy
+    scales: list[float]
+    native: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None  # slot, buffer, plan, scales
+
+    def run(self) -> Optional[int]:
+        """The number of non-finite values written, or None where not counted (``finish`` checks)."""
+        if self.native is not None:
+            return scatter_scaled(*self.native)
+        torch._foreach_copy_(self.dst, self.src)
+        if self.scaled:
+            torch._foreach_mul_(self.scaled, self.scales)
+        return None
 
 
 def module_name(tensor_name: str) -> tuple[str, str]:
@@ -184,6 +217,7 @@ class _Recipe:
 
     modules: list[str]
     max_rank: int
+    placed: frozenset[str]  # every tensor name of the adapter
     n_a: int  # fp32 values of every linear's ``a`` (then every ``b``)
     total: int
     layers: list[tuple[nn.Module, int, tuple[int, int], int, tuple[int, int]]]  # (layer, a at, a shape, b at, b shape)
@@ -235,21 +269,22 @@ class _Recipe:
                 places.append((pairs[module]["B"][0], ib + start * sb[1] + r0, (length, rank), (sb[1], 1),
                                None if route.row_parallel else route.narrow, config.scale(module, rank)))
             ia, ib = ia + math.prod(sa), ib + math.prod(sb)
-        return _Recipe(sorted(pairs), max(r for p in per_layer.values() for _, _, r in p.values()), n_a,
-                       ib, layers, places)
+        return _Recipe(sorted(pairs), max(r for p in per_layer.values() for _, _, r in p.values()),
+                       frozenset(p[0] for p in places), n_a, ib, layers, places)
 
 
 class AdapterLayout:
     """Loading an adapter in two phases. From its (name, dtype, shape) list alone — before any byte
     arrives — every name is mapped to its linear, checked against the base weight's shape, the rank
-    limit and the memory budget, and given its place in one fp32 buffer (``spare``, a collected
-    version's buffer of the same size, is reused: no fresh pages to fault in); then ``write`` puts
-    tensors in place as they arrive (a bucket while the next is on the wire), ``A`` as this rank's
-    slice, ``B`` scaled into its block of ``b``; ``finish`` checks that all came and
-    are finite and returns the plan. Raises ``LoraError`` naming the first problem."""
+    limit and the memory budget, and given its place in one fp32 buffer (``spare``, the plan of a
+    collected version: its buffer is reused when of the same size — no fresh pages to fault in — and
+    with it, for the same adapter shape, its views and copy programs); then ``write`` or
+    ``write_bucket`` puts tensors in place as they arrive (a bucket while the next is on the wire),
+    ``A`` as this rank's slice, ``B`` scaled into its block of ``b``; ``finish`` checks that all came
+    and are finite and returns the plan. Raises ``LoraError`` naming the first problem."""
 
     def __init__(self, model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int,
-                 device: torch.device, max_bytes: Optional[int] = None, spare: Optional[torch.Tensor] = None):
+                 device: torch.device, max_bytes: Optional[int] = None, spare: Optional[AdapterPlan] = None):
         specs = tuple((name, dtype, tuple(shape)) for name, dtype, shape in specs)
         key = (specs, config.r, config.lora_alpha, config.use_rslora, tuple(sorted(config.alpha_pattern.items())),
                max_rank)
@@ -260,24 +295,29 @@ class AdapterLayout:
             if len(cache) >= 4:
                 cache.pop(next(iter(cache)))
             cache[key] = recipe
-        self.modules, self.max_rank = recipe.modules, recipe.max_rank
+        self.recipe, self.modules, self.max_rank = recipe, recipe.modules, recipe.max_rank
         nbytes = recipe.total * LORA_DTYPE.itemsize
         if max_bytes is not None and nbytes > max_bytes:
             raise LoraError(f"its {nbytes / 1e6:.2f} MB on this rank exceed what max_lora_memory_mb leaves "
                             f"({max_bytes / 1e6:.2f} MB); unload an adapter or raise the budget")
-        reuse = spare is not None and spare.numel() == recipe.total and spare.device == device and \
-            spare.dtype == LORA_DTYPE
-        self.buffer = spare if reuse else torch.empty(recipe.total, dtype=LORA_DTYPE, device=device)
+        self.missing = set(recipe.placed)
+        self.counted, self.nonfinite = True, 0  # whether every write counted its non-finite values; how many
+        if spare is not None and spare.recipe is recipe and spare.buffer.device == device:
+            # every place is written again and the rest of ``b`` is still zero: nothing to build
+            self.buffer, self.items, self.places, self.programs = spare.buffer, spare.items, spare.places, \
+                spare.programs
+            return
+        reuse = spare is not None and spare.buffer.numel() == recipe.total and spare.buffer.device == device
+        self.buffer = spare.buffer if reuse else torch.empty(recipe.total, dtype=LORA_DTYPE, device=device)
         buffer = self.buffer
         buffer[recipe.n_a:].zero_()
-        self.items: list[tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]] = [
-            (layer, (buffer.as_strided(sa, (sa[1], 1), ia), buffer.as_strided(sb, (sb[1], 1), ib)))
-            for layer, ia, sa, ib, sb in recipe.layers]
+        self.items = [(layer, (buffer.as_strided(sa, (sa[1], 1), ia), buffer.as_strided(sb, (sb[1], 1), ib)))
+                      for layer, ia, sa, ib, sb in recipe.layers]
         # name -> (its place, the narrowing of the tensor this rank keeps, B's scale)
         self.places: dict[str, tuple[torch.Tensor, Optional[tuple[int, int, int]], Optional[float]]] = {
             name: (buffer.as_strided(shape, stride, offset), narrow, scale)
             for name, offset, shape, stride, narrow, scale in recipe.places}
-        self.missing = set(self.places)
+        self.programs: dict = {}
 
     def write(self, named) -> None:
         """Tensors of the adapter (any of its names, in any order) into their places."""
@@ -292,20 +332,59 @@ class AdapterLayout:
                 dst.copy_(src)
                 dst.mul_(scale)
             self.missing.discard(name)
+        self.counted = False
+
+    def write_bucket(self, key, slot: torch.Tensor, metas) -> None:
+        """A received bucket (``slot``: its bytes; ``metas``: its tensors' ``TensorMeta``) into place. ``key``
+        names the bucket and the memory it lands in (the same for every push over the same receive
+        buffers): its program — the views and the copies — is made once and kept with the plan."""
+        program = self.programs.get(key)
+        if program is None:
+            if len(self.programs) >= 64:  # receive buffers replaced: the old programs go
+                self.programs.clear()
+            program = self.programs[key] = self._program(slot, metas)
+        bad = program.run()
+        if bad is None:
+            self.counted = False
+        else:
+            self.nonfinite += bad
+        self.missing.difference_update(program.names)
+
+    def _program(self, slot: torch.Tensor, metas) -> _Program:
+        program, pieces = _Program([], [], [], [], []), []
+        for name, src in views(slot, metas):
+            dst, narrow, scale = self.places[name]
+            src = src if narrow is None else src.narrow(*narrow)
+            program.names.append(name)
+            program.src.append(src)
+            program.dst.append(dst)
+            pieces.append((src, dst, scale))
+            if scale is not None:  # scaled in fp32 after the copy, as ``write`` does
+                program.scaled.append(dst)
+                program.scales.append(scale)
+        if self.buffer.device.type == "cpu" and all(t.dtype in DTYPE_CODES for t in program.src) and \
+                cpu_build.kernels() is not None:
+            program.native = (slot, self.buffer, *scatter_plan(slot, self.buffer, pieces))
+        return program
 
     def finish(self) -> AdapterPlan:
         if self.missing:
             raise LoraError(f"{sorted(self.missing)[0]} never arrived")
-        lo, hi = torch.aminmax(self.buffer)  # one pass and one sync for the whole adapter
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        if self.counted:  # every value was counted as it was written
+            finite = self.nonfinite == 0
+        else:
+            lo, hi = torch.aminmax(self.buffer)  # one pass and one sync for the whole adapter
+            finite = math.isfinite(float(lo)) and math.isfinite(float(hi))
+        if not finite:
             bad = sorted(n for n, (dst, _, _) in self.places.items() if not bool(torch.isfinite(dst).all()))
             raise LoraError(f"{bad[0]} holds non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-        return AdapterPlan(self.items, self.modules, self.max_rank, self.buffer)
+        return AdapterPlan(self.items, self.modules, self.max_rank, self.buffer, self.recipe, self.places,
+                           self.programs)
 
 
 def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_tensors,
                  max_rank: int, device: torch.device, max_bytes: Optional[int] = None,
-                 spare: Optional[torch.Tensor] = None) -> AdapterPlan:
+                 spare: Optional[AdapterPlan] = None) -> AdapterPlan:
     """An adapter given as tensors: checked against the model and put in this rank's form
     (``AdapterLayout``); raises ``LoraError`` naming the first problem."""
     named = list(named_tensors)
@@ -355,11 +434,7 @@ def install(model: nn.Module, slot: int, plan: AdapterPlan) -> None:
         layer.lora.adapters[slot] = weights
 
 
-def remove(model: nn.Module, slot: int) -> int:
-    """Empty ``slot`` in every linear; returns the bytes freed."""
-    freed = 0
+def remove(model: nn.Module, slot: int) -> None:
+    """Empty ``slot`` in every linear."""
     for layer in lora_layers(model):
-        weights = layer.lora.adapters.pop(slot, None)
-        if weights is not None:
-            freed += sum(t.numel() * t.element_size() for t in weights)
-    return freed
+        layer.lora.adapters.pop(slot, None)

@@ -17,6 +17,7 @@ midway; a multi-call transaction holds what it staged until commit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -89,6 +90,18 @@ class Transaction:
     error: Optional[str] = None
 
 
+@functools.lru_cache(maxsize=8)
+def _parse_specs(names: tuple, dtypes: tuple, shapes: tuple) -> tuple:
+    """((name, dtype, shape), ...) of a distributed call (kept: a trainer sends the same lists every step)."""
+    return tuple((n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
+                 for n, d, s in zip(names, dtypes, shapes))
+
+
+# an adapter's receives posted ahead, in bytes: the sender never waits for a buffer (a rank-16 SmolLM2
+# adapter, 20 MB: all of it)
+LORA_RECEIVE_BYTES = 32 << 20
+
+
 class RankWeights:
     def __init__(self, runner: ModelRunner, tp_state: TpState, device: torch.device):
         self.runner = runner
@@ -98,8 +111,9 @@ class RankWeights:
         self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
-        self.lora_buffers: dict[int, torch.Tensor] = {}  # slot -> the buffer its adapter's tensors are views of
-        self.lora_spare: Optional[torch.Tensor] = None  # a collected adapter's buffer, for the load that follows
+        self.lora_plans: dict[int, lora.AdapterPlan] = {}  # slot -> its adapter (views of one buffer)
+        self.lora_spare: Optional[lora.AdapterPlan] = None  # a collected adapter, lent to the load that follows
+        self.lora_pool: list[torch.Tensor] = []  # adapters' two receive buffers (their copy programs view them)
 
     def handle(self, msg) -> WeightResult:
         """Run one weight message on this rank (every rank of the engine runs the same one)."""
@@ -166,14 +180,15 @@ class RankWeights:
             case ReceiveLora():
                 return self._receive_lora(msg)
             case UnloadLora():
-                freed = lora.remove(self.runner.model, msg.slot)
-                buffer = self.lora_buffers.pop(msg.slot, None)
+                lora.remove(self.runner.model, msg.slot)
+                plan = self.lora_plans.pop(msg.slot, None)
+                freed = 0 if plan is None else plan.nbytes()
                 if msg.keep_spare:
-                    self.lora_spare = buffer
+                    self.lora_spare = plan
                 return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=freed)
         raise TypeError(f"not a weight message: {type(msg).__name__}")
 
-    def _take_spare(self) -> Optional[torch.Tensor]:
+    def _take_spare(self) -> Optional[lora.AdapterPlan]:
         spare, self.lora_spare = self.lora_spare, None  # used by this load, or dropped
         return spare
 
@@ -194,7 +209,7 @@ class RankWeights:
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
         assert plan is not None
         lora.install(self.runner.model, msg.slot, plan)
-        self.lora_buffers[msg.slot] = plan.buffer
+        self.lora_plans[msg.slot] = plan
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
                                f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,
                                max_rank=plan.max_rank)
@@ -228,11 +243,16 @@ class RankWeights:
                 with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
                     layout.write(named)
 
+        def write_bucket(i: int, slot: torch.Tensor, metas) -> None:
+            if layout is not None:
+                with one_cpu_thread(self.device):
+                    layout.write_bucket((msg.bucket_bytes, i, slot.data_ptr(), slot.numel()), slot, metas)
+
         try:
             if msg.load_format == ROLLOUT_BUCKET:
                 receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
-                                msg.group_name, lambda named, placed: write(named), pool=self.receive_pool,
-                                posted_first=lay_out)
+                                msg.group_name, pool=self.lora_pool, posted_first=lay_out, on_raw=write_bucket,
+                                window=max(2, LORA_RECEIVE_BYTES // max(1, msg.bucket_bytes)))
             else:
                 receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name, write,
                               load_format=msg.load_format, pool=self.receive_pool, chunk_bytes=msg.bucket_bytes,
@@ -417,8 +437,7 @@ class RankWeights:
         if not (len(msg.names) == len(msg.dtypes) == len(msg.shapes)):
             return "names, dtypes and shapes must have the same length", []
         try:
-            return None, [(n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
-                          for n, d, s in zip(msg.names, msg.dtypes, msg.shapes)]
+            return None, _parse_specs(tuple(msg.names), tuple(msg.dtypes), tuple(tuple(s) for s in msg.shapes))
         except (ValueError, TypeError) as exc:
             return str(exc), []
 

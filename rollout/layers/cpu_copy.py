@@ -1,0 +1,100 @@
+"""Received tensors into their places on CPU in one C++ call: ``scatter_scaled`` copies many 2-D
+pieces of a byte buffer (fp32, bf16 or fp16) into an fp32 buffer, each multiplied by its own fp32
+scale, and counts the non-finite values it wrote — what a LoRA adapter's bucket needs on arrival
+(``rollout.weights.lora``: ``A`` copied, ``B`` scaled into its block of ``b``, finiteness checked) in
+one pass over the bytes instead of a copy, a scale and a check, with no Python per tensor.
+
+Each product is the IEEE fp32 product of the value (widened exactly) and its scale, as
+``dst.copy_(src); dst.mul_(scale)`` computes it: the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the source dtypes, by the code a plan row gives them
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PLAN_COLUMNS = 7  # src byte offset, dtype code, rows, cols, src row stride, dst offset, dst row stride
+
+SOURCE = r"""
+namespace {
+
+template <typename T>
+int64_t scatter_piece(const T* s, float* d, int64_t rows, int64_t cols, int64_t ss, int64_t ds, float scale) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* sr = s + r * ss;
+    float* dr = d + r * ds;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = static_cast<float>(sr[c]) * scale;
+      dr[c] = v;
+      bad += !(std::fabs(v) <= 3.4028234663852886e38f);  // NaN compares false
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
+// src: uint8 bytes; dst: fp32; plan: int64 [n, 7] (src byte offset, dtype 0 fp32 / 1 bf16 / 2 fp16, rows,
+// cols, src row stride, dst offset, dst row stride; strides and dst offset in elements); scales: fp32 [n].
+// Returns the number of non-finite values written (an int64 scalar).
+at::Tensor scatter_scaled(at::Tensor src, at::Tensor dst, at::Tensor plan, at::Tensor scales) {
+  TORCH_CHECK(src.scalar_type() == at::kByte && src.is_contiguous() && dst.scalar_type() == at::kFloat &&
+              dst.is_contiguous() && plan.scalar_type() == at::kLong && plan.dim() == 2 && plan.size(1) == 7 &&
+              plan.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == plan.size(0),
+              "scatter_scaled: uint8 src, fp32 dst, int64 plan [n, 7], fp32 scales [n]");
+  const int64_t n = plan.size(0), src_bytes = src.numel(), dst_len = dst.numel();
+  const int64_t* p = plan.data_ptr<int64_t>();
+  const float* sc = scales.data_ptr<float>();
+  const uint8_t* sb = src.data_ptr<uint8_t>();
+  float* db = dst.data_ptr<float>();
+  const int64_t item[3] = {4, 2, 2};
+  for (int64_t i = 0; i < n; ++i) {  // every piece inside both buffers, before anything is written
+    const int64_t* q = p + i * 7;
+    TORCH_CHECK(q[1] >= 0 && q[1] <= 2 && q[2] >= 0 && q[3] >= 0 && q[4] >= q[3] && q[6] >= q[3] && q[0] >= 0 &&
+                q[5] >= 0, "scatter_scaled: plan row ", i, " is malformed");
+    if (q[2] == 0 || q[3] == 0) continue;
+    TORCH_CHECK(q[0] % item[q[1]] == 0 && q[0] + ((q[2] - 1) * q[4] + q[3]) * item[q[1]] <= src_bytes &&
+                q[5] + (q[2] - 1) * q[6] + q[3] <= dst_len, "scatter_scaled: plan row ", i, " lies outside a buffer");
+  }
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* q = p + i * 7;
+    const uint8_t* s = sb + q[0];
+    float* d = db + q[5];
+    if (q[1] == 0)
+      bad += scatter_piece(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+    else if (q[1] == 1)
+      bad += scatter_piece(reinterpret_cast<const at::BFloat16*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+    else
+      bad += scatter_piece(reinterpret_cast<const at::Half*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+  }
+  auto out = plan.new_empty({});
+  *out.data_ptr<int64_t>() = bad;
+  return out;
+}
+"""
+
+
+def scatter_plan(slot: torch.Tensor, dst: torch.Tensor, pieces) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scatter_scaled``'s plan and scales for ``pieces``: (src view of ``slot``, dst view of ``dst``,
+    scale or None), each view 2-D (or 1-D) with unit stride along its last dimension, the same shape."""
+    rows, scales = [], []
+    base_s, base_d = slot.data_ptr(), dst.data_ptr()
+    for src, out, scale in pieces:
+        src2, out2 = (src.unsqueeze(0), out.unsqueeze(0)) if src.dim() == 1 else (src, out)
+        if src2.dim() != 2 or src2.shape != out2.shape or src2.stride(-1) != 1 or out2.stride(-1) != 1 \
+                or src2.dtype not in DTYPE_CODES or out2.dtype != torch.float32:
+            raise ValueError("scatter_plan: 2-D pieces of the same shape, unit stride along rows, fp32 places")
+        rows.append([src2.data_ptr() - base_s, DTYPE_CODES[src2.dtype], src2.shape[0], src2.shape[1],
+                     src2.stride(0), (out2.data_ptr() - base_d) // 4, out2.stride(0)])
+        scales.append(1.0 if scale is None else scale)
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, PLAN_COLUMNS), torch.tensor(scales, dtype=torch.float32)
+
+
+def scatter_scaled(slot: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor, scales: torch.Tensor) -> int:
+    """Run a ``scatter_plan``: the number of non-finite values written."""
+    from rollout.layers import cpu_build
+
+    return int(cpu_build.kernels().scatter_scaled(slot, dst, plan, scales))
