@@ -152,7 +152,7 @@ def _cmd_demo(args) -> int:
 BENCHMARKS = {"throughput": "rollout.bench.throughput", "weight-sync": "rollout.bench.sync",
               "rl-step": "rollout.bench.rl_step", "limits": "rollout.bench.limits",
               "server-load": "rollout.bench.server", "fidelity": "rollout.bench.fidelity",
-              "soak": "rollout.bench.soak", "lora": "rollout.bench.lora",
+              "soak": "rollout.bench.soak", "lora": "rollout.bench.lora", "acceptance": "rollout.bench.acceptance",
               # the trainer side's (DeepSpeed ranks; the train extra)
               "push-floor": "trainer_bridge.bench.push_floor", "rl-modes": "trainer_bridge.bench.rl_modes"}
 

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_at_most_eight_top_level_modules_and_every_folder_says_what_it_holds_and_may_import():
     top = sorted(f for f in os.listdir(os.path.join(ROOT, "rollout")) if f.endswith(".py"))
     assert len(top) <= 8, top
-    for name in ("engine", "scheduler", "worker", "executor", "weights"):
+    for name in ("engine", "scheduler", "worker", "executor", "weights", "speculative"):
         doc = importlib.import_module(f"rollout.{name}").__doc__ or ""
         assert doc.startswith(f"{name}/:") and "May import" in doc, name
 

@@ -11,6 +11,8 @@ Subcommands, each writing JSON (machine, versions, config, raw numbers) and a PN
   against them;
 - ``server-load``: the HTTP server against the in-process engine, then while weights refresh;
 - ``fidelity``: the throughput cost of sampling masks and of the batch-invariant mode.
+- ``acceptance``: how many of the suffix drafter's guesses exact speculation would accept on two epochs
+  of real rollouts (replayed from plain decoding's outputs).
 
 ``rollout bench --compare A.json B.json`` prints every number of two results side by side.
 """
