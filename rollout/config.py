@@ -90,6 +90,11 @@ class EngineConfig:
     # AReaL's adapter names: loading "<name>-v<N>" replaces "<name>-v<M>" (M < N) — retired like a
     # replaced version, its name routed to the newest (rollout.scheduler.lora_registry)
     lora_versioned_names: bool = True
+    # exact speculative decoding from past rollouts (rollout.speculative): up to this many guessed tokens
+    # verified per step and sequence (SGLang's speculative_num_draft_tokens; 0: off), only while at most
+    # ``speculative_max_batch`` sequences decode (small batches are bound by reading the weights)
+    speculative_num_draft_tokens: int = 0
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -125,6 +130,13 @@ class EngineConfig:
             bad("tp_timeout_s", "must be > 0 seconds")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        for name in ("speculative_num_draft_tokens", "speculative_max_batch"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
+                    getattr(self, name) < 0:
+                bad(name, "must be an integer >= 0")
+        if self.speculative_num_draft_tokens and self.enable_overlap:
+            bad("speculative_num_draft_tokens", "is not supported with enable_overlap yet (a verify step needs its "
+                "result before the next step is scheduled); turn one of them off")
         if self.lora_backend not in ("auto", "torch", "triton"):
             bad("lora_backend", "must be auto, torch or triton")
         for name in ("max_loaded_loras", "max_lora_rank"):

@@ -33,6 +33,11 @@ class RolloutOutput:
     lora_name: Optional[str] = None  # the LoRA adapter it ran on (None: the base weights)
     lora_version: Optional[int] = None  # that adapter's version (1, 2, ... per name), every token's
     num_preemptions: int = 0
+    # under speculative decoding (SGLang's meta_info names; None when the engine does not speculate):
+    # verify steps run, guessed tokens in them, guesses accepted
+    spec_verify_ct: Optional[int] = None
+    spec_draft_token_num: Optional[int] = None
+    spec_accept_token_num: Optional[int] = None
     time_to_first_token_s: Optional[float] = None
     latency_s: Optional[float] = None
 

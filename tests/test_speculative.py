@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollout import SamplingParams
 from rollout.speculative.drafter import SuffixDrafter
 
 PROMPT = [101, 102, 103, 104]
@@ -174,3 +175,96 @@ def test_a_tree_of_guesses_holds_every_branch_with_its_share_parents_first():
 
     assert _accepted_in_tree(nodes, [6, 7, 8]) == 2 and _accepted_in_tree(nodes, [3, 5]) == 2
     assert _accepted_in_tree(nodes, [4]) == 0
+
+
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=1.0),
+    "top-k-p-min-p": dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02),
+    "penalties": dict(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+    "stops-n": dict(temperature=1.0, n=3, min_new_tokens=4, stop_token_ids=[7, 11, 13]),
+}
+
+
+def _run(engine, prompts, setting: str, seed: int):
+    sp = SamplingParams(max_new_tokens=24, seed=seed, **SETTINGS[setting])
+    outs = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True, top_logprobs_num=2)
+    return [(o.output_token_ids, o.output_logprobs, o.output_top_logprobs, o.finish_reason) for o in outs]
+
+
+def _same(plain, spec):
+    for (t1, lp1, top1, f1), (t2, lp2, top2, f2) in zip(plain, spec):
+        assert t1 == t2 and f1 == f2
+        assert max((abs(a - b) for a, b in zip(lp1, lp2)), default=0.0) < 1e-4
+        assert [[i for i, _ in row] for row in top1] == [[i for i, _ in row] for row in top2]
+
+
+@pytest.fixture(scope="module")
+def spec_engines(llama_path):
+    from rollout import RolloutEngine
+
+    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False)
+    with RolloutEngine(llama_path, **kw) as plain, \
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_max_batch=64, **kw) as spec:
+        yield plain, spec
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_speculation_gives_plain_decoding_s_tokens_and_logprobs(spec_engines, setting):
+    """fp32: a first epoch, the same prompts and seeds again (the drafter holds the first epoch's text:
+    long runs of guesses accepted), and new seeds (guesses mostly rejected) give plain decoding's tokens,
+    finish reasons and top logprobs, logprobs within 1e-4, with guesses accepted."""
+    plain, spec = spec_engines
+    prompts = [[5, 9, 23, 41, 7], [3, 3, 8, 100, 64, 2, 17], [44, 45, 46]]
+    before = spec.get_stats()
+    for seed in (11, 11, 12):
+        _same(_run(plain, prompts, setting, seed), _run(spec, prompts, setting, seed))
+    stats = spec.get_stats()
+    assert stats["spec_verify_ct"] > before["spec_verify_ct"]
+    assert stats["spec_accept_token_num"] - before["spec_accept_token_num"] >= 10
+
+
+def test_a_verifier_that_accepts_guesses_without_drawing_gives_other_tokens(spec_engines, monkeypatch):
+    """The check above can fail: accepting every guess (no draw compared) changes the tokens."""
+    from rollout.speculative.verify import Speculator
+
+    plain, spec = spec_engines
+    prompts = [[5, 9, 23, 41, 7], [3, 3, 8, 100, 64, 2, 17]]
+    _run(spec, prompts, "sampled", 21)  # the drafter holds this seed's text
+    monkeypatch.setattr(Speculator, "accepted", lambda self, guesses, drawn: len(guesses))
+    assert [o[0] for o in _run(plain, prompts, "sampled", 22)] != [o[0] for o in _run(spec, prompts, "sampled", 22)]
+
+
+@pytest.mark.parametrize("extra", [dict(tp_size=2), dict(deterministic=True)], ids=["tp2", "batch-invariant"])
+def test_speculation_is_exact_at_tp2_and_bitwise_in_the_batch_invariant_mode(llama_path, extra):
+    from rollout import RolloutEngine
+
+    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False, **extra)
+    prompts = [[5, 9, 23, 41, 7], [44, 45, 46]]
+    with RolloutEngine(llama_path, **kw) as plain, \
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, **kw) as spec:
+        for seed in (3, 3, 4):
+            a, b = _run(plain, prompts, "stops-n", seed), _run(spec, prompts, "stops-n", seed)
+            if extra.get("deterministic"):
+                assert a == b  # tokens, logprobs and top logprobs bit for bit
+            else:
+                _same(a, b)
+        assert spec.get_stats()["spec_accept_token_num"] >= 10
+
+
+def test_the_server_reports_sglang_s_speculation_fields(make_server, llama_path):
+    import httpx
+
+    server = make_server(llama_path, "--dtype", "float32", "--kv-cache-tokens", "1024",
+                         "--speculative-num-draft-tokens", "4")
+    body = {"input_ids": [5, 9, 23, 41, 7], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0,
+                                                                "sampling_seed": 9}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        first = http.post("/generate", json=body).json()
+        again = http.post("/generate", json=body).json()  # the first answer is now a rollout of the prompt
+        assert again["output_ids"] == first["output_ids"]
+        meta = again["meta_info"]
+        assert meta["spec_verify_ct"] >= 1 and 0 < meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+        # the first token comes from the prefill, the rest from plain steps or verify steps (and their guesses)
+        assert meta["spec_verify_ct"] + meta["spec_accept_token_num"] <= meta["completion_tokens"] - 1
+        assert "rollout_spec_accept_token_num" in http.get("/metrics").text

@@ -46,6 +46,10 @@ class Sequence:
         self.num_preemptions = 0
         self.kv_key: Optional[str] = None  # the prefix-cache key this sequence's KV is computed under
         self.first_token_time: Optional[float] = None
+        self.spec_guesses: list[int] = []  # guesses verified in the step now scheduled (rollout.speculative)
+        self.spec_verify_ct = 0  # verify steps it ran, guesses in them, guesses accepted (SGLang's names)
+        self.spec_draft_token_num = 0
+        self.spec_accept_token_num = 0
 
     @property
     def params(self) -> SamplingParams:

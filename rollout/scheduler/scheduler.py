@@ -11,6 +11,10 @@ blocks, copying its partial last block, and drawing their first token from the s
 When blocks run out, the most recently admitted running sequence is preempted: its blocks are
 freed and it is recomputed later from its prompt and outputs (tokens are unchanged, since draws
 depend only on seed and position).
+
+With ``speculative_num_draft_tokens``, a decoding sequence may run its last token and guessed ones as
+one chunk instead (``rollout.speculative.verify``): every position is sampled as plain decoding samples
+it, and the tokens kept are plain decoding's, one or more per step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
@@ -31,6 +35,7 @@ from rollout.scheduler.block_manager import BlockManager
 from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.request import Request, SeqStatus, Sequence
 from rollout.scheduler.sessions import Session, SessionError, SessionTable
+from rollout.speculative.verify import Speculator
 from rollout.worker.tp_worker import BaseTpWorker
 
 logger = logging.getLogger(__name__)
@@ -75,8 +80,9 @@ class ScheduledBatch:
 
     batch: ModelWorkerBatch
     scheduled: list[tuple[Sequence, int]]  # (sequence, new tokens) in batch order
-    samplers: list[Sequence]  # one per sample row
+    samplers: list  # one per sample row: a Sequence, or a verified position's view (ScoredPosition)
     input_owners: list[Request]  # one per scored prompt token
+    verifies: list = field(default_factory=list)  # (sequence, its first sample row, its guesses) per verify chunk
 
 
 class Scheduler:
@@ -100,6 +106,8 @@ class Scheduler:
         self.sessions = SessionTable(config.session_timeout_s)
         self.loras = LoraRegistry(config.max_loaded_loras, config.lora_versioned_names)
         self._sessions_checked = time.monotonic()
+        self.speculator = Speculator(config.speculative_num_draft_tokens, config.speculative_max_batch) \
+            if config.speculative_num_draft_tokens else None
 
     @property
     def cache_key(self) -> str:
@@ -137,7 +145,11 @@ class Scheduler:
         return {**vars(self.stats), "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "prefix_cache_queries": bm.stats.num_queries,
                 "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
-                "num_blocks": bm.num_blocks}
+                "num_blocks": bm.num_blocks,
+                **({} if self.speculator is None else {
+                    "spec_verify_ct": self.speculator.num_verify_steps,
+                    "spec_draft_token_num": self.speculator.num_draft_tokens,
+                    "spec_accept_token_num": self.speculator.num_accepted_tokens})}
 
     # ------------------------------------------------------------------ queue management
 
@@ -394,6 +406,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_guesses = []
         self.block_manager.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -430,6 +443,12 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             remaining = seq.total_len - seq.num_computed_tokens
             q = min(remaining, budget)
+            seq.spec_guesses = []
+            if self.speculator is not None and remaining == 1 and not seq.num_pending:
+                room = min(budget, self.worker.context_len - len(seq.token_ids)) - 1
+                guesses = self.speculator.guesses(seq, len(self.running), room)
+                if guesses and self._grow(seq, seq.num_computed_tokens + 1 + len(guesses)):
+                    seq.spec_guesses, q = guesses, 1 + len(guesses)
             while not self._grow(seq, seq.num_computed_tokens + q):
                 victims = [s for s in self.running if s.seq_id not in in_batch and s is not seq]
                 if not victims:
@@ -469,6 +488,7 @@ class Scheduler:
         in_idx, in_targets, in_temps, in_owners = [], [], [], []
         in_scored: list[Optional[ScoredPosition]] = []  # replayed scoring: the sampler's view of each row
         copies: list[tuple[int, int]] = []
+        verifies: list[tuple[Sequence, int, list[int]]] = []  # (sequence, its first sample row, its guesses)
         in_top = 0
         has_placeholders = False
         raw = self.config.logprob_mode == "raw"
@@ -477,8 +497,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + q
             req = seq.req
-            input_ids.extend(seq.token_ids[start:end])
-            if end > len(seq.token_ids):  # the pending token: resolved on the device from the future map
+            input_ids.extend(seq.token_ids[start:end] if not seq.spec_guesses else
+                             seq.token_ids[start:] + seq.spec_guesses)
+            if end > len(seq.token_ids) and not seq.spec_guesses:  # the pending token: from the future map
                 input_ids.append(-(seq.pending_row + 1))
                 has_placeholders = True
             tables.append(list(seq.block_table))  # a snapshot: the table grows while this batch runs
@@ -506,7 +527,14 @@ class Scheduler:
                 in_top = max(in_top, req.top_logprobs_num)
             seq.num_computed_tokens = end
             self._register_full_blocks(seq, start, end)
-            if end == seq.total_len and req.params.max_new_tokens > 0:
+            if seq.spec_guesses:  # a verify chunk: every position sampled as plain decoding samples it
+                views = self.speculator.views(seq, seq.spec_guesses)
+                verifies.append((seq, len(samplers), seq.spec_guesses))
+                for j, view in enumerate(views):
+                    logits_rows.append(row + j)
+                    sample_idx.append(len(logits_rows) - 1)
+                    samplers.append(view)
+            elif end == seq.total_len and req.params.max_new_tokens > 0:
                 logits_rows.append(row + q - 1)
                 forks = self._fork_followers(seq, copies) if req.pending_followers else []
                 for s in [seq, *forks]:
@@ -524,7 +552,7 @@ class Scheduler:
             input_top_logprobs_num=in_top, block_copies=copies, weight_version=self.weight_version,
             has_placeholders=has_placeholders, lora_slots=lora_slots if any(s >= 0 for s in lora_slots) else None,
         )
-        return ScheduledBatch(batch, scheduled, samplers, in_owners)
+        return ScheduledBatch(batch, scheduled, samplers, in_owners, verifies)
 
     def _scoring_inputs(self, scored: list, temps: list[float], owners: list[Request]) -> Optional[SamplingInputs]:
         """Processed rows for a batch that scores given output tokens; plain prompt-logprob rows of
@@ -597,10 +625,10 @@ class Scheduler:
             top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
             masks = self._masks_by_row(samplers, result)
             now = time.perf_counter()
-            for i, seq in enumerate(samplers):
-                seq.num_pending -= 1
-                if seq.is_finished:  # finished or aborted while this step ran: its extra slot is dropped
-                    continue
+            verified = {row for _, first, guesses in sb.verifies for row in range(first, first + len(guesses) + 1)}
+
+            def append(seq: Sequence, i: int) -> bool:
+                """Row ``i``'s token onto ``seq``; False when the sequence is done (finished or failed)."""
                 seq.token_ids.append(tokens[i])
                 if seq.req.return_logprob:
                     seq.output_logprobs.append(lps[i])
@@ -613,13 +641,35 @@ class Scheduler:
                 if masks is not None and i in masks:
                     if masks[i][0] is None:  # the kept set is larger than the cap: this request fails alone
                         self._fail_request(seq.req, self._mask_too_large())
-                        continue
+                        return False
                     seq.output_sampling_masks.append(masks[i][0])
                     seq.output_sampling_logprobs.append(masks[i][1])
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq)
                 touched.setdefault(seq.req.rid, []).append(seq)
+                return not seq.is_finished
+
+            for i, seq in enumerate(samplers):
+                if i in verified:
+                    continue
+                seq.num_pending -= 1
+                if seq.is_finished:  # finished or aborted while this step ran: its extra slot is dropped
+                    continue
+                append(seq, i)
+            for seq, first, guesses in sb.verifies:
+                seq.spec_guesses = []
+                if seq.is_finished:
+                    continue
+                n = self.speculator.accepted(guesses, tokens[first: first + len(guesses)])
+                seq.spec_verify_ct += 1
+                seq.spec_draft_token_num += len(guesses)
+                seq.spec_accept_token_num += n
+                for j in range(n + 1):
+                    if not append(seq, first + j):
+                        break
+                else:  # the KV of the last kept token is computed next step; rejected positions' is not kept
+                    seq.num_computed_tokens = len(seq.token_ids) - 1
         for seq, _ in scheduled:
             req = seq.req
             if (not seq.is_finished and req.params.max_new_tokens == 0
@@ -699,6 +749,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, matched=None) -> None:
         seq.finish_reason = reason
         seq.matched_stop = matched
+        if self.speculator is not None:
+            self.speculator.finished(seq, self.weight_version)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:

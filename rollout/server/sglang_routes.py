@@ -54,6 +54,9 @@ def sglang_item(o: RolloutOutput, return_logprob: bool, text_of: TokenText = _no
         "cached_tokens": o.num_cached_tokens, "weight_version": o.weight_version,
         "output_weight_versions": o.output_weight_versions, "e2e_latency": o.latency_s,
     }
+    if o.spec_verify_ct is not None:  # SGLang's, under speculative decoding (slime and miles read them)
+        meta.update(spec_verify_ct=o.spec_verify_ct, spec_draft_token_num=o.spec_draft_token_num,
+                    spec_accept_token_num=o.spec_accept_token_num)
     if o.lora_name is not None:  # the adapter and its version the request ran on (ours)
         meta["lora_name"], meta["lora_version"] = o.lora_name, o.lora_version
     if return_logprob:
