@@ -78,6 +78,11 @@ def test_limits_and_rl_step_benchmarks_and_compare(tmp_path):
     rl = json.load(open(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.json"))
     assert len(rl["steps"]) == 2 and all(s["samples"] == 4 and s["sync_s"] > 0 for s in rl["steps"])
     assert os.path.isfile(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.png")
+    out = run_cli("bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
+                  "--max-new-tokens", "8", "--speculative", "on", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spec = json.load(open(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off_spec-on.json"))
+    assert spec["config"]["features"]["speculative"] and all("tokens_per_verify" in s for s in spec["steps"])
     a = tmp_path / "limits_tiny_float32_tp1.json"
     b = tmp_path / "b.json"
     changed = json.load(open(a))

@@ -37,7 +37,15 @@ from rollout.bench.common import (
     save_figure,
     write_result,
 )
-from rollout.bench.throughput import WORKLOADS, Features, add_feature_flags, features_from, make_prompts
+from rollout.bench.throughput import (
+    SPEC_DRAFT_TOKENS,
+    WORKLOADS,
+    Features,
+    add_feature_flags,
+    features_from,
+    make_prompts,
+    spec_stats,
+)
 from rollout.engine.engine import run_on_own_thread
 
 
@@ -115,12 +123,15 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
                          "steps": steps, "max_num_seqs": max_num_seqs}, "steps": []}
     with RolloutEngine(path, dtype=dtype, tp_size=features.tp_size, enable_overlap=features.overlap,
                        enable_prefix_caching=features.prefix, enable_cuda_graph=features.graphs,
-                       kv_cache_tokens=kv_tokens, max_num_seqs=max_num_seqs, use_generation_config=False) as engine:
+                       kv_cache_tokens=kv_tokens, max_num_seqs=max_num_seqs, use_generation_config=False,
+                       speculative_num_draft_tokens=SPEC_DRAFT_TOKENS if features.speculative else 0) as engine:
         engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
         for step in tqdm(range(steps), desc=f"rl-step {w.name} {label}"):
+            before = engine.get_stats()
             t0 = time.perf_counter()
             with _InFlight(engine) as watch:
-                outs = engine.generate(input_ids=prompts, sampling_params=replace(sp, seed=step))
+                # seeds disjoint from step to step (sample i draws with seed + i): no step replays another's draws
+                outs = engine.generate(input_ids=prompts, sampling_params=replace(sp, seed=step * 1_000_003))
             rollout_s = time.perf_counter() - t0
             first = max(o.time_to_first_token_s or 0.0 for o in outs)
             bucket = run_on_own_thread(lambda: FlattenedTensorBucket(_new_weights(named, step)))  # not timed
@@ -139,11 +150,12 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
                 "rollout_s": rollout_s, "tail_s": watch.tail_s(), "peak_running": watch.peak,
                 "first_token_s": first, "pause_s": (t2 - t1) + (t4 - t3), "sync_s": t3 - t2, "step_s": total,
                 "samples": len(outs), "tokens": tokens, "samples_per_s": len(outs) / total,
-                "tokens_per_s": tokens / total})
+                "tokens_per_s": tokens / total, **spec_stats(before, engine.get_stats())})
     kept = result["steps"][1:] or result["steps"]
     result["summary"] = {k: statistics.fmean(s[k] for s in kept) for k in kept[0]}
     f = features
-    stem = f"rl_step_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
+    stem = f"rl_step_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}" + \
+        ("_spec-on" if f.speculative else "")
     write_result(result, out_dir, stem, plot)
     return result
 

@@ -78,6 +78,20 @@ class Features:
     prefix: bool = True
     tp_size: int = 1
     graphs: bool = True
+    speculative: bool = False  # exact speculation from past rollouts (SPEC_DRAFT_TOKENS guesses a step)
+
+
+SPEC_DRAFT_TOKENS = 4
+
+
+def spec_stats(before: dict, after: dict) -> dict:
+    """What speculation did between two ``get_stats``: verify steps, guesses, accepted, tokens per verify."""
+    if "spec_verify_ct" not in after:
+        return {}
+    d = {k: after[k] - before.get(k, 0) for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}
+    d["acceptance"] = d["spec_accept_token_num"] / max(1, d["spec_draft_token_num"])
+    d["tokens_per_verify"] = (d["spec_verify_ct"] + d["spec_accept_token_num"]) / max(1, d["spec_verify_ct"])
+    return d
 
 
 def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -166,6 +180,7 @@ def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int, engi
     return RolloutEngine(path, dtype=dtype, tp_size=features.tp_size, enable_overlap=features.overlap,
                          enable_prefix_caching=features.prefix, enable_cuda_graph=features.graphs,
                          kv_cache_tokens=kv_tokens, max_num_seqs=max_seqs, use_generation_config=False,
+                         speculative_num_draft_tokens=SPEC_DRAFT_TOKENS if features.speculative else 0,
                          **(engine_args or {}))
 
 
@@ -209,7 +224,7 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
             "sampler_ms_per_step": 1e3 * delta["sample_time_s"] / steps,
             "decode_step_ms": 1e3 * delta["decode_step_time_s"] / max(delta["num_decode_steps"], 1),
             "mean_decode_batch": delta["decode_step_batch"] / max(delta["num_decode_steps"], 1),
-            "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1]}
+            "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1], **spec_stats(base, stats)}
 
 
 def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bfloat16", features: Features = Features(),
@@ -249,7 +264,7 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
     f = features
     hf_part = f"_hf-{hf_dtype}" if hf_dtype and hf_dtype != dtype else ""
     stem = (f"throughput_{w.name}_{label}_{dtype}_tp{f.tp_size}_overlap-{'on' if f.overlap else 'off'}"
-            f"_prefix-{'on' if f.prefix else 'off'}{hf_part}{tag}")
+            f"_prefix-{'on' if f.prefix else 'off'}{'_spec-on' if f.speculative else ''}{hf_part}{tag}")
     if w.turns:
         from rollout.bench.agentic import plot as agentic_plot
 
@@ -284,11 +299,14 @@ def add_feature_flags(ap: argparse.ArgumentParser) -> None:
                    help="prefix cache and shared prefill of the n samples (off: each sample its own prompt)")
     g.add_argument("--tp-size", type=int, default=1)
     g.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (no effect on CPU)")
+    g.add_argument("--speculative", choices=["on", "off"], default="off",
+                   help=f"exact speculation from past rollouts, {SPEC_DRAFT_TOKENS} guesses a step while at most 8 "
+                        "sequences decode (rollout.speculative)")
 
 
 def features_from(args) -> Features:
     return Features(overlap=args.overlap == "on", prefix=args.prefix == "on", tp_size=args.tp_size,
-                    graphs=args.graphs == "on")
+                    graphs=args.graphs == "on", speculative=args.speculative == "on")
 
 
 def main(argv=None) -> dict:

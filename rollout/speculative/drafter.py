@@ -13,8 +13,10 @@ confidence — the share of the matched occurrences that continue with the propo
 the proposal stops where that falls under ``min_confidence`` or after ``k`` tokens.
 
 Memory: one list entry per indexed output token (prompts are not indexed but for their last
-``max_match`` tokens: every rollout of a prompt starts with the same prompt). Dropped rollouts leave
-their entries behind until they outnumber the live ones, then the prompt's index is rebuilt.
+``max_match`` tokens: every rollout of a prompt starts with the same prompt) — up to ~200 bytes a
+token in CPython (measured with distinct random tokens), so the default ``max_tokens`` of 500k holds
+~100 MB. Dropped rollouts leave their entries behind until they outnumber the live ones, then the
+prompt's index is rebuilt.
 
 Nothing here touches tensors or decides correctness: a verifier accepts a guess only where it equals
 the token the engine draws at that position (``rollout.layers.sampler``), so a wrong guess costs a
@@ -78,7 +80,7 @@ class SuffixDrafter:
     engine loop's thread owns it."""
 
     def __init__(self, max_match: int = 16, min_match: int = 2, max_rollouts_per_prompt: int = 32,
-                 max_tokens: int = 2_000_000, min_confidence: float = 0.2, max_scan: int = 128):
+                 max_tokens: int = 500_000, min_confidence: float = 0.2, max_scan: int = 128):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match} and {max_match}")
         if max_rollouts_per_prompt < 0 or max_tokens <= 0 or max_scan <= 0:
