@@ -268,3 +268,34 @@ def test_the_server_reports_sglang_s_speculation_fields(make_server, llama_path)
         # the first token comes from the prefill, the rest from plain steps or verify steps (and their guesses)
         assert meta["spec_verify_ct"] + meta["spec_accept_token_num"] <= meta["completion_tokens"] - 1
         assert "rollout_spec_accept_token_num" in http.get("/metrics").text
+
+
+def test_speculation_is_exact_with_adapters_in_the_batch_and_across_session_turns(llama_path, tmp_path):
+    """Verify chunks run adapter rows (a batch mixing an adapter and the base) and session turns (the
+    session's KV kept between turns, rejected positions never counted): plain decoding's tokens."""
+    from rollout import RolloutEngine
+    from rollout.tools.tiny import make_tiny_adapter
+
+    adapter = make_tiny_adapter(llama_path, str(tmp_path / "adapter"), r=4, seed=1)
+    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False)
+    prompts = [[5, 9, 23, 41, 7], [44, 45, 46]]
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, seed=7, n=2)
+    got = {}
+    with RolloutEngine(llama_path, **kw) as plain, \
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, **kw) as spec:
+        for name, engine in (("plain", plain), ("spec", spec)):
+            assert engine.load_lora_adapter("policy", adapter).success
+            runs = []
+            for _ in range(2):  # the second run is guessed from the first
+                outs = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=["policy", None])
+                runs.append([o.output_token_ids for o in outs])
+            sid = engine.open_session()
+            turns = []
+            for turn in ([3, 4, 5], [6, 7], [3, 4, 5]):
+                outs = engine.generate(input_ids=[turn], sampling_params=SamplingParams(
+                    max_new_tokens=12, temperature=1.0, seed=3), session_id=sid)
+                turns.append(outs[0].output_token_ids)
+            engine.close_session(sid)
+            got[name] = (runs, turns)
+        assert got["spec"] == got["plain"]
+        assert spec.get_stats()["spec_accept_token_num"] >= 10
