@@ -134,9 +134,6 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
                     getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
-        if self.speculative_num_draft_tokens and self.enable_overlap:
-            bad("speculative_num_draft_tokens", "is not supported with enable_overlap yet (a verify step needs its "
-                "result before the next step is scheduled); turn one of them off")
         if self.lora_backend not in ("auto", "torch", "triton"):
             bad("lora_backend", "must be auto, torch or triton")
         for name in ("max_loaded_loras", "max_lora_rank"):

@@ -235,7 +235,8 @@ def test_a_verifier_that_accepts_guesses_without_drawing_gives_other_tokens(spec
     assert [o[0] for o in _run(plain, prompts, "sampled", 22)] != [o[0] for o in _run(spec, prompts, "sampled", 22)]
 
 
-@pytest.mark.parametrize("extra", [dict(tp_size=2), dict(deterministic=True)], ids=["tp2", "batch-invariant"])
+@pytest.mark.parametrize("extra", [dict(tp_size=2), dict(deterministic=True), dict(enable_overlap=True)],
+                         ids=["tp2", "batch-invariant", "overlap"])
 def test_speculation_is_exact_at_tp2_and_bitwise_in_the_batch_invariant_mode(llama_path, extra):
     from rollout import RolloutEngine
 

@@ -14,7 +14,7 @@ depend only on seed and position).
 
 With ``speculative_num_draft_tokens``, a decoding sequence may run its last token and guessed ones as
 one chunk instead (``rollout.speculative.verify``): every position is sampled as plain decoding samples
-it, and the tokens kept are plain decoding's, one or more per step.
+it, and the tokens kept are plain decoding's, one or more per step (under overlap, such a step runs alone).
 """
 
 from __future__ import annotations
@@ -341,17 +341,20 @@ class Scheduler:
         sb = self.schedule()
         if sb is None:
             return None
-        result = self.worker.forward_batch_generation(sb.batch)
-        if result.delay_sample_func is not None:
-            result = result.delay_sample_func(sb.batch.sampling or self._sampling_inputs(sb.samplers))
-        self.process_batch_result(sb, result)
+        self.process_batch_result(sb, self._run_now(sb))
         return sb
 
     def _step_overlap(self) -> tuple[Optional[ScheduledBatch], bool]:
         """Launch forward N+1, process result N on the CPU, then queue N+1's delayed sampling
         (which thus sees N's tokens: penalties, min-new-tokens, stop and abort state). Forward N+1
         reads N's sampled ids from the worker's future map, so no host sync sits between steps."""
+        if self.speculator is not None and self._inflight is not None and \
+                len(self.running) <= self.speculator.max_batch:
+            self.drain()  # the tail: every result first, so that guesses follow each sequence's latest token
         sb = self.schedule()
+        if sb is not None and sb.verifies:  # a verify step runs alone: what it keeps decides the next positions
+            self.process_batch_result(sb, self._executor.submit(self._run_now, sb).result())
+            return sb, True
         forward = self._executor.submit(self.worker.forward_batch_generation, sb.batch) if sb is not None else None
         inflight, self._inflight = self._inflight, None
         try:
@@ -367,6 +370,13 @@ class Scheduler:
 
                 self._inflight = (sb, self._executor.submit(sample))
         return sb, sb is not None or inflight is not None
+
+    def _run_now(self, sb: ScheduledBatch) -> GenerationBatchResult:
+        """Forward and sample one batch, nothing in flight (on the forward thread under overlap)."""
+        result = self.worker.forward_batch_generation(sb.batch)
+        if result.delay_sample_func is not None:
+            result = result.delay_sample_func(sb.batch.sampling or self._sampling_inputs(sb.samplers))
+        return result
 
     def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
         """Built from sequence state when sampling happens (late, under overlap)."""

@@ -13,7 +13,9 @@ logprobs and sampling mask. The KV written for rejected positions is simply not 
 next step overwrites it.
 
 Speculation runs only while at most ``speculative_max_batch`` sequences decode (a small batch is bound by
-reading the weights, so a chunk of a few positions costs about one), and not under overlap scheduling.
+reading the weights, so a chunk of a few positions costs about one). Under overlap scheduling the
+scheduler then takes every result before scheduling (guesses must follow the latest token) and runs a
+step that verifies on its own: the tail gives up overlap where it speculates.
 """
 
 from __future__ import annotations
