@@ -231,7 +231,7 @@ def test_a_verifier_that_accepts_guesses_without_drawing_gives_other_tokens(spec
     plain, spec = spec_engines
     prompts = [[5, 9, 23, 41, 7], [3, 3, 8, 100, 64, 2, 17]]
     _run(spec, prompts, "sampled", 21)  # the drafter holds this seed's text
-    monkeypatch.setattr(Speculator, "accepted", lambda self, guesses, drawn: len(guesses))
+    monkeypatch.setattr(Speculator, "accepted", lambda self, seq_id, guesses, drawn: len(guesses))
     assert [o[0] for o in _run(plain, prompts, "sampled", 22)] != [o[0] for o in _run(spec, prompts, "sampled", 22)]
 
 

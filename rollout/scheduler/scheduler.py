@@ -444,6 +444,8 @@ class Scheduler:
         if self.sessions.sessions:
             self._expire_sessions()
         budget = self.config.max_num_batched_tokens
+        if self.speculator is not None:
+            self.speculator.new_step()
         scheduled: list[tuple[Sequence, int]] = []
         in_batch: set[int] = set()
         for seq in list(self.running):
@@ -507,9 +509,12 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + q
             req = seq.req
-            input_ids.extend(seq.token_ids[start:end] if not seq.spec_guesses else
-                             seq.token_ids[start:] + seq.spec_guesses)
-            if end > len(seq.token_ids) and not seq.spec_guesses:  # the pending token: from the future map
+            if seq.spec_guesses:
+                row = self._add_verify_rows(seq, start, q, (input_ids, tables, lora_slots, ctx_lens, q_lens),
+                                            logits_rows, sample_idx, samplers, verifies, row)
+                continue
+            input_ids.extend(seq.token_ids[start:end])
+            if end > len(seq.token_ids):  # the pending token: resolved on the device from the future map
                 input_ids.append(-(seq.pending_row + 1))
                 has_placeholders = True
             tables.append(list(seq.block_table))  # a snapshot: the table grows while this batch runs
@@ -537,14 +542,7 @@ class Scheduler:
                 in_top = max(in_top, req.top_logprobs_num)
             seq.num_computed_tokens = end
             self._register_full_blocks(seq, start, end)
-            if seq.spec_guesses:  # a verify chunk: every position sampled as plain decoding samples it
-                views = self.speculator.views(seq, seq.spec_guesses)
-                verifies.append((seq, len(samplers), seq.spec_guesses))
-                for j, view in enumerate(views):
-                    logits_rows.append(row + j)
-                    sample_idx.append(len(logits_rows) - 1)
-                    samplers.append(view)
-            elif end == seq.total_len and req.params.max_new_tokens > 0:
+            if end == seq.total_len and req.params.max_new_tokens > 0:
                 logits_rows.append(row + q - 1)
                 forks = self._fork_followers(seq, copies) if req.pending_followers else []
                 for s in [seq, *forks]:
@@ -563,6 +561,31 @@ class Scheduler:
             has_placeholders=has_placeholders, lora_slots=lora_slots if any(s >= 0 for s in lora_slots) else None,
         )
         return ScheduledBatch(batch, scheduled, samplers, in_owners, verifies)
+
+    def _add_verify_rows(self, seq: Sequence, start: int, q: int, rows: tuple, logits_rows: list, sample_idx: list,
+                         samplers: list, verifies: list, row: int) -> int:
+        """A verify chunk as ``q`` decode rows of one sequence: its last token and each guess at their own
+        positions over the same block table, each attending to the positions before it (every row's KV is
+        written before any row attends), so the step stays a decode step (the decode kernels, the
+        decode CUDA graphs); every row sampled as plain decoding samples that position."""
+        input_ids, tables, lora_slots, ctx_lens, q_lens = rows
+        snapshot = list(seq.block_table)
+        slot = -1 if seq.req.lora is None else seq.req.lora.slot
+        verifies.append((seq, len(samplers), seq.spec_guesses))
+        tokens = seq.token_ids[start:] + seq.spec_guesses
+        for j, view in enumerate(self.speculator.views(seq, seq.spec_guesses)):
+            input_ids.append(tokens[j])
+            tables.append(snapshot)
+            lora_slots.append(slot)
+            ctx_lens.append(start + 1 + j)
+            q_lens.append(1)
+            logits_rows.append(row)
+            sample_idx.append(len(logits_rows) - 1)
+            samplers.append(view)
+            row += 1
+        self.stats.num_decode_tokens += q
+        seq.num_computed_tokens = start + q
+        return row
 
     def _scoring_inputs(self, scored: list, temps: list[float], owners: list[Request]) -> Optional[SamplingInputs]:
         """Processed rows for a batch that scores given output tokens; plain prompt-logprob rows of
@@ -671,7 +694,7 @@ class Scheduler:
                 seq.spec_guesses = []
                 if seq.is_finished:
                     continue
-                n = self.speculator.accepted(guesses, tokens[first: first + len(guesses)])
+                n = self.speculator.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
                 seq.spec_verify_ct += 1
                 seq.spec_draft_token_num += len(guesses)
                 seq.spec_accept_token_num += n

@@ -2,8 +2,9 @@
 view of every verified position, and how many guesses a step's draws accept.
 
 A sequence whose next step is a plain decode (its last token's KV not computed yet) may instead run its
-last token followed by up to ``speculative_num_draft_tokens`` guesses from the ``SuffixDrafter`` as one
-chunk over its paged KV: one logits row per position. Each row is sampled as plain decoding would
+last token followed by up to ``speculative_num_draft_tokens`` guesses from the ``SuffixDrafter``, each as
+a decode row of its own position over the sequence's paged KV (the scheduler's ``_add_verify_rows``: the
+step stays a decode step), one logits row per position. Each row is sampled as plain decoding would
 sample there — the history before it (the guesses before it taken as drawn), its own (seed, position)
 uniform, every processor — so row ``j``'s token is the token plain decoding draws at that position if
 the guesses before it were right. Guesses are accepted while equal to the token drawn at their
@@ -32,8 +33,14 @@ class Speculator:
 
     def __init__(self, max_draft_tokens: int, max_batch: int, drafter: Optional[SuffixDrafter] = None):
         self.max_draft_tokens, self.max_batch = max_draft_tokens, max_batch
+        # guessed rows a step may add: up to here a step stays bound by reading the weights (CPU and GPU
+        # alike at these counts), past it every row costs its GEMM share
+        self.max_guess_rows = 2 * max(1, max_batch)
         self.drafter = drafter or SuffixDrafter()
         self._keys: dict[int, tuple] = {}  # seq id -> its prompt's key in the drafter
+        self._rate: dict[int, float] = {}  # seq id -> its recent acceptance (moving average)
+        self._rest: dict[int, tuple[int, int]] = {}  # seq id -> (steps left without guessing, next rest)
+        self._step_rows = 0  # guessed rows given out in the step being scheduled
         self.num_verify_steps = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -45,15 +52,27 @@ class Speculator:
             key = self._keys[seq.seq_id] = (None if lora is None else lora.name, tuple(seq.req.prompt_ids))
         return key
 
+    def new_step(self) -> None:
+        self._step_rows = 0
+
     def guesses(self, seq, num_decoding: int, room: int) -> list[int]:
-        """Up to ``max_draft_tokens`` guesses for ``seq`` (none while more than ``max_batch`` sequences
-        decode), at most ``room`` (what its token limits leave after the next token)."""
-        k = min(self.max_draft_tokens, room, seq.params.max_new_tokens - seq.num_output_tokens - 1)
+        """Up to ``max_draft_tokens`` guesses for ``seq``, at most ``room`` (what its token limits leave
+        after the next token). None while more than ``max_batch`` sequences decode, once the step's guessed
+        rows reach ``max_guess_rows``, or while the sequence rests: a sequence whose recent guesses were
+        mostly rejected (moving average under a quarter) rests 1, 2, 4 ... 64 steps before guessing again."""
+        k = min(self.max_draft_tokens, room, seq.params.max_new_tokens - seq.num_output_tokens - 1,
+                self.max_guess_rows - self._step_rows)
         if num_decoding > self.max_batch or k <= 0:
+            return []
+        left, rest = self._rest.get(seq.seq_id, (0, 1))
+        if left > 0:
+            self._rest[seq.seq_id] = (left - 1, rest)
             return []
         key = self._key(seq)
         self.drafter.update_live(key, seq.seq_id, seq.num_prompt_tokens, seq.token_ids)
-        return self.drafter.propose(key, seq.token_ids, k).tokens
+        out = self.drafter.propose(key, seq.token_ids, k).tokens
+        self._step_rows += len(out)
+        return out
 
     @staticmethod
     def views(seq, guesses: list[int]) -> list[ScoredPosition]:
@@ -61,11 +80,18 @@ class Speculator:
         return [ScoredPosition(seq.params, seq.token_ids + guesses[:j], seq.num_prompt_tokens, seq.req, seq.seed)
                 for j in range(len(guesses) + 1)]
 
-    def accepted(self, guesses: list[int], drawn: list[int]) -> int:
+    def accepted(self, seq_id: int, guesses: list[int], drawn: list[int]) -> int:
         """How many guesses the draws accept: while each equals the token drawn at its position."""
         n = 0
         while n < len(guesses) and drawn[n] == guesses[n]:
             n += 1
+        rate = 0.7 * self._rate.get(seq_id, 0.5) + 0.3 * n / len(guesses)
+        self._rate[seq_id] = rate
+        left, rest = self._rest.get(seq_id, (0, 1))
+        if rate < 0.25:
+            self._rest[seq_id] = (rest, min(2 * rest, 64))
+        elif 2 * n >= len(guesses):
+            self._rest[seq_id] = (0, 1)
         self.num_verify_steps += 1
         self.num_draft_tokens += len(guesses)
         self.num_accepted_tokens += n
@@ -74,6 +100,8 @@ class Speculator:
     def finished(self, seq, version: Optional[str]) -> None:
         """``seq`` ended: its text kept as a rollout of its prompt unless it was aborted or failed."""
         key = self._keys.pop(seq.seq_id, None)
+        self._rate.pop(seq.seq_id, None)
+        self._rest.pop(seq.seq_id, None)
         keep = seq.finish_reason in ("stop", "length")
         if key is not None:
             self.drafter.finish_live(seq.seq_id, keep=keep, version=version)
