@@ -13,8 +13,9 @@ freed and it is recomputed later from its prompt and outputs (tokens are unchang
 depend only on seed and position).
 
 With ``speculative_num_draft_tokens``, a decoding sequence may run its last token and guessed ones as
-one chunk instead (``rollout.speculative.verify``): every position is sampled as plain decoding samples
-it, and the tokens kept are plain decoding's, one or more per step (under overlap, such a step runs alone).
+decode rows of its own instead (``rollout.speculative.verify``, ``_add_verify_rows``): every position is
+sampled as plain decoding samples it, and the tokens kept are plain decoding's, one or more per step
+(under overlap, such a step runs alone).
 """
 
 from __future__ import annotations
