@@ -591,3 +591,12 @@ def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_fi
     with pytest.raises(RuntimeError, match="outside a buffer"):
         cpu_build.kernels().scatter_scaled(slot, buffer, bad, scales)
     assert (buffer == -1.0).all()
+    # a piece received in place (the bucket's bytes are its place's own): left as it is, and counted
+    place = buffer[:16 * 96]
+    place.copy_(torch.randn(16 * 96, generator=g))
+    place[7], place[100] = float("nan"), float("-inf")
+    before = buffer.clone()
+    plan, scales = scatter_plan(place.view(torch.uint8), buffer, [(place.view(16, 96), place.view(16, 96), None)])
+    for isa in cpu_capability().runnable_isas:
+        assert int(cpu_build.kernels_for(isa).scatter_scaled(place.view(torch.uint8), buffer, plan, scales)) == 2
+        torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)

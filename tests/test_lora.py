@@ -415,6 +415,52 @@ def test_adapters_pushed_over_the_weight_update_group_as_miles_sends_them(make_s
     client.close()
 
 
+def test_a_trainer_sending_a_before_b_has_the_a_buckets_received_in_place(make_engine, adapters):
+    """Pushes of a training run over the group, tensors in ``wire_order`` (every ``A``, then every ``B``, as
+    ``trainer_bridge.lora`` sends them): once a retired version's memory is lent to the next push, the
+    buckets holding only ``A`` tensors are received straight into the adapter's buffer (no copy) and only
+    checked there — a NaN in one is still refused, and the version before keeps serving; peft's tokens."""
+    from rollout.weights.lora import wire_order
+    from trainer_bridge.distributed_target import _Call
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    base, path, prompts, refs = adapters["llama-r8-all"]
+    tensors, config = _trainer_side(path)
+    tensors = [tensors[i] for i in wire_order([n for n, _ in tensors])]
+    a_bytes = sum(t.nbytes for n, t in tensors if "lora_A" in n)
+    engine = make_engine(base, dtype="float32", kv_cache_tokens=1024)
+    port = free_port()
+    join = _Call("join", engine.init_weights_update_group, "127.0.0.1", port, 1, 2, "inplace", "gloo", 30)
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "inplace", timeout_s=30)
+    assert join.get(40).success
+    bucket = 3 * max(t.nbytes for _, t in tensors)
+
+    def push(named, version):
+        call = _Call("load", engine.load_lora_adapter_from_distributed, "policy", config, [n for n, _ in named],
+                     [str(t.dtype).replace("torch.", "") for _, t in named], [list(t.shape) for _, t in named],
+                     "inplace", load_format="rollout_bucket", bucket_bytes=bucket, weight_version=version)
+        sender.send(named, load_format="rollout_bucket", bucket_bytes=bucket)
+        return call.get(60)
+
+    in_place = []
+    for step in range(1, 4):
+        r = push(tensors, f"step-{step}")
+        assert r.success, r.message
+        in_place.append(r.detail["received_in_place_bytes"])
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+        assert [o.output_token_ids for o in outs] == refs and set(outs[0].output_weight_versions) == {f"step-{step}"}
+    assert in_place[0] == in_place[1] == 0  # no retired version's memory to land in yet
+    assert a_bytes // 2 <= in_place[2] <= a_bytes, (in_place, a_bytes)
+    bad = [(n, t.clone().fill_(float("nan")) if i == 0 else t) for i, (n, t) in enumerate(tensors)]  # an A
+    r = push(bad, "step-4")
+    assert not r.success and "non-finite" in r.message and r.detail["received_in_place_bytes"] > 0, r
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs and set(outs[0].output_weight_versions) == {"step-3"}
+    engine.destroy_weights_update_group("inplace")
+    sender.close()
+
+
 def test_areal_lora_updates_over_the_group_and_from_disk_with_versioned_names(make_server, adapters, tmp_path):
     """AReaL's LoRA routes as its vLLM backend sends them: ``/areal_set_update_weight_meta_lora`` then
     ``/areal_update_weights_lora_xccl`` (the body again, or ``{}`` as older AReaL sends) with one

@@ -4,7 +4,8 @@ tensors pushed to the rollout engine; the base weights never move.
 ``wrap_lora`` puts a fresh adapter on the trainer's model (``lora_B = 0``: at step 0 the policy is the
 base model) with dropout 0, so the trainer's recompute is the function the engine serves.
 ``adapter_tensors`` gathers the adapter's parameters (ZeRO-3 partitions all-gathered, a few
-megabytes) under the names ``peft`` gives them, in fp32; ``adapter_config`` is its config as a JSON
+megabytes) under the names ``peft`` gives them, in fp32, every ``A`` before every ``B``
+(``rollout.weights.lora.wire_order``); ``adapter_config`` is its config as a JSON
 object. ``push_adapter`` hands both to a weight target (a colocated engine, or servers over the
 weight-update group) as a new version of one adapter name.
 """
@@ -19,7 +20,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from rollout.weights.lora import peft_quietly
+from rollout.weights.lora import peft_quietly, wire_order
 from rollout.worker.messages import WeightResult
 from trainer_bridge.push import gathered, unwrapped
 from trainer_bridge.targets import WeightTarget
@@ -68,6 +69,7 @@ def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
     named = [(n, p) for n, p in unwrapped(model).named_parameters() if ".lora_" in n]
     if not named:
         raise ValueError("the trainer's model has no LoRA parameters: build it with --lora")
+    named = [named[i] for i in wire_order([n for n, _ in named])]  # the A buckets land in place in the engine
     with gathered([p for _, p in named]):
         return FlattenedTensorBucket([(n, p.detach()) for n, p in named], dtype=torch.float32).named_tensors()
 

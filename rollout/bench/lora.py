@@ -27,6 +27,7 @@ from rollout import RolloutEngine, SamplingParams
 from rollout.bench.common import add_model_flags, add_output_flags, build_model, machine, write_result
 from rollout.bench.sync import best
 from rollout.tools.hf import hf_parameter_order
+from rollout.weights.lora import wire_order
 from weight_sync.distributed import ADAPTER_BUCKET_BYTES, WeightUpdateSender
 
 
@@ -35,8 +36,9 @@ def _adapter(path: str, folder: str, rank: int, seed: int) -> tuple[list, dict]:
 
     if not os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
         make_tiny_adapter(path, folder, r=rank, lora_alpha=2 * rank, seed=seed, std=0.01)
-    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
-    return list(tensors.items()), json.load(open(os.path.join(folder, "adapter_config.json")))
+    tensors = list(load_file(os.path.join(folder, "adapter_model.safetensors")).items())
+    tensors = [tensors[i] for i in wire_order([n for n, _ in tensors])]  # as our trainer sends them
+    return tensors, json.load(open(os.path.join(folder, "adapter_config.json")))
 
 
 def _bench_push(engine: RolloutEngine, path: str, adapter: list, config: dict, repeats: int) -> dict:

@@ -136,7 +136,8 @@ class EngineLora:
                 result = WeightResult.ok(f"adapter {name!r} version {av.version} loaded into slot {slot}",
                                          num_bytes=result.num_bytes, lora_name=name, lora_version=av.version,
                                          slot=slot, modules=av.modules,
-                                         loaded_adapters=reg.describe(self.scheduler.requests.values()))
+                                         loaded_adapters=reg.describe(self.scheduler.requests.values()),
+                                         **{k: v for k, v in result.detail.items() if k == "received_in_place_bytes"})
             return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
 
         return self.loop.call(on_loop)

@@ -1,6 +1,7 @@
 """Received tensors into their places on CPU in one C++ call: ``scatter_scaled`` copies many 2-D
 pieces of a byte buffer (fp32, bf16 or fp16) into an fp32 buffer, each multiplied by its own fp32
-scale, and counts the non-finite values it wrote — what a LoRA adapter's bucket needs on arrival
+scale, and counts the non-finite values it wrote (a piece that already lies in its place, received
+there, is only counted) — what a LoRA adapter's bucket needs on arrival
 (``rollout.weights.lora``: ``A`` copied, ``B`` scaled into its block of ``b``, finiteness checked) in
 one pass over the bytes instead of a copy, a scale and a check, with no Python per tensor.
 
@@ -18,6 +19,16 @@ PLAN_COLUMNS = 7  # src byte offset, dtype code, rows, cols, src row stride, dst
 
 SOURCE = r"""
 namespace {
+
+// a piece received in place (fp32, unscaled): only counted
+int64_t count_piece(const float* d, int64_t rows, int64_t cols, int64_t ds) {
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* dr = d + r * ds;
+    for (int64_t c = 0; c < cols; ++c) bad += !(std::fabs(dr[c]) <= 3.4028234663852886e38f);
+  }
+  return bad;
+}
 
 template <typename T>
 int64_t scatter_piece(const T* s, float* d, int64_t rows, int64_t cols, int64_t ss, int64_t ds, float scale) {
@@ -63,7 +74,9 @@ at::Tensor scatter_scaled(at::Tensor src, at::Tensor dst, at::Tensor plan, at::T
     const int64_t* q = p + i * 7;
     const uint8_t* s = sb + q[0];
     float* d = db + q[5];
-    if (q[1] == 0)
+    if (q[1] == 0 && static_cast<const void*>(s) == static_cast<const void*>(d) && q[4] == q[6] && sc[i] == 1.0f)
+      bad += count_piece(d, q[2], q[3], q[6]);  // received in place: already what a copy would write
+    else if (q[1] == 0)
       bad += scatter_piece(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
     else if (q[1] == 1)
       bad += scatter_piece(reinterpret_cast<const at::BFloat16*>(s), d, q[2], q[3], q[4], q[6], sc[i]);

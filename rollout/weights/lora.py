@@ -31,7 +31,7 @@ from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LORA_DTYPE, LoraSlots
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
-from weight_sync.layout import views
+from weight_sync.layout import contiguous_run, views
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -48,6 +48,28 @@ def peft_quietly():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def wire_order(names) -> list[int]:
+    """Indices of an adapter's tensor names in the order a trainer sends them best: every ``A``, then
+    every ``B``, each by layer and within a layer in ``LORA_MODULES``' order (q, k, v, o, gate, up, down).
+    An engine lays out its adapter buffer in the order its ``A`` tensors arrive, so sent this way a fused
+    linear's pieces lie back to back and every bucket holding only ``A`` tensors is received in place, with
+    no copy (``AdapterLayout.place``). Names that are not LoRA matrices keep their order, last."""
+    def key(i: int) -> tuple:
+        try:
+            module, ab = module_name(names[i])
+        except LoraError:
+            return (2, 0, 0, i)
+        m = _LAYER_INDEX.search(module)
+        short = module.rsplit(".", 1)[-1]
+        return (ab != "A", int(m.group(1)) if m else -1,
+                LORA_MODULES.index(short) if short in LORA_MODULES else len(LORA_MODULES), i)
+
+    return sorted(range(len(names)), key=key)
 
 
 class LoraError(WeightLoadError):
@@ -131,6 +153,7 @@ class AdapterPlan:
     recipe: Optional[_Recipe] = None
     places: dict = field(default_factory=dict)  # tensor name -> (its place, narrowing, B's scale)
     programs: dict = field(default_factory=dict)  # (bucket layout, source memory) -> _Program
+    placements: dict = field(default_factory=dict)  # id of a bucket's metas -> (the metas, where it lands or None)
 
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
@@ -226,8 +249,11 @@ class _Recipe:
     @staticmethod
     def plan(model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int) -> _Recipe:
         pairs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
-        for name, dtype, shape in specs:
+        first_a: dict[str, int] = {}  # module -> where its A comes in the call: linears laid out in that order
+        for i, (name, dtype, shape) in enumerate(specs):
             module, ab = module_name(name)
+            if ab == "A":
+                first_a.setdefault(module, i)
             if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise LoraError(f"{name}: must be a floating-point tensor, got {dtype}")
             if ab in pairs.setdefault(module, {}):
@@ -236,7 +262,7 @@ class _Recipe:
         if not pairs:
             raise LoraError("the adapter holds no LoRA matrices")
         per_layer: dict[nn.Module, dict[int, tuple[str, _Route, int]]] = {}
-        for module, ab in sorted(pairs.items()):
+        for module, ab in sorted(pairs.items(), key=lambda kv: (first_a.get(kv[0], len(specs)), kv[0])):
             if set(ab) != {"A", "B"}:
                 raise LoraError(f"{module}: lora_{'B' if 'A' in ab else 'A'}.weight is missing")
             route = _route(model, name_map, module)
@@ -250,7 +276,8 @@ class _Recipe:
             if a[0] > max_rank:
                 raise LoraError(f"{module}: rank {a[0]} exceeds the engine's max_lora_rank={max_rank}; raise it")
             per_layer.setdefault(route.layer, {})[route.piece] = (module, route, a[0])
-        # every linear's ``a`` first, then every ``b`` (zeroed in one pass)
+        # every linear's ``a`` first (in the order the A tensors come: a sender in ``wire_order`` lands them in
+        # place), then every ``b`` (zeroed in one pass)
         sizes = []
         for layer, pieces in per_layer.items():
             route = next(iter(pieces.values()))[1]
@@ -304,8 +331,8 @@ class AdapterLayout:
         self.counted, self.nonfinite = True, 0  # whether every write counted its non-finite values; how many
         if spare is not None and spare.recipe is recipe and spare.buffer.device == device:
             # every place is written again and the rest of ``b`` is still zero: nothing to build
-            self.buffer, self.items, self.places, self.programs = spare.buffer, spare.items, spare.places, \
-                spare.programs
+            self.buffer, self.items, self.places, self.programs, self.placements = spare.buffer, spare.items, \
+                spare.places, spare.programs, spare.placements
             return
         reuse = spare is not None and spare.buffer.numel() == recipe.total and spare.buffer.device == device
         self.buffer = spare.buffer if reuse else torch.empty(recipe.total, dtype=LORA_DTYPE, device=device)
@@ -318,6 +345,29 @@ class AdapterLayout:
             name: (buffer.as_strided(shape, stride, offset), narrow, scale)
             for name, offset, shape, stride, narrow, scale in recipe.places}
         self.programs: dict = {}
+        self.placements: dict = {}
+
+    def place(self, metas, total: int) -> Optional[torch.Tensor]:
+        """Where a bucket (its tensors' ``TensorMeta``, ``total`` bytes) can be received in place: the bytes
+        of this adapter's buffer its tensors lie in, when every one is an ``A`` sent whole in fp32 (no
+        TP narrowing, no scale) and they lie there back to back exactly as the bucket lays them out — the
+        ``A`` buckets of a sender in ``wire_order``. None: the bucket lands in a receive buffer and
+        ``write_bucket`` copies it. Either way ``write_bucket`` then runs on it (in place: a count only)."""
+        known = self.placements.get(id(metas))
+        if known is not None and known[0] is metas:  # the same bucket layout (kept with it: its id stays its own)
+            return known[1]
+        tensors = []
+        for m in metas:
+            dst, narrow, scale = self.places.get(m.name, (None, None, None))
+            if dst is None or narrow is not None or scale is not None or m.dtype != "float32":
+                tensors = []
+                break
+            tensors.append(dst)
+        where = contiguous_run(tensors, list(metas), total, tail_padding_ok=False) if tensors else None
+        if len(self.placements) >= 256:
+            self.placements.clear()
+        self.placements[id(metas)] = (metas, where)
+        return where
 
     def write(self, named) -> None:
         """Tensors of the adapter (any of its names, in any order) into their places."""
@@ -379,7 +429,7 @@ class AdapterLayout:
             bad = sorted(n for n, (dst, _, _) in self.places.items() if not bool(torch.isfinite(dst).all()))
             raise LoraError(f"{bad[0]} holds non-finite values" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         return AdapterPlan(self.items, self.modules, self.max_rank, self.buffer, self.recipe, self.places,
-                           self.programs)
+                           self.programs, self.placements)
 
 
 def plan_adapter(model: nn.Module, name_map: dict, config: AdapterConfig, named_tensors,

@@ -204,15 +204,16 @@ class RankWeights:
             error = f"adapter {msg.name!r}: {exc}"
         return self._install_lora(msg, plan, error)
 
-    def _install_lora(self, msg: LoadLora, plan: Optional[lora.AdapterPlan], error: Optional[str]) -> WeightResult:
+    def _install_lora(self, msg: LoadLora, plan: Optional[lora.AdapterPlan], error: Optional[str],
+                      **detail) -> WeightResult:
         if not self._vote(error is None):
-            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+            return WeightResult.fail(error or REJECTED_ELSEWHERE, **detail)
         assert plan is not None
         lora.install(self.runner.model, msg.slot, plan)
         self.lora_plans[msg.slot] = plan
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
                                f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,
-                               max_rank=plan.max_rank)
+                               max_rank=plan.max_rank, **detail)
 
     def _receive_lora(self, msg: ReceiveLora) -> WeightResult:
         """Check the adapter from its names and shapes and lay out its buffer while the first bytes
@@ -227,7 +228,7 @@ class RankWeights:
         layout = None
         spare = self._take_spare()
 
-        def lay_out() -> None:  # runs while the first buckets are on the wire
+        def lay_out() -> None:  # runs while the first buckets are on the wire (or before, see below)
             nonlocal layout, error
             if drain_only:
                 return
@@ -248,10 +249,25 @@ class RankWeights:
                 with one_cpu_thread(self.device):
                     layout.write_bucket((msg.bucket_bytes, i, slot.data_ptr(), slot.numel()), slot, metas)
 
+        in_place = 0
+
+        def place(metas, total: int) -> Optional[torch.Tensor]:
+            nonlocal in_place
+            where = None if layout is None else layout.place(metas, total)
+            in_place += 0 if where is None else total
+            return where
+
         try:
             if msg.load_format == ROLLOUT_BUCKET:
+                # a push that follows a collected version (every push of a training run after the first) has
+                # its layout ready at once (the spare's): made before the receives are posted, so the buckets
+                # of ``A`` tensors land in their places; otherwise it is made while the first bytes travel
+                early = spare is not None
+                if early:
+                    lay_out()
                 receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
-                                msg.group_name, pool=self.lora_pool, posted_first=lay_out, on_raw=write_bucket,
+                                msg.group_name, pool=self.lora_pool, posted_first=None if early else lay_out,
+                                on_raw=write_bucket, place=place if early else None,
                                 window=max(2, LORA_RECEIVE_BYTES // max(1, msg.bucket_bytes)))
             else:
                 receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name, write,
@@ -272,7 +288,7 @@ class RankWeights:
                 plan = layout.finish()
             except INPUT_ERRORS as exc:
                 error = f"adapter {msg.load.name!r}: {exc}"
-        return self._install_lora(msg.load, plan, error)
+        return self._install_lora(msg.load, plan, error, received_in_place_bytes=in_place)
 
     # ------------------------------------------------------------------ voting, applying
 
