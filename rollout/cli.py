@@ -153,6 +153,7 @@ BENCHMARKS = {"throughput": "rollout.bench.throughput", "weight-sync": "rollout.
               "rl-step": "rollout.bench.rl_step", "limits": "rollout.bench.limits",
               "server-load": "rollout.bench.server", "fidelity": "rollout.bench.fidelity",
               "soak": "rollout.bench.soak", "lora": "rollout.bench.lora", "acceptance": "rollout.bench.acceptance",
+              "speculation": "rollout.bench.speculation",
               # the trainer side's (DeepSpeed ranks; the train extra)
               "push-floor": "trainer_bridge.bench.push_floor", "rl-modes": "trainer_bridge.bench.rl_modes"}
 

@@ -91,10 +91,14 @@ class EngineConfig:
     # replaced version, its name routed to the newest (rollout.scheduler.lora_registry)
     lora_versioned_names: bool = True
     # exact speculative decoding from past rollouts (rollout.speculative): up to this many guessed tokens
-    # verified per step and sequence (SGLang's speculative_num_draft_tokens; 0: off), only while at most
-    # ``speculative_max_batch`` sequences decode (small batches are bound by reading the weights)
+    # verified per step and sequence (SGLang's speculative_num_draft_tokens; 0: off), never while more than
+    # ``speculative_max_batch`` sequences decode, and below that only as far as the measured cost of a
+    # step's rows and each sequence's acceptance say it pays
     speculative_num_draft_tokens: int = 0
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 64
+    # "cost": guesses only where the measured costs and acceptance say they pay; "always": every proposal
+    # within speculative_max_batch is verified (for studies and tests of the verify step)
+    speculative_policy: str = "cost"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -134,6 +138,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
                     getattr(self, name) < 0:
                 bad(name, "must be an integer >= 0")
+        if self.speculative_policy not in ("cost", "always"):
+            bad("speculative_policy", "must be cost or always")
         if self.lora_backend not in ("auto", "torch", "triton"):
             bad("lora_backend", "must be auto, torch or triton")
         for name in ("max_loaded_loras", "max_lora_rank"):

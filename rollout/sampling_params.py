@@ -62,6 +62,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     stream_interval: Optional[int] = None
     custom_params: Optional[dict] = None
+    # ours: False keeps this request out of speculation (an engine started with
+    # speculative_num_draft_tokens > 0 verifies guesses only for requests that leave it True); the tokens
+    # are the same either way
+    speculative: bool = True
     # SGLang fields of features this engine does not have: accepted unset, refused when set
     json_schema: Optional[str] = None
     regex: Optional[str] = None
@@ -76,7 +80,8 @@ class SamplingParams:
         for name in UNSUPPORTED:
             if getattr(self, name) is not None:
                 bad(name, UNSUPPORTED[name])
-        for name in ("no_stop_trim", "spaces_between_special_tokens", "skip_special_tokens", "ignore_eos"):
+        for name in ("no_stop_trim", "spaces_between_special_tokens", "skip_special_tokens", "ignore_eos",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if self.stream_interval is not None and not (_is_int(self.stream_interval) and self.stream_interval >= 1):

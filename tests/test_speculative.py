@@ -81,6 +81,12 @@ def test_bad_settings_are_refused():
         SuffixDrafter(max_match=2, min_match=3)
     with pytest.raises(ValueError, match="share"):
         SuffixDrafter(min_confidence=1.5)
+    from rollout.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_policy"):
+        EngineConfig(model_path="x", speculative_policy="sometimes")
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")
 
 
 def _longest_matches(docs: list[list[int]], context: list[int], min_match: int, max_match: int):
@@ -160,6 +166,22 @@ def test_the_acceptance_benchmark_writes_its_numbers_and_plot(tmp_path):
     assert (tmp_path / "acceptance_tiny_bfloat16_k8_train-on.png").exists()
 
 
+def test_the_speculation_benchmark_compares_on_and_off_on_one_engine(tmp_path):
+    """``rollout bench speculation`` on a tiny model: epoch 2 on and off with the very same tokens (fp32), a
+    verify step only when on; batch 1 on a repeated prompt, greedy guessed from its first run."""
+    from rollout.bench import speculation
+
+    res = speculation.main(["--model", "tiny", "--dtype", "float32", "--num-prompts", "2", "--n", "2",
+                            "--max-new-tokens", "12", "--batch1-tokens", "16", "--workdir", str(tmp_path / "models"),
+                            "--out-dir", str(tmp_path)])
+    e, b = res["epochs"], res["batch1"]
+    assert e["epoch2_same_tokens"] == 1.0 and e["epoch2_off"]["spec_verify_ct"] == 0
+    assert e["epoch2_on"]["samples"] == e["epoch2_off"]["samples"] == 4 and e["rollout_speedup"] > 0
+    assert b["greedy"]["same_tokens"] and b["t1_new_seed"]["same_tokens"] and b["greedy"]["off"]["spec_verify_ct"] == 0
+    assert b["greedy"]["on"]["spec_accept_token_num"] >= 8  # the first run's tokens, guessed again
+    assert (tmp_path / "speculation_grpo-short_tiny_float32_k4.png").exists()
+
+
 def test_a_tree_of_guesses_holds_every_branch_with_its_share_parents_first():
     d = SuffixDrafter(max_match=4, min_match=2, min_confidence=0.2)
     for out in ([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 2, 6, 7], [1, 2, 9, 9]):
@@ -175,6 +197,47 @@ def test_a_tree_of_guesses_holds_every_branch_with_its_share_parents_first():
 
     assert _accepted_in_tree(nodes, [6, 7, 8]) == 2 and _accepted_in_tree(nodes, [3, 5]) == 2
     assert _accepted_in_tree(nodes, [4]) == 0
+
+
+def test_the_policy_guesses_only_as_much_as_the_measured_step_costs_pay_for():
+    """``worth``: guesses join a step only while the tokens they are expected to add raise the step's
+    tokens per second by the measured cost of its rows — all of them where a step costs the same at every
+    row count, none where rows cost their full share, some in between; a row count never measured is
+    tried. A count's cost is the least of its recent steps, and counts only from its third step.
+    ``gains``: the drafter's confidences, calibrated by how guesses have done."""
+    from rollout.speculative.verify import Speculator, StepCosts, gains, worth
+
+    costs = StepCosts()
+    for rows, seconds in [(1, 10.0), (4, 10.0), (8, 16.0), (16, 32.0)] * 3:
+        costs.observe(rows, seconds)
+    costs.observe(16, 42.0)  # a slower step (something else ran): the least stands
+    costs.observe(3, 1.0)  # one step at 3 rows: not settled, not used
+    assert [costs.at(r) for r in (1, 2, 3, 6, 12, 16, 17)] == [10.0, 10.0, 10.0, 13.0, 24.0, 32.0, None]
+    assert gains(0.5, [1.0, 0.8, 0.2]) == [0.5, 0.9, 1.0] and gains(2.0, [0.9, 0.3]) == [1.0, 1.6]
+    assert worth(costs, 1, 1, [0.5, 0.75, 0.875]) == 3  # flat from 1 to 4 rows: every guess pays
+    assert worth(costs, 8, 8, [0.95, 1.9, 2.85, 3.8]) == 0  # 1.5 s a row past 8: 8 tokens at 16 s beat 8.95 at 17.5
+    assert worth(costs, 4, 4, gains(1.0, [0.9, 0.81, 0.729, 0.6561])) == 3  # 10 s at 4 rows, then 1.5 s a row
+    assert worth(costs, 16, 16, [0.1, 0.2]) == 2  # 17 rows never ran: tried
+    steep = StepCosts()
+    for rows, seconds in [(2, 10.0), (3, 10.0), (4, 14.0)] * 3:
+        steep.observe(rows, seconds)
+    assert worth(steep, 2, 2, [0.5]) == 1 and worth(steep, 3, 2.5, [0.5]) == 0  # the step's guesses so far count
+    # the speculator: no step opens above max_batch, or where even certain guesses of the best record so far
+    # could not pay for their rows; a temperature whose guesses fail keeps its sequences from guessing
+    spec = Speculator(4, 8)
+    spec.costs = costs
+    assert spec.may_pay(1) and not spec.may_pay(9)
+    spec.costs = StepCosts()
+    for rows, seconds in [(2, 10.0), (3, 10.0), (4, 11.0), (8, 40.0)] * 3:  # a fourth row costs 10 %
+        spec.costs.observe(rows, seconds)
+    assert spec.may_pay(3) and spec.ratio(1, 1.0) == 1.0  # nothing measured: the drafter at its word
+    for i in range(20):
+        spec._given[i] = ([0.9, 0.6], 1.0)
+        spec.accepted(i, [5, 6], [7, 7])  # rejected at temperature 1
+    assert spec.ratio(99, 1.0) < 0.1 and spec.ratio(99, 0.0) == 1.0 and not spec.may_pay(3)
+    spec._given[100] = ([1.0, 1.0], 0.0)
+    spec.accepted(100, [5, 6], [5, 6])  # greedy, both right
+    assert spec.may_pay(3)
 
 
 SETTINGS = {
@@ -205,7 +268,7 @@ def spec_engines(llama_path):
 
     kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False)
     with RolloutEngine(llama_path, **kw) as plain, \
-            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_max_batch=64, **kw) as spec:
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_policy="always", **kw) as spec:
         yield plain, spec
 
 
@@ -222,6 +285,24 @@ def test_speculation_gives_plain_decoding_s_tokens_and_logprobs(spec_engines, se
     stats = spec.get_stats()
     assert stats["spec_verify_ct"] > before["spec_verify_ct"]
     assert stats["spec_accept_token_num"] - before["spec_accept_token_num"] >= 10
+
+
+def test_tokens_equal_plain_decoding_over_many_seeds(spec_engines):
+    """Twelve seeds, each drawn twice (the second time most guesses are right, the first time most are
+    wrong: both kinds of verify step, at every position of the run), temperature 1 with top-k, n=2: the
+    speculating engine's tokens are plain decoding's every time."""
+    plain, spec = spec_engines
+    prompts = [[5, 9, 23, 41, 7], [44, 45, 46, 47]]
+    before = spec.get_stats()
+    for seed in range(100, 112):
+        sp = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=30, n=2, seed=seed)
+        want = [o.output_token_ids for o in plain.generate(input_ids=prompts, sampling_params=sp)]
+        for _ in range(2):
+            assert [o.output_token_ids for o in spec.generate(input_ids=prompts, sampling_params=sp)] == want, seed
+    stats = spec.get_stats()
+    accepted = stats["spec_accept_token_num"] - before["spec_accept_token_num"]
+    rejected = stats["spec_draft_token_num"] - before["spec_draft_token_num"] - accepted
+    assert accepted >= 100 and rejected >= 20, (accepted, rejected)
 
 
 def test_a_verifier_that_accepts_guesses_without_drawing_gives_other_tokens(spec_engines, monkeypatch):
@@ -243,7 +324,7 @@ def test_speculation_is_exact_at_tp2_and_bitwise_in_the_batch_invariant_mode(lla
     kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False, **extra)
     prompts = [[5, 9, 23, 41, 7], [44, 45, 46]]
     with RolloutEngine(llama_path, **kw) as plain, \
-            RolloutEngine(llama_path, speculative_num_draft_tokens=4, **kw) as spec:
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_policy="always", **kw) as spec:
         for seed in (3, 3, 4):
             a, b = _run(plain, prompts, "stops-n", seed), _run(spec, prompts, "stops-n", seed)
             if extra.get("deterministic"):
@@ -269,6 +350,12 @@ def test_the_server_reports_sglang_s_speculation_fields(make_server, llama_path)
         # the first token comes from the prefill, the rest from plain steps or verify steps (and their guesses)
         assert meta["spec_verify_ct"] + meta["spec_accept_token_num"] <= meta["completion_tokens"] - 1
         assert "rollout_spec_accept_token_num" in http.get("/metrics").text
+        # the per-request switch: the same tokens, no guesses verified
+        off = http.post("/generate", json={**body, "sampling_params": {**body["sampling_params"],
+                                                                      "speculative": False}}).json()
+        assert off["output_ids"] == first["output_ids"] and off["meta_info"]["spec_verify_ct"] == 0
+        bad = http.post("/generate", json={**body, "sampling_params": {**body["sampling_params"], "speculative": 2}})
+        assert bad.status_code == 400 and "speculative" in bad.text
 
 
 def test_speculation_is_exact_with_adapters_in_the_batch_and_across_session_turns(llama_path, tmp_path):
@@ -283,7 +370,7 @@ def test_speculation_is_exact_with_adapters_in_the_batch_and_across_session_turn
     sp = SamplingParams(max_new_tokens=20, temperature=1.0, seed=7, n=2)
     got = {}
     with RolloutEngine(llama_path, **kw) as plain, \
-            RolloutEngine(llama_path, speculative_num_draft_tokens=4, **kw) as spec:
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_policy="always", **kw) as spec:
         for name, engine in (("plain", plain), ("spec", spec)):
             assert engine.load_lora_adapter("policy", adapter).success
             runs = []

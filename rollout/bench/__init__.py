@@ -10,9 +10,11 @@ Subcommands, each writing JSON (machine, versions, config, raw numbers) and a PN
 - ``limits``: this machine's ceilings at the model's decode shapes and the engine's decode step
   against them;
 - ``server-load``: the HTTP server against the in-process engine, then while weights refresh;
-- ``fidelity``: the throughput cost of sampling masks and of the batch-invariant mode.
+- ``fidelity``: the throughput cost of sampling masks and of the batch-invariant mode;
 - ``acceptance``: how many of the suffix drafter's guesses exact speculation would accept on two epochs
   of real rollouts (replayed from plain decoding's outputs).
+- ``speculation``: exact speculation on and off on one engine — two epochs with a training step between
+  (long tail, whole rollout, acceptance) and batch-1 decoding of a repeated prompt.
 
 ``rollout bench --compare A.json B.json`` prints every number of two results side by side.
 """

@@ -85,10 +85,12 @@ SPEC_DRAFT_TOKENS = 4
 
 
 def spec_stats(before: dict, after: dict) -> dict:
-    """What speculation did between two ``get_stats``: verify steps, guesses, accepted, tokens per verify."""
+    """What speculation did between two ``get_stats``: verify steps, guesses verified, accepted, guesses the
+    cost policy left out, tokens per verify."""
     if "spec_verify_ct" not in after:
         return {}
-    d = {k: after[k] - before.get(k, 0) for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")}
+    d = {k: after[k] - before.get(k, 0) for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num",
+                                                  "spec_declined_token_num")}
     d["acceptance"] = d["spec_accept_token_num"] / max(1, d["spec_draft_token_num"])
     d["tokens_per_verify"] = (d["spec_verify_ct"] + d["spec_accept_token_num"]) / max(1, d["spec_verify_ct"])
     return d

@@ -107,7 +107,8 @@ class Scheduler:
         self.sessions = SessionTable(config.session_timeout_s)
         self.loras = LoraRegistry(config.max_loaded_loras, config.lora_versioned_names)
         self._sessions_checked = time.monotonic()
-        self.speculator = Speculator(config.speculative_num_draft_tokens, config.speculative_max_batch) \
+        self.speculator = Speculator(config.speculative_num_draft_tokens, config.speculative_max_batch,
+                                     always=config.speculative_policy == "always") \
             if config.speculative_num_draft_tokens else None
 
     @property
@@ -150,7 +151,8 @@ class Scheduler:
                 **({} if self.speculator is None else {
                     "spec_verify_ct": self.speculator.num_verify_steps,
                     "spec_draft_token_num": self.speculator.num_draft_tokens,
-                    "spec_accept_token_num": self.speculator.num_accepted_tokens})}
+                    "spec_accept_token_num": self.speculator.num_accepted_tokens,
+                    "spec_declined_token_num": self.speculator.num_declined})}
 
     # ------------------------------------------------------------------ queue management
 
@@ -350,7 +352,7 @@ class Scheduler:
         (which thus sees N's tokens: penalties, min-new-tokens, stop and abort state). Forward N+1
         reads N's sampled ids from the worker's future map, so no host sync sits between steps."""
         if self.speculator is not None and self._inflight is not None and \
-                len(self.running) <= self.speculator.max_batch:
+                self.speculator.may_pay(len(self.running)):
             self.drain()  # the tail: every result first, so that guesses follow each sequence's latest token
         sb = self.schedule()
         if sb is not None and sb.verifies:  # a verify step runs alone: what it keeps decides the next positions
@@ -446,7 +448,7 @@ class Scheduler:
             self._expire_sessions()
         budget = self.config.max_num_batched_tokens
         if self.speculator is not None:
-            self.speculator.new_step()
+            self.speculator.new_step(len(self.running))
         scheduled: list[tuple[Sequence, int]] = []
         in_batch: set[int] = set()
         for seq in list(self.running):
@@ -647,6 +649,8 @@ class Scheduler:
         if batch.is_decode_only:
             self.stats.decode_forward_time_s += result.forward_time_s
             self.stats.decode_sample_time_s += result.sample_time_s
+            if self.speculator is not None:  # the cost of a step by its rows: what speculation decides from
+                self.speculator.observe(len(batch.q_lens), result.forward_time_s + result.sample_time_s)
         touched: dict[str, list[Sequence]] = {}
         if result.input_logprobs is not None:
             self._record_input_logprobs(sb, result)

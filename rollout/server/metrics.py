@@ -40,6 +40,8 @@ class _EngineCollector:
             yield gauge("spec_verify_ct", "Speculative verify steps run", stats["spec_verify_ct"])
             yield gauge("spec_draft_token_num", "Guessed tokens verified", stats["spec_draft_token_num"])
             yield gauge("spec_accept_token_num", "Guessed tokens accepted", stats["spec_accept_token_num"])
+            yield gauge("spec_declined_token_num", "Guessed tokens the cost policy left out (not worth their rows)",
+                        stats["spec_declined_token_num"])
         info = InfoMetricFamily("rollout_weight_version", "The published weight version")
         info.add_metric([], {"version": self.engine.get_weight_version()})
         yield info

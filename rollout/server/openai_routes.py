@@ -25,7 +25,8 @@ router = APIRouter()
 def _sampling(body, max_tokens: Optional[int]) -> dict[str, Any]:
     sp: dict[str, Any] = {"n": body.n, "stop": body.stop, "stop_token_ids": body.stop_token_ids,
                           "ignore_eos": body.ignore_eos, "frequency_penalty": body.frequency_penalty,
-                          "presence_penalty": body.presence_penalty, "min_new_tokens": body.min_tokens}
+                          "presence_penalty": body.presence_penalty, "min_new_tokens": body.min_tokens,
+                          "speculative": body.speculative}
     if max_tokens is not None:
         sp["max_new_tokens"] = max_tokens
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):

@@ -218,6 +218,7 @@ class OpenAISampling(Lenient):
     cache_salt: Optional[str] = None  # vLLM's prefix-cache partition (prime-rl salts with the policy version)
     return_token_ids: bool = False  # vLLM's: prompt and completion token ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:123" (AReaL, TRL read them)
+    speculative: bool = True  # ours (SamplingParams.speculative): false keeps the request out of speculation
 
 
 class CompletionRequest(OpenAISampling):
