@@ -120,7 +120,8 @@ def run(args) -> dict:
     print(f"epoch 2: tail {x(e['tail_speedup'])}, rollout {x(e['rollout_speedup'])}, "
           f"{e['epoch2_on'].get('tokens_per_verify', 0):.2f} tokens/verify; batch 1 T=1 new seed "
           f"{x(b['t1_new_seed']['speedup'])}, greedy {x(b['greedy']['speedup'])}")
-    write_result(result, args.out_dir, f"speculation_{w.name}_{model_label(args.model)}_{args.dtype}_k{args.k}", plot)
+    tag = "" if args.max_batch == 64 else f"_max-batch{args.max_batch}"
+    write_result(result, args.out_dir, f"speculation_{w.name}_{model_label(args.model)}_{args.dtype}_k{args.k}{tag}", plot)
     return result
 
 
