@@ -8,6 +8,8 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``lora``: two LoRA adapters and the base in one batch equal each alone and a CPU engine, through the
   batched Triton kernel (``lora_backend`` auto on CUDA) and through the torch path; base batches (graphs)
   unchanged by loading adapters;
+- ``speculation``: exact speculation under CUDA graphs (verify rows replay the decode graphs): tokens and
+  logprobs equal plain decoding's; batch-1 greedy replay timed on and off;
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
@@ -250,6 +252,50 @@ def check_lora(device, workdir, quick):
     return {"ok": all(checks.values()), "backend": used, **checks}
 
 
+def check_speculation(device, workdir, quick):
+    """Exact speculation under CUDA graphs: a verify step's rows are decode rows, so it replays the decode
+    graphs (its row count padded to a captured size); tokens and logprobs equal plain decoding's (fp32,
+    the same graphs), over a first run, the same seeds again (guesses mostly right) and new seeds; and
+    batch-1 decode of a repeated prompt (greedy) timed with speculation on and off."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    path = _model(workdir, "tiny-qwen2", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4,
+                  num_heads=8, num_kv_heads=2)
+    prompts = _prompts(6)
+    kw = dict(dtype="float32", device="cuda", enable_cuda_graph=True, kv_cache_tokens=8192)
+    runs, stats = {}, {}
+    for spec in (False, True):
+        extra = dict(speculative_num_draft_tokens=4, speculative_policy="always") if spec else {}
+        with RolloutEngine(path, **kw, **extra) as e:
+            graphs = e.worker.model_runner.graph_runner
+            replays = [0]
+            replay = graphs.replay
+
+            def counted(batch, ids, replay=replay, replays=replays):
+                replays[0] += 1
+                return replay(batch, ids)
+
+            graphs.replay = counted
+            outs = []
+            for seed in (1, 1, 2):
+                sp = SamplingParams(max_new_tokens=32, temperature=0.8, top_k=40, seed=seed, n=2, ignore_eos=True)
+                outs += e.generate(input_ids=prompts, sampling_params=sp)
+            one = SamplingParams(max_new_tokens=128, temperature=0, ignore_eos=True)
+            e.generate(input_ids=prompts[:1], sampling_params=one)
+            t0 = time.perf_counter()
+            e.generate(input_ids=prompts[:1], sampling_params=one)
+            st = e.get_stats()
+            stats[spec] = {"graph_replays": replays[0], "batch1_greedy_replay_s": time.perf_counter() - t0,
+                           **{k: st[k] for k in ("spec_verify_ct", "spec_draft_token_num", "spec_accept_token_num")
+                              if k in st}}
+            runs[spec] = outs
+    same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]
+    lp = max(abs(a - b) for x, y in zip(runs[False], runs[True]) for a, b in zip(x.output_logprobs, y.output_logprobs))
+    return {"ok": same and lp < 1e-4 and stats[True]["spec_verify_ct"] > 0 and stats[True]["graph_replays"] > 0,
+            "tokens_equal": same, "max_logprob_diff": lp, "plain": stats[False], "speculative": stats[True],
+            "batch1_greedy_speedup": stats[False]["batch1_greedy_replay_s"] / stats[True]["batch1_greedy_replay_s"]}
+
+
 def check_nccl_tp1(device, workdir, quick):
     if device != "cuda":
         return {"skipped": "needs CUDA"}
@@ -321,6 +367,7 @@ CHECKS = {
     "graph_vs_eager": check_graph_vs_eager,
     "overlap_parity": check_overlap_parity,
     "lora": check_lora,
+    "speculation": check_speculation,
     "nccl_tp1": check_nccl_tp1,
     "inplace_update_no_recapture": check_inplace_update_no_recapture,
     "release_resume_memory": check_release_resume_memory,
