@@ -218,8 +218,8 @@ class Speculator:
             return False
         if self.always:
             return True
-        engine = [a.ratio(1.0) for a in self._by_temperature.values()] or [1.0]
-        best = max(engine + [a.ratio(max(engine)) for a in self._acceptance.values()])
+        top = max((a.ratio(1.0) for a in self._by_temperature.values()), default=1.0)
+        best = max([top] + [a.ratio(top) for a in self._acceptance.values()])
         return worth(self.costs, num_decoding, num_decoding, gains(best, [1.0] * self.max_draft_tokens)) > 0
 
     @staticmethod
