@@ -302,8 +302,8 @@ def add_feature_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", type=int, default=1)
     g.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (no effect on CPU)")
     g.add_argument("--speculative", choices=["on", "off"], default="off",
-                   help=f"exact speculation from past rollouts, {SPEC_DRAFT_TOKENS} guesses a step while at most 8 "
-                        "sequences decode (rollout.speculative)")
+                   help=f"exact speculation from past rollouts, up to {SPEC_DRAFT_TOKENS} guesses a step where the engine's "
+                        "cost policy finds they pay (rollout.speculative)")
 
 
 def features_from(args) -> Features:
