@@ -71,6 +71,10 @@ class EngineConfig:
     cpu_fused_sampler: bool = True
     # CPU: the MLP's silu(gate) * up in one C++ call (rollout.layers.cpu_act) instead of two operators
     cpu_fused_silu: bool = True
+    # CPU: forwards drop to one thread while another process computes on this process's cores (the
+    # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads);
+    # False: always torch's thread count
+    cpu_adapt_threads: bool = True
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

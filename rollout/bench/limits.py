@@ -156,7 +156,10 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
             smp = (after["decode_sample_time_s"] - before["decode_sample_time_s"]) / max(num, 1)
             mean_b = (after["decode_step_batch"] - before["decode_step_batch"]) / max(num, 1)
             out[str(b)] = {"step_s": step, "forward_s": fwd, "sample_s": smp, "other_s": max(0.0, step - fwd - smp),
-                           "num_steps": num, "mean_batch": mean_b, "context": [context, context + steps]}
+                           "num_steps": num, "mean_batch": mean_b, "context": [context, context + steps],
+                           # the thread count its forwards ended on and how often they dropped to one
+                           # (rollout.executor.cpu_threads: cores shared with another computing process)
+                           **{k: after[k] for k in ("cpu_threads", "cpu_thread_drops") if k in after}}
             if profile_dir is not None:
                 out[str(b)]["profile"] = _profile(engine, b, context + steps // 2, 5, profile_dir)
             if progress is not None:
@@ -303,7 +306,10 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"  engine GEMMs: {result['engine_kernels'].get('gemm_plans_text')}; paged decode attention: "
                      f"{result['engine_kernels'].get('paged_attention')}")
     for b, r in result.get("busy_neighbour", {}).get("throughput_over_alone", {}).items():
-        lines.append(f"  batch {b:>4} beside a busy neighbour: {r:.2f}x the throughput alone")
+        busy = result["busy_neighbour"]["engine"][b]
+        threads = f" (forwards ended on {busy['cpu_threads']} thread(s), dropped to one {busy['cpu_thread_drops']}x)" \
+            if "cpu_threads" in busy else ""
+        lines.append(f"  batch {b:>4} beside a busy neighbour: {r:.2f}x the throughput alone{threads}")
     return lines
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rollout.config import EngineConfig
+from rollout.executor.cpu_threads import ThreadGovernor
 from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, num_kv_blocks
 from rollout.executor.param_storage import ParameterStorage, return_free_heap_to_os
 from rollout.layers import cpu_build
@@ -160,6 +161,9 @@ class ModelRunner:
         if device.type == "cpu":
             logger.info("CPU %s; %s GEMMs by weight shape: %s; decode attention: %s", cpu_capability().describe(),
                         dtype, self.gemm_plans.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
+        # CPU: all of torch's threads alone on the cores, one while another process computes on them
+        self.threads = ThreadGovernor(torch.get_num_threads()) \
+            if device.type == "cpu" and config.cpu_adapt_threads else None
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
@@ -210,6 +214,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
+        if self.threads is not None:
+            self.threads.before_forward()
         if self.config.deterministic:
             self.refresh_packed_weights(1)
         else:

@@ -148,6 +148,7 @@ class Scheduler:
                 "prefix_cache_queries": bm.stats.num_queries,
                 "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
                 "num_blocks": bm.num_blocks,
+                **({} if self.worker.model_runner.threads is None else self.worker.model_runner.threads.stats()),
                 **({} if self.speculator is None else {
                     "spec_verify_ct": self.speculator.num_verify_steps,
                     "spec_draft_token_num": self.speculator.num_draft_tokens,
