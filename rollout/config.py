@@ -71,6 +71,9 @@ class EngineConfig:
     cpu_fused_sampler: bool = True
     # CPU: the MLP's silu(gate) * up in one C++ call (rollout.layers.cpu_act) instead of two operators
     cpu_fused_silu: bool = True
+    # CPU decode steps: each decoder layer in one C++ call (rollout.layers.cpu_layer) where the fused norm,
+    # rotary/cache write, SiLU and paged attention are all on (the same kernels, the same bits)
+    cpu_fused_layer: bool = True
     # CPU: forwards drop to one thread while another process computes on this process's cores (the
     # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads);
     # False: always torch's thread count

@@ -600,3 +600,35 @@ def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_fi
     for isa in cpu_capability().runnable_isas:
         assert int(cpu_build.kernels_for(isa).scatter_scaled(place.view(torch.uint8), buffer, plan, scales)) == 2
         torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, arch, monkeypatch):
+    """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, with
+    each GEMM kernel this machine offers (forced) in both dtypes, and with q/k/v biases (Qwen2): the
+    tokens and logprobs of the module path bit for bit, and the fused path really taken."""
+    from rollout.layers import cpu_layer
+    from rollout.layers.cpu_plan import candidates
+
+    path = model_dir(f"{arch}-fused-layer", arch)
+    calls = []
+    real = cpu_layer.decode_layer
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    prompts = [[3, 5, 7, 9, 11], [4, 2]]
+    for dtype in (torch.float32, torch.bfloat16):
+        for kernel in [None, *dict.fromkeys(["linear", *candidates(dtype, None, None)])]:
+            outs = []
+            for fused in (True, False):
+                calls.clear()
+                with RolloutEngine(path, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024,
+                                   cpu_gemm_kernel=kernel, cpu_fused_layer=fused) as e:
+                    got = [e.generate(input_ids=prompts, sampling_params=sp) for sp in SP]
+                outs.append([[(o.output_token_ids, o.output_logprobs) for o in g] for g in got])
+                assert (len(calls) > 0 and all(calls)) if fused else not calls, (dtype, kernel, fused)
+            assert outs[0] == outs[1], (dtype, kernel)

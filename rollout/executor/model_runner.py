@@ -145,6 +145,12 @@ class ModelRunner:
             if hasattr(module, "fused_act"):
                 module.fused_act = cpu_kernels and config.cpu_fused_silu
         self.fused_sampler = cpu_kernels and config.cpu_fused_sampler
+        inner = getattr(self.model, "model", None)
+        if inner is not None and hasattr(inner, "fused_decode"):  # one C++ call per layer: every piece fused
+            inner.fused_decode = (cpu_kernels and config.cpu_fused_layer and config.cpu_fused_norm
+                                  and config.cpu_fused_silu and config.cpu_fused_rope and self.use_paged_kernel
+                                  and config.tp_size == 1 and not model_config.qk_norm
+                                  and dtype in (torch.float32, torch.bfloat16))
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora_backend, device), slots=config.max_loaded_loras)
         self.lora_layers = lora_layers(self.model)

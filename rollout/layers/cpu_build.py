@@ -1,7 +1,7 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
 The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
-``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``) are C++ compiled on first use
+``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``, ``decode_layer``) are C++ compiled on first use
 with the machine's compiler (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their source is
 compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
 translation unit and namespace under ``#pragma GCC target`` naming the ISA's extensions exactly (never
@@ -28,14 +28,16 @@ from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
-             "silu_mul", "scatter_scaled")
+             "silu_mul", "scatter_scaled", "decode_layer")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
-# what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for
+# what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for, and the
+# dispatcher (cpu_layer calls oneDNN's and aten's linear as Python does)
 _HEADER = """#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -94,11 +96,11 @@ def module_name(name: str, source: str) -> str:
 
 
 def _body() -> str:
-    from rollout.layers import cpu_act, cpu_copy, cpu_gemm, cpu_norm, cpu_rope, cpu_sample, paged_decode_cpu
+    from rollout.layers import cpu_act, cpu_copy, cpu_gemm, cpu_layer, cpu_norm, cpu_rope, cpu_sample, paged_decode_cpu
 
-    # in this order: cpu_act uses cpu_sample's vector exponential
+    # in this order: cpu_act uses cpu_sample's vector exponential; cpu_layer calls the kernels before it
     return paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE + cpu_sample.SOURCE + \
-        cpu_act.SOURCE + cpu_copy.SOURCE
+        cpu_act.SOURCE + cpu_copy.SOURCE + cpu_layer.SOURCE
 
 
 def _write_sources(module: str, units: dict[str, str]) -> list[str]:

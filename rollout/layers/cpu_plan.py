@@ -49,7 +49,9 @@ KERNELS = ("linear", "onednn", "fp32", "own", "tiled")
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
-_CACHE_VERSION = 4  # 3: oneDNN's kernels timed at every row count; 4: the tiled kernel among them
+# 3: oneDNN's kernels timed at every row count; 4: the tiled kernel among them; 5: kernels timed in rounds
+_CACHE_VERSION = 5
+ROUNDS = 5  # rounds of timing, every candidate once per round (_time_rounds)
 PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower than the best
 
 
@@ -133,13 +135,20 @@ def prepare(kernel: str, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tens
     return lambda x: packed_linear(x, w, None, packed)
 
 
-def _time(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, float]:
+    """The least time of each function over ``rounds`` rounds, each round timing every function once
+    in turn: a slow spell of the machine (another process, a neighbour VM) hits every kernel alike
+    instead of deciding the choice. Timed one kernel after another (3 runs each), a noisy minute once
+    cached a plan that ran the 960x576 q/k/v GEMM on the small-batch kernel at 8 rows, 2x slower there
+    than oneDNN (AMD EPYC Zen 4; ``benchmarks/NOTES.md``)."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
 
@@ -162,8 +171,9 @@ def measure(dtype: torch.dtype, shapes: list[tuple[int, int, int]], kernels: lis
         for rows in rows_list:
             x = torch.randn(rows, i, generator=gen).to(dtype)
             live = [k for k in live if k != "own" or rows <= OWN_MAX_ROWS]
+            times_now = _time_rounds({k: (lambda fs=fns[k]: [f(x) for f in fs]) for k in live})
             for k in live:
-                times[k][rows] = _time(lambda fs=fns[k]: [f(x) for f in fs])
+                times[k][rows] = times_now[k]
             best = min(times[k][rows] for k in live)
             keep = [k for k in live if k not in PRUNABLE or times[k][rows] <= 4 * best]
             if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers import cpu_act, cpu_rope
+from rollout.layers import cpu_act, cpu_layer, cpu_rope
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -93,12 +93,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.fused_decode = False  # set by the ModelRunner on CPU (rollout.layers.cpu_layer)
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
+        lora = self.layers[0].self_attn.qkv_proj.lora.context
+        # a plain CPU decode step: each layer in one C++ call (rollout.layers.cpu_layer), the same bits
+        fused = self.fused_decode and meta.all_decode and meta.use_paged_kernel and (lora is None or lora.batch is None)
         for layer, kv in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv, meta)
+            out = cpu_layer.decode_layer(layer, rope, hidden, kv, meta) if fused else None
+            hidden = layer(rope, hidden, kv, meta) if out is None else out
         return self.norm(hidden)
 
 
