@@ -75,9 +75,12 @@ class EngineConfig:
     # rotary/cache write, SiLU and paged attention are all on (the same kernels, the same bits)
     cpu_fused_layer: bool = True
     # CPU: forwards drop to one thread while another process computes on this process's cores (the
-    # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads);
-    # False: always torch's thread count
-    cpu_adapt_threads: bool = True
+    # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads).
+    # For a process running at libgomp's default spin (GOMP_SPINCOUNT unset by the user): there beside
+    # a computing process both would collapse. Off by default (rollout.openmp bounds the spin, which
+    # shares cores well without it), and a forward on one thread may round logprobs differently in
+    # their last bits (torch splits a one-row reduction by thread count)
+    cpu_adapt_threads: bool = False
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

@@ -3,25 +3,30 @@ processes, and glibc's allocator for the large temporaries of CPU forwards.
 
 libgomp (torch's OpenMP runtime on Linux) reads its settings once, when it loads — at
 ``import torch`` — so they must be in the environment before that. By default a libgomp thread
-that finds no work spins for up to ~300,000 iterations before it sleeps, and a decode step is a few
-hundred short parallel regions with Python between them: a thread that has gone to sleep is woken
-through the kernel at every region, 50-150 us each on the machines measured. So the spin is left at
-libgomp's default (it was bounded to ``GOMP_SPINCOUNT=2000`` before): on AMD EPYC Zen 4 (2 cores,
-SmolLM2 bf16, ``rollout bench limits``, alternating runs) the decode step at batch 8 is 32-35 ms
-against 42-52 ms bounded, at batch 1 15-16 ms against 18-20 ms (``benchmarks/NOTES.md``).
+that finds no work spins for up to ~300,000 iterations before it sleeps. Alone on its cores that
+keeps the many short parallel regions of a decode step fast; with another process computing on the
+same cores (a trainer, a load-test client) the spinning threads take the cores the other process
+needs, and both collapse (measured: a server 30x slower beside a client computing with its own
+threads). ``DEFAULTS`` bounds the spin (``GOMP_SPINCOUNT=2000``: a waiting thread sleeps after about a
+microsecond). Measured on SmolLM2 decode (2 cores, AMD EPYC; ``benchmarks/NOTES.md``): beside a
+neighbour computing on two threads of its own, batch 8 / 64 keep 0.51-0.61 / 0.47-0.50 of their
+speed alone (libgomp's default spin: 0.23 / 0.25; 20000: 0.19-0.29 / 0.16-0.17), and alone the
+steps stay within this machine's run-to-run noise of the default's.
 
-Spinning threads beside another process computing on the same cores (a trainer, a load-test
-client) take the cores it needs, and both collapse (measured: a server 30x slower beside a client
-computing with its own threads). The engine itself sees that happen — its threads wait for a core
-— and runs its forwards on one thread until the other process stops (``rollout.executor.cpu_threads``,
-``cpu_adapt_threads``): batch 8 / 64 keep about half their speed alone, a fair share, whatever the
-other process's OpenMP settings. A process that computes beside an engine without being one (a
-trainer of your own) can still bound its own spin with ``GOMP_SPINCOUNT`` before it imports torch.
+The bound has a price alone: every parallel region of a step then wakes the other thread through
+the kernel. Measured on AMD EPYC Zen 4 (SmolLM2 bf16, ``rollout bench limits``, alternating runs;
+``benchmarks/NOTES.md``): batch 1 16.0-16.9 ms a step bounded against 13.3 ms at libgomp's default spin;
+at batch 8 and 64 within the noise now that a layer is one C++ call. Unbounded, processes that compute
+side by side (a trainer and an engine, TP ranks) slow each other: the suite's multi-process tests took
+15-75 % longer. So the bound stays; a process alone on its cores may unset it (``GOMP_SPINCOUNT=300000``)
+and turn on ``cpu_adapt_threads`` (``rollout.executor.cpu_threads``: forwards on one thread while
+another process computes on the same cores).
 
 Where they are applied: the ``rollout`` command (before it imports torch), the environment of
-spawned TP ranks and of the servers the examples start. A library user sets ``OMP_NUM_THREADS`` to
-the cores this process should use before importing torch (``import rollout`` first applies the rest,
-where they are not set already). Values already in the environment are never overridden.
+spawned TP ranks and of the servers the examples start. A library user must set them before
+importing torch (``import rollout`` first does, where they are not set already):
+``GOMP_SPINCOUNT=2000`` beside other computing processes; ``OMP_NUM_THREADS`` to the cores this
+process should use. Values already in the environment are never overridden.
 
 The allocator (glibc): every block past malloc's mmap threshold (at most 32 MB as glibc adapts it),
 and every block a thread other than the main one allocates past its arena's 64 MB heaps, is mapped
@@ -46,7 +51,7 @@ from typing import Optional
 
 MALLOC_DEFAULTS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
                    "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-DEFAULTS = {**MALLOC_DEFAULTS}
+DEFAULTS = {"GOMP_SPINCOUNT": "2000", **MALLOC_DEFAULTS}
 _MALLOPT = {"MALLOC_ARENA_MAX": -8, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1}  # glibc's M_*
 
 

@@ -104,7 +104,7 @@ def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when
     if cores != 2 or torch.get_num_threads() != 2:
         pytest.skip(f"needs 2 cores and 2 torch threads (this machine's kind; here {cores} cores, "
                     f"{torch.get_num_threads()} threads), so a 2-thread neighbour shares every core")
-    engine = make_engine(llama_path, dtype="float32", kv_cache_tokens=4096, max_num_seqs=16)
+    engine = make_engine(llama_path, dtype="float32", kv_cache_tokens=4096, max_num_seqs=16, cpu_adapt_threads=True)
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, n=8)
     prompts = [[5 + i, 9, 13, 2 + i] for i in range(2)]
     alone = engine.generate(input_ids=prompts, sampling_params=sp)

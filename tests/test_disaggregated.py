@@ -84,7 +84,7 @@ def two_replicas(llama_path, make_server):
     ports = [restartable_port()]  # restarted at the same port: outside the ephemeral range
     ports.append(restartable_port(avoid=ports))
 
-    def serve(i: int):  # one thread each: cores are shared
+    def serve(i: int):  # one thread each: cores are shared (launch_server bounds the OpenMP spin)
         return make_server(llama_path, "--dtype", "float32", "--kv-cache-tokens", "2048", "--no-use-generation-config",
                            port=ports[i], num_threads=1, ready_timeout_s=None)
 

@@ -8,15 +8,20 @@ long enough to span the gaps keeps the step fast — alone. Beside another proce
 the same cores (a trainer, a load-test client) the spinning threads take the cores it needs and both
 collapse (a server 30x slower, measured), while one thread a process shares the cores fairly.
 
-So the process keeps libgomp's own spin (``rollout.openmp``), and ``ThreadGovernor`` watches how much
-of the time this process's threads were runnable they spent waiting for a core (the kernel's
-``schedstat`` run delay, summed over the process's threads): alone on its cores that is ~0; when
-another process computes on them it is a third or more. Above ``drop_above`` the forwards run on one
-thread; back on all of them once the share waiting stays below ``return_below`` after a hold, the hold
-doubling (up to ``max_hold_s``) each time the cores turn out to be still shared, so a neighbour that
-stays costs a probe every half minute at most. Decisions are made once per window of runnable time,
-never per step, and the numbers are read from ``/proc`` (on a kernel without schedstat the governor
-stays off and says so once).
+``rollout.openmp`` bounds the spin, which shares cores well and costs the sleeps. A process alone
+on its cores may spin unbounded instead (``GOMP_SPINCOUNT=300000``) and turn this on
+(``cpu_adapt_threads``): ``ThreadGovernor`` watches how much of the time this process's threads were
+runnable they spent waiting for a core (the kernel's ``schedstat`` run delay, summed over the
+process's threads): alone on its cores that is ~0; when another process computes on them it is a
+third or more. Above ``drop_above`` the forwards run on one thread; back on all of them once the share
+waiting stays below ``return_below`` after a hold, the hold doubling (up to ``max_hold_s``) each time
+the cores turn out to be still shared, so a neighbour that stays costs a probe every half minute at
+most. Decisions are made once per window of runnable time, never per step, and the numbers are read
+from ``/proc`` (on a kernel without schedstat the governor stays off and says so once). Off by
+default: torch splits a reduction over the vocabulary by thread count where there are fewer rows than
+threads (a [1, 49152] sum differs in its last bits between one and two), so logprobs
+computed on one thread may differ from two threads' in their last bits — measured, a server and an
+in-process engine of the same model disagreeing while the suite's other processes ran.
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ bad flag, a model folder that does not load), rather than polling until its time
         client = server.client()
         client.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4})
 
-The child's OpenMP and allocator settings come from ``rollout.openmp.child_env`` (``num_threads``
-sets ``OMP_NUM_THREADS`` where cores are shared; the server's forwards also drop to one thread by
-themselves while another process computes on its cores: ``rollout.executor.cpu_threads``).
+The child's OpenMP and allocator settings come from ``rollout.openmp.child_env`` (bounded spin;
+``num_threads`` sets ``OMP_NUM_THREADS`` where cores are shared).
 """
 
 from __future__ import annotations
