@@ -79,6 +79,7 @@ class ThreadGovernor:
             logger.info("this kernel reports no run delay (/proc/self/task/*/schedstat): forwards keep %d threads "
                         "even where the cores are shared", threads)
         self._hold_until = 0.0
+        self._next_read = 0.0
         self._returned_at: Optional[float] = None
         self.num_drops = 0
         self.last_waiting_share = 0.0
@@ -89,8 +90,10 @@ class ThreadGovernor:
         if self._get() != self.current:  # a forward on another thread than the last one's
             self._set(self.current)
         now = self._clock()
-        if now < self._hold_until:
+        if now < max(self._hold_until, self._next_read):
             return
+        # /proc is read a few times per window of wall time, never every step (one file per thread)
+        self._next_read = now + self.window_s / 4
         reading = self._read()
         if reading is None:
             return

@@ -63,8 +63,11 @@ class GemmPlan:
     how: str = "fixed"  # fixed | measured | cached
     timings: dict = field(default_factory=dict, compare=False, hash=False)  # kernel -> {rows: seconds}
 
+    def __post_init__(self) -> None:  # the bounds, once: kernel_for runs for every linear of every forward
+        object.__setattr__(self, "_uptos", [upto for upto, _ in self.segments])
+
     def kernel_for(self, rows: int) -> str:
-        i = bisect.bisect_left([upto for upto, _ in self.segments], rows)
+        i = bisect.bisect_left(self._uptos, rows)
         return self.segments[min(i, len(self.segments) - 1)][1]
 
     @property
@@ -171,9 +174,8 @@ def measure(dtype: torch.dtype, shapes: list[tuple[int, int, int]], kernels: lis
         for rows in rows_list:
             x = torch.randn(rows, i, generator=gen).to(dtype)
             live = [k for k in live if k != "own" or rows <= OWN_MAX_ROWS]
-            times_now = _time_rounds({k: (lambda fs=fns[k]: [f(x) for f in fs]) for k in live})
-            for k in live:
-                times[k][rows] = times_now[k]
+            for k, t in _time_rounds({k: (lambda fs=fns[k]: [f(x) for f in fs]) for k in live}).items():
+                times[k][rows] = t
             best = min(times[k][rows] for k in live)
             keep = [k for k in live if k not in PRUNABLE or times[k][rows] <= 4 * best]
             if all(k == "own" for k in keep):  # larger forwards need one of oneDNN's kernels: keep the fastest
