@@ -295,7 +295,7 @@ def _paged_cases(dtype, windows=True):
     tables, a sliding window — with, per sequence, the fp64 reference over the same (cache-dtype)
     values and what SDPA in the cache dtype gives over the gathered context (the gather path)."""
     g = torch.Generator().manual_seed(3)
-    shapes = [(9, 3, 64, 16, None), (4, 4, 32, 8, 5), (8, 1, 128, 16, None)]
+    shapes = [(9, 3, 64, 16, None), (4, 4, 32, 8, 5), (8, 1, 128, 16, None), (8, 2, 64, 16, None)]
     for hq, hkv, d, bs, window in [s for s in shapes if windows or s[4] is None]:
         nb, b = 120, 5
         kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)

@@ -5,9 +5,10 @@ dense copy for SDPA: at batch 256 and 140-token contexts that is ~0.8 GB written
 per step on SmolLM2, a fifth of the step (``benchmarks/NOTES.md``). This kernel walks each
 sequence's block table instead, a block at a time: one work item per sequence (all its KV heads,
 which lie side by side in the cache) or, at batches too small to share the threads, per
-(sequence, KV head); a block's rows widened to fp32 once for all the query heads of their KV head
-(GQA without repeats; bf16 rows in a paired lane order that needs one load and two integer
-operations per 2 vectors), register kernels for head sizes of 2-32 vectors, scores and
+(sequence, KV head); bf16 rows widened in registers as they are read, in a paired lane order that
+needs one load and two integer operations per 2 vectors (other dtypes: a block's rows widened to
+fp32 once for all the query heads of their KV head; GQA without repeats either way), register
+kernels for head sizes of 2-32 vectors, scores and
 softmax in fp32 (max-subtracted, as SDPA), values accumulated in fp32, one rounding to the cache
 dtype at the end. Parallel over work items with
 ``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime). Dot
@@ -131,7 +132,7 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 // bf16 rows widened in "paired" order: each run of 2 PL values, read as PL 32-bit words, becomes its
 // even elements (the word shifted up) then its odd ones (the word's top half): one load and two
 // integer operations per 2 PL values. Query, keys and values of a head all take this order, so
-// dot products see the same pairs; the value sums are put back in order at the end (unpair).
+// dot products see the same pairs; the value sums are put back in order at the end (store_unpaired).
 inline void to_float_paired(const at::BFloat16* src, float* dst, int64_t n) {  // n: a multiple of 2 PL
   const pvu top = pvu{} + 0xffff0000u;
   for (int64_t d = 0; d < n; d += 2 * PL) {
@@ -141,10 +142,6 @@ inline void to_float_paired(const at::BFloat16* src, float* dst, int64_t n) {  /
     std::memcpy(dst + d, &even, sizeof even);
     std::memcpy(dst + d + PL, &odd, sizeof odd);
   }
-}
-inline int64_t unpaired(int64_t p) {  // where the value at paired position p belongs
-  const int64_t c = p / (2 * PL), j = p % (2 * PL);
-  return c * 2 * PL + (j < PL ? 2 * j : 2 * (j - PL) + 1);
 }
 
 // The lanes' sums of PL vectors as one vector (lane j: the sum of a[j]'s lanes) in psum's order —
@@ -174,9 +171,9 @@ inline void block_scores(const float* q, const float* k, int64_t cnt, int64_t D,
     for (int d = 0; d < ND; ++d) qv[d] = pload(q + d * PL);
     for (int64_t t0 = 0; t0 < cnt; t0 += PL) {
       pvf a[PL];
-      for (int j = 0; j < PL; ++j) {
-        a[j] = pvf{};
-        if (t0 + j >= cnt) continue;
+      const int rows = static_cast<int>(std::min<int64_t>(PL, cnt - t0));
+      for (int j = rows; j < PL; ++j) a[j] = pvf{};
+      for (int j = 0; j < rows; ++j) {
         const float* kr = k + (t0 + j) * D;
         pvf c0 = {}, c1 = {};
         for (int d = 0; d + 1 < ND; d += 2) {
@@ -221,18 +218,125 @@ inline void block_values(float* acc, const float* v, int64_t cnt, int64_t D, con
   }
 }
 
+
+// the largest of s[0:n] (n >= 1), vector lanes then the tail (the maximum whatever the order; a
+// scalar std::max_element was 7 % of the kernel)
+inline float max_of(const float* s, int64_t n) {
+  int64_t t = 0;
+  float m = s[0];
+  if (n >= PL) {
+    pvf v = pload(s);
+    for (t = PL; t + PL <= n; t += PL) {
+      const pvf x = pload(s + t);
+      v = x > v ? x : v;
+    }
+    for (int i = 0; i < PL; ++i) m = std::max(m, v[i]);
+  }
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
+// x rounded to bf16 as c10::BFloat16 does (nearest even; NaN -> 0x7fc0), in the low half of 32-bit lanes
+inline pvu bf16_bits(pvf x) {
+  pvu u;
+  std::memcpy(&u, &x, sizeof u);
+  const pvu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? pvu{} + 0x7fc0u : r;
+}
+
+// out[0:n] = acc[0:n] / div in bf16, acc in paired order (n: a multiple of 2 PL) put back in order:
+// each run of 2 PL values becomes PL 32-bit words, its even element in the low half, the odd one above
+inline void store_unpaired(const float* acc, float div, at::BFloat16* out, int64_t n) {
+  for (int64_t d = 0; d < n; d += 2 * PL) {
+    const pvu w = bf16_bits(pload(acc + d) / div) | (bf16_bits(pload(acc + d + PL) / div) << 16);
+    std::memcpy(reinterpret_cast<uint16_t*>(out) + d, &w, sizeof w);
+  }
+}
+
+// The paired-order kernels reading a block's bf16 rows where they lie (tok_stride apart), widened in
+// registers: the same arithmetic, in the same order, as widening the rows to fp32 first and calling
+// block_scores / block_values, without writing and reading the widened copy.
+template <int ND>
+inline void widen_row(const at::BFloat16* src, pvf* out) {  // ND vectors, paired order
+  const pvu top = pvu{} + 0xffff0000u;
+  for (int c = 0; c < ND / 2; ++c) {
+    pvu w;
+    std::memcpy(&w, reinterpret_cast<const uint16_t*>(src) + c * 2 * PL, sizeof w);
+    const pvu even = w << 16, odd = w & top;
+    std::memcpy(&out[2 * c], &even, sizeof even);
+    std::memcpy(&out[2 * c + 1], &odd, sizeof odd);
+  }
+}
+
+template <int ND>
+inline void block_scores_bf16(const float* q, const at::BFloat16* k, int64_t cnt, int64_t stride, float scale,
+                              float* out) {
+  pvf qv[ND];
+  for (int d = 0; d < ND; ++d) qv[d] = pload(q + d * PL);
+  for (int64_t t0 = 0; t0 < cnt; t0 += PL) {
+    pvf a[PL];
+    const int rows = static_cast<int>(std::min<int64_t>(PL, cnt - t0));
+    for (int j = rows; j < PL; ++j) a[j] = pvf{};
+    for (int j = 0; j < rows; ++j) {
+      pvf kv[ND];
+      widen_row<ND>(k + (t0 + j) * stride, kv);
+      pvf c0 = {}, c1 = {};
+      for (int d = 0; d + 1 < ND; d += 2) {
+        c0 += qv[d] * kv[d];
+        c1 += qv[d + 1] * kv[d + 1];
+      }
+      a[j] = c0 + c1;
+    }
+    const pvf sc = lane_sums(a) * scale;
+    if (rows == PL) {
+      pstore(out + t0, sc);
+    } else {
+      for (int j = 0; j < rows; ++j) out[t0 + j] = sc[j];
+    }
+  }
+}
+
+// acc[i * ND * PL ...] += sum over t of p_i[t] * v_t for the G query heads i of one KV head (p_i = p + i * n)
+template <int ND, int G>
+inline void block_values_bf16(float* acc, const at::BFloat16* v, int64_t cnt, int64_t stride, const float* p,
+                              int64_t n) {
+  pvf a[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) a[i][d] = pload(acc + (i * ND + d) * PL);
+  for (int64_t t = 0; t < cnt; ++t) {
+    pvf vv[ND];
+    widen_row<ND>(v + t * stride, vv);
+    for (int i = 0; i < G; ++i) {
+      const pvf wv = pvf{} + p[i * n + t];
+      for (int d = 0; d < ND; ++d) a[i][d] += wv * vv[d];
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) pstore(acc + (i * ND + d) * PL, a[i][d]);
+}
+
 // One work item is a sequence and a range of its KV heads: all of them where there are enough
 // sequences to share the threads, one each at small batches. A token's K (or V) values of all its
 // heads lie side by side in the cache, so an item reads each block it touches as one contiguous run,
 // in the cache's order (the hardware prefetcher follows it; a head at a time, strided, was 1.3x
-// slower), widening it to fp32 rows once for every query head of their KV head; blocks lie anywhere,
-// so the loops also ask for the next block while one is used. Measured on AVX2 (AMD EPYC): one
-// sequence per item 2-3x faster than one head per item at batch 64+; the in-order block copies and
-// register kernels another 1.2-1.3x at batch 224 (random blocks read at ~6-9 GB/s a thread there
-// against ~17 GB/s streaming: what bounds this kernel at long contexts).
+// slower); bf16 rows are widened in registers where they are used, other dtypes to fp32 rows once for
+// every query head of their KV head. Blocks lie anywhere, so the loops ask for the next block while
+// one is used, and (bf16) for a block's values while its keys are scored. Measured on AVX2 (AMD
+// EPYC): one sequence per item 2-3x faster than one head per item at batch 64+; the in-order block
+// copies and register kernels another 1.2-1.3x at batch 224. On Zen 4 (AVX-512) random 6 KB blocks
+// read at ~9.5 GB/s a thread against ~30 streaming, and this kernel reaches about half of that at
+// grpo-short's contexts: memory bounds it there (benchmarks/NOTES.md).
+// The prefetch is an asm statement: GCC 12 judged a helper holding only __builtin_prefetch free of
+// side effects and deleted its calls, so the kernel asked for nothing until 2026-12-03.
 inline void prefetch_bytes(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < n; off += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht0 %0" : : "m"(c[off]));
+#else
+    __builtin_prefetch(c + off, 0, 3);
+#endif
+  }
 }
 
 template <typename T, int ND>
@@ -277,25 +381,66 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
           pos += cnt;
         }
       };
-      prefetch_block(vc, start);  // wanted after the scores
+      // the same as blocks() for the paired bf16 kernels, which read the rows where they lie
+      auto raw_blocks = [&](const T* cache, const T* also, auto&& f) {
+        for (int64_t pos = start; pos < len;) {
+          const int64_t off = pos % bs, cnt = std::min(bs - off, len - pos);
+          const T* base = cache + table[pos / bs] * blk_stride + off * tok_stride + h0 * head_stride;
+          prefetch_block(cache, pos + cnt);
+          if (also != nullptr) prefetch_block(also, pos);
+          for (int64_t hh = 0; hh < nh; ++hh) f(pos - start, hh, base + hh * head_stride, cnt);
+          pos += cnt;
+        }
+      };
+      prefetch_block(kc, start);
       for (int64_t i = 0; i < hq; ++i) widen(q + (b * Hq + h0 * g + i) * D, qf.data() + i * D, D);
       scores.resize(hq * n);
-      blocks(kc, [&](int64_t t, int64_t hh, const float* k, int64_t cnt) {
-        for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
-          block_scores<ND>(qf.data() + i * D, k, cnt, D, scale, scores.data() + i * n + t);
-      });
+      if constexpr (paired) {
+        raw_blocks(kc, vc, [&](int64_t t, int64_t hh, const T* k, int64_t cnt) {
+          for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
+            block_scores_bf16<ND>(qf.data() + i * D, k, cnt, tok_stride, scale, scores.data() + i * n + t);
+        });
+      } else {
+        blocks(kc, [&](int64_t t, int64_t hh, const float* k, int64_t cnt) {
+          for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
+            block_scores<ND>(qf.data() + i * D, k, cnt, D, scale, scores.data() + i * n + t);
+        });
+      }
       for (int64_t i = 0; i < hq; ++i) {
         float* s = scores.data() + i * n;
-        total[i] = exp_sum(s, n, *std::max_element(s, s + n));
+        total[i] = exp_sum(s, n, max_of(s, n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      blocks(vc, [&](int64_t t, int64_t hh, const float* v, int64_t cnt) {
-        for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
-          block_values<ND>(acc.data() + i * D, v, cnt, D, scores.data() + i * n + t);
-      });
+      auto values_generic = [&] {
+        blocks(vc, [&](int64_t t, int64_t hh, const float* v, int64_t cnt) {
+          for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
+            block_values<ND>(acc.data() + i * D, v, cnt, D, scores.data() + i * n + t);
+        });
+      };
+      auto values_paired = [&](auto gc) {  // g query heads a KV head, a compile-time count
+        constexpr int G = decltype(gc)::value;
+        raw_blocks(vc, nullptr, [&](int64_t t, int64_t hh, const T* v, int64_t cnt) {
+          block_values_bf16<ND, G>(acc.data() + hh * G * D, v, cnt, tok_stride, scores.data() + hh * G * n + t, n);
+        });
+      };
+      if constexpr (paired) {
+        switch (g) {
+          case 1: values_paired(std::integral_constant<int, 1>{}); break;
+          case 2: values_paired(std::integral_constant<int, 2>{}); break;
+          case 3: values_paired(std::integral_constant<int, 3>{}); break;
+          case 4: values_paired(std::integral_constant<int, 4>{}); break;
+          default: values_generic();
+        }
+      } else {
+        values_generic();
+      }
       T* o = out + (b * Hq + h0 * g) * D;
       for (int64_t i = 0; i < hq; ++i)
-        for (int64_t d = 0; d < D; ++d) o[i * D + (paired ? unpaired(d) : d)] = static_cast<T>(acc[i * D + d] / total[i]);
+        if constexpr (paired) {
+          store_unpaired(acc.data() + i * D, total[i], o + i * D, D);
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[i * D + d] = static_cast<T>(acc[i * D + d] / total[i]);
+        }
     }
   });
 }
