@@ -351,7 +351,7 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
   const int64_t per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;  // KV heads per work item
   const int64_t groups = (Hkv + per_item - 1) / per_item;
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per_item * g * D), acc(per_item * g * D), rows(per_item * bs * D), scores,
+    std::vector<float> qf(per_item * g * D), acc(per_item * g * D), rows(paired ? 0 : per_item * bs * D), scores,
         total(per_item * g);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / groups, h0 = (item % groups) * per_item, nh = std::min(per_item, Hkv - h0);
@@ -411,28 +411,24 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
         total[i] = exp_sum(s, n, max_of(s, n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      auto values_generic = [&] {
+      if constexpr (paired) {  // the query heads of a KV head four at a time (accumulators in registers)
+        raw_blocks(vc, nullptr, [&](int64_t t, int64_t hh, const T* v, int64_t cnt) {
+          for (int64_t i = hh * g; i < (hh + 1) * g; i += 4) {
+            float* a = acc.data() + i * D;
+            const float* p = scores.data() + i * n + t;
+            switch (std::min<int64_t>(4, (hh + 1) * g - i)) {
+              case 1: block_values_bf16<ND, 1>(a, v, cnt, tok_stride, p, n); break;
+              case 2: block_values_bf16<ND, 2>(a, v, cnt, tok_stride, p, n); break;
+              case 3: block_values_bf16<ND, 3>(a, v, cnt, tok_stride, p, n); break;
+              default: block_values_bf16<ND, 4>(a, v, cnt, tok_stride, p, n);
+            }
+          }
+        });
+      } else {
         blocks(vc, [&](int64_t t, int64_t hh, const float* v, int64_t cnt) {
           for (int64_t i = hh * g; i < (hh + 1) * g; ++i)
             block_values<ND>(acc.data() + i * D, v, cnt, D, scores.data() + i * n + t);
         });
-      };
-      auto values_paired = [&](auto gc) {  // g query heads a KV head, a compile-time count
-        constexpr int G = decltype(gc)::value;
-        raw_blocks(vc, nullptr, [&](int64_t t, int64_t hh, const T* v, int64_t cnt) {
-          block_values_bf16<ND, G>(acc.data() + hh * G * D, v, cnt, tok_stride, scores.data() + hh * G * n + t, n);
-        });
-      };
-      if constexpr (paired) {
-        switch (g) {
-          case 1: values_paired(std::integral_constant<int, 1>{}); break;
-          case 2: values_paired(std::integral_constant<int, 2>{}); break;
-          case 3: values_paired(std::integral_constant<int, 3>{}); break;
-          case 4: values_paired(std::integral_constant<int, 4>{}); break;
-          default: values_generic();
-        }
-      } else {
-        values_generic();
       }
       T* o = out + (b * Hq + h0 * g) * D;
       for (int64_t i = 0; i < hq; ++i)
