@@ -147,3 +147,27 @@ def test_mixed_batches_sample_each_row_on_its_own_and_raw_mode_reports_raw_logpr
     raw = SamplingInputs(temperatures=[0.7], uniforms=[0.3], top_ks=[2], raw_logprobs=True)
     r = sample(logits[1:2], raw.to_device(V, torch.device("cpu")))
     assert math.isclose(float(r.logprobs[0]), float(logits[1].log_softmax(-1)[r.token_ids[0]]), abs_tol=1e-6)
+
+
+def test_a_tokens_logprob_does_not_depend_on_the_thread_count_or_the_batch():
+    """Vocabulary-sized rows (SmolLM2's 49152): a row's reported logprob is the same on one thread as on
+    two and alone as in a batch. On torch 2.13 ``logsumexp`` over one such row splits its sum across
+    the threads and differs in its last bit for some of these rows (seed 14 here), which is what the
+    old ``x[id] - logsumexp(x)`` reported."""
+    from rollout.layers.sampler import token_logprob
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randn(49152, generator=torch.Generator().manual_seed(s)) * 3 for s in range(40)])
+    ids = torch.randint(0, 49152, (40,), generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = [token_logprob(rows[i:i + 1], ids[i:i + 1]) for i in range(40)]
+        batched = token_logprob(rows, ids)
+        torch.set_num_threads(1)
+        one = [token_logprob(rows[i:i + 1], ids[i:i + 1]) for i in range(40)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(two), torch.cat(one))
+    assert torch.equal(torch.cat(two), batched)
+    torch.testing.assert_close(batched, torch.log_softmax(rows.double(), -1).gather(1, ids[:, None]).squeeze(1).float())

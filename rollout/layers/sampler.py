@@ -182,8 +182,11 @@ def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo
 
 
 def token_logprob(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(x)[ids] without materialising the full log-softmax."""
-    return x.gather(1, ids.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
+    """log softmax(x)[ids], each row computed alone in one fixed order, whatever the batch or the thread
+    count. (``x[ids] - logsumexp(x)`` was not: torch splits a one-row sum across its threads, so a
+    one-row decode step reported another last bit on one thread than on two — measured in a real
+    generation, ``benchmarks/NOTES.md``; ``log_softmax`` reduces each row on one thread.)"""
+    return torch.log_softmax(x, dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
