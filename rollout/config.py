@@ -78,8 +78,8 @@ class EngineConfig:
     # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads).
     # For a process running at libgomp's default spin (GOMP_SPINCOUNT unset by the user): there beside
     # a computing process both would collapse. Off by default (rollout.openmp bounds the spin, which
-    # shares cores well without it), and a forward on one thread may round logprobs differently in
-    # their last bits (torch splits a one-row reduction by thread count)
+    # shares cores well without it); greedy decodes at 1-8 rows report the same bits on one thread as on
+    # two since the sampler's one-row logsumexp went (other shapes unchecked)
     cpu_adapt_threads: bool = False
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)

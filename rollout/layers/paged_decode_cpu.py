@@ -367,30 +367,31 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
         const T* p = cache + table[pos / bs] * blk_stride + (pos % bs) * tok_stride + h0 * head_stride;
         for (int64_t j = 0; j < std::min(bs - pos % bs, len - pos); ++j) prefetch_bytes(p + j * tok_stride, run);
       };
-      // f(t, hh, KV head hh's rows as fp32 (D apart), cnt) for each run of cnt context tokens from t
-      // that lies in one block; the next block is asked for while this one is used
-      auto blocks = [&](const T* cache, auto&& f) {
+      // g(t, base, cnt) for each run of cnt context tokens from t that lies in one block (base: its first
+      // token's row of KV head h0); the next block of cache (and this one of also) asked for first
+      auto each_block = [&](const T* cache, const T* also, auto&& g) {
         for (int64_t pos = start; pos < len;) {
           const int64_t off = pos % bs, cnt = std::min(bs - off, len - pos);
-          const T* base = cache + table[pos / bs] * blk_stride + off * tok_stride + h0 * head_stride;
           prefetch_block(cache, pos + cnt);
-          for (int64_t j = 0; j < cnt; ++j)  // in the cache's order: token by token, its heads side by side
-            for (int64_t hh = 0; hh < nh; ++hh)
-              widen(base + j * tok_stride + hh * head_stride, rows.data() + (hh * bs + j) * D, D);
-          for (int64_t hh = 0; hh < nh; ++hh) f(pos - start, hh, static_cast<const float*>(rows.data() + hh * bs * D), cnt);
+          if (also != nullptr) prefetch_block(also, pos);
+          g(pos - start, cache + table[pos / bs] * blk_stride + off * tok_stride + h0 * head_stride, cnt);
           pos += cnt;
         }
       };
-      // the same as blocks() for the paired bf16 kernels, which read the rows where they lie
+      // f(t, hh, KV head hh's rows as fp32 (D apart), cnt) for each block run
+      auto blocks = [&](const T* cache, auto&& f) {
+        each_block(cache, nullptr, [&](int64_t t, const T* base, int64_t cnt) {
+          for (int64_t j = 0; j < cnt; ++j)  // in the cache's order: token by token, its heads side by side
+            for (int64_t hh = 0; hh < nh; ++hh)
+              widen(base + j * tok_stride + hh * head_stride, rows.data() + (hh * bs + j) * D, D);
+          for (int64_t hh = 0; hh < nh; ++hh) f(t, hh, static_cast<const float*>(rows.data() + hh * bs * D), cnt);
+        });
+      };
+      // f(t, hh, KV head hh's rows where they lie (tok_stride apart), cnt): the paired bf16 kernels
       auto raw_blocks = [&](const T* cache, const T* also, auto&& f) {
-        for (int64_t pos = start; pos < len;) {
-          const int64_t off = pos % bs, cnt = std::min(bs - off, len - pos);
-          const T* base = cache + table[pos / bs] * blk_stride + off * tok_stride + h0 * head_stride;
-          prefetch_block(cache, pos + cnt);
-          if (also != nullptr) prefetch_block(also, pos);
-          for (int64_t hh = 0; hh < nh; ++hh) f(pos - start, hh, base + hh * head_stride, cnt);
-          pos += cnt;
-        }
+        each_block(cache, also, [&](int64_t t, const T* base, int64_t cnt) {
+          for (int64_t hh = 0; hh < nh; ++hh) f(t, hh, base + hh * head_stride, cnt);
+        });
       };
       prefetch_block(kc, start);
       for (int64_t i = 0; i < hq; ++i) widen(q + (b * Hq + h0 * g + i) * D, qf.data() + i * D, D);
