@@ -123,7 +123,7 @@ def test_every_kernel_runs_where_forced_and_copies_follow_every_weight_change(en
     same_after(release_resume)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
 def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
     """The C++ kernel against fp64 over the same bf16 values: within one bf16 rounding of the
     output, as F.linear is; odd shapes (a last tile of fewer rows, columns past the last vector)."""
@@ -604,31 +604,101 @@ def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_fi
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, arch, monkeypatch):
-    """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, with
-    each GEMM kernel this machine offers (forced) in both dtypes, and with q/k/v biases (Qwen2): the
-    tokens and logprobs of the module path bit for bit, and the fused path really taken."""
+    """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, and the
+    whole stack in one call where every linear takes the small-batch kernel, with each GEMM kernel
+    this machine offers (forced) in both dtypes, and with q/k/v biases (Qwen2): the tokens and
+    logprobs of the module path bit for bit, and each fused path really taken where it applies."""
     from rollout.layers import cpu_layer
     from rollout.layers.cpu_plan import candidates
 
     path = model_dir(f"{arch}-fused-layer", arch)
-    calls = []
-    real = cpu_layer.decode_layer
-
-    def counted(*args):
-        out = real(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    calls: dict[str, list] = {"decode_layer": [], "decode_stack": []}
+    for name in calls:
+        def counted(*args, real=getattr(cpu_layer, name), seen=calls[name]):
+            out = real(*args)
+            seen.append(out is not None)
+            return out
+        monkeypatch.setattr(cpu_layer, name, counted)
     prompts = [[3, 5, 7, 9, 11], [4, 2]]
+    modes = {"stack": {}, "layer": dict(cpu_fused_stack=False), "module": dict(cpu_fused_layer=False)}
     for dtype in (torch.float32, torch.bfloat16):
         for kernel in [None, *dict.fromkeys(["linear", *candidates(dtype, None, None)])]:
             outs = []
-            for fused in (True, False):
-                calls.clear()
+            for mode, kw in modes.items():
+                for seen in calls.values():
+                    seen.clear()
                 with RolloutEngine(path, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024,
-                                   cpu_gemm_kernel=kernel, cpu_fused_layer=fused) as e:
+                                   cpu_gemm_kernel=kernel, **kw) as e:
                     got = [e.generate(input_ids=prompts, sampling_params=sp) for sp in SP]
                 outs.append([[(o.output_token_ids, o.output_logprobs) for o in g] for g in got])
-                assert (len(calls) > 0 and all(calls)) if fused else not calls, (dtype, kernel, fused)
-            assert outs[0] == outs[1], (dtype, kernel)
+                stacked, layered = any(calls["decode_stack"]), any(calls["decode_layer"])
+                where = (dtype, kernel, mode)
+                if mode == "module":
+                    assert not calls["decode_layer"] and not calls["decode_stack"], where
+                elif mode == "layer":
+                    assert layered and all(calls["decode_layer"]) and not calls["decode_stack"], where
+                elif kernel == "own":  # every row count of these steps: the whole stack, never a layer alone
+                    assert stacked and all(calls["decode_stack"]) and not calls["decode_layer"], where
+                elif kernel is not None:  # a kernel with weight copies: layer by layer
+                    assert layered and not stacked, where
+            assert outs[0] == outs[1] == outs[2], (dtype, kernel)
+
+def _layer_weights(g, dtype, h, hq, hkv, d, inter, biases):
+    """One decoder layer's tensors for ``decode_stack`` (12) with random values of a trained model's scale."""
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+
+    def b(n):
+        return (0.1 * torch.randn(n, generator=g)).to(dtype) if biases else torch.empty(0)
+    qkv = (hq + 2 * hkv) * d
+    return [1 + 0.1 * w(h), 1 + 0.1 * w(h), None, None, w(qkv, h), b(qkv), w(h, hq * d), b(h), w(2 * inter, h),
+            b(2 * inter), w(h, inter), b(h)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_bit(dtype):
+    """``decode_stack`` (every layer of a 1-5 row decode step with one team of threads meeting at
+    barriers) against ``decode_layer`` called layer after layer with the small-batch kernel: the same
+    hidden states and the same K/V written, bit for bit, on each ISA variant this CPU runs and on one
+    and two threads; GQA groups of 3, 1 and 8, biases on every linear (Qwen2's q/k/v ones and
+    row-parallel o/down ones), a sliding window, ragged contexts over scattered blocks."""
+    from rollout.layers import cpu_build
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    cases = [(9, 3, 64, True, 0), (4, 4, 32, False, 5), (8, 1, 128, True, 0)]
+    try:
+        for hq, hkv, d, biases, window in cases:
+            h, inter, layers, bs, nb = 96, 160, 3, 8, 64
+            weights = [_layer_weights(g, dtype, h, hq, hkv, d, inter, biases) for _ in range(layers)]
+            caches = [tuple(torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in "kv") for _ in range(layers)]
+            for rows in (1, 2, 3, 4, 5):
+                lens = torch.randint(1, 6 * bs, (rows,), generator=g)
+                tables = torch.randperm(nb, generator=g)[: rows * 6].view(rows, 6)
+                slots = tables.gather(1, ((lens - 1) // bs).view(-1, 1)).view(-1) * bs + (lens - 1) % bs
+                angle = torch.rand(rows, 1, d, generator=g) * 6
+                cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+                hidden = torch.randn(rows, h, generator=g).to(dtype)
+                for isa in cpu_capability().runnable_isas:
+                    k = cpu_build.kernels_for(isa)
+                    for n in (1, 2):
+                        torch.set_num_threads(n)
+                        ref_caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
+                        ref = hidden
+                        none = torch.empty(0)
+                        for (n1, n2, _, _, wq, bq, wo, bo, wg, bg, wd, bd), (kc, vc) in zip(weights, ref_caches):
+                            t = [n1, n2, cos, sin, kc, vc, slots, tables, lens, bo, bd,
+                                 wq, bq, none, none, wo, none, none, none, wg, bg, none, none, wd, none, none, none]
+                            ref = k.decode_layer(ref, t, [0, 0, 0, 0], hq, hkv, 1e-5, d ** -0.5, window)
+                        got_caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
+                        flat = [x for wts, kv in zip(weights, got_caches) for x in (wts[:2] + list(kv) + wts[4:])]
+                        got = k.decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window)
+                        where = (hq, hkv, d, rows, isa, n)
+                        assert torch.equal(got, ref), where
+                        assert all(torch.equal(a, b) for x, y in zip(got_caches, ref_caches) for a, b in zip(x, y)), where
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="layer 1: q/k/v, o, gate/up and down weights"):
+        flat[12 + 4] = flat[12 + 4][:, :-1].contiguous()  # a layer whose q/k/v weight lost a column
+        cpu_build.kernels().decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window)

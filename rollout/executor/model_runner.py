@@ -151,6 +151,8 @@ class ModelRunner:
                                   and config.cpu_fused_silu and config.cpu_fused_rope and self.use_paged_kernel
                                   and config.tp_size == 1 and not model_config.qk_norm
                                   and dtype in (torch.float32, torch.bfloat16))
+            inner.fused_stack = inner.fused_decode and config.cpu_fused_stack
+        self._stack_tensors = getattr(inner, "stack_tensors", None)  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora_backend, device), slots=config.max_loaded_loras)
         self.lora_layers = lora_layers(self.model)
@@ -201,6 +203,8 @@ class ModelRunner:
     def _drop_packed_weights(self) -> None:
         for m in self._packed_modules:
             m.packed_weight = PackedWeight(self.gemm_plans.for_shape(m.weight.shape))
+        if self._stack_tensors is not None:
+            self._stack_tensors.clear()
         self._copy_generation = {}
         self._refreshed_rows = set()
 

@@ -28,7 +28,7 @@ from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
-             "silu_mul", "scatter_scaled", "decode_layer")
+             "silu_mul", "scatter_scaled", "decode_layer", "decode_stack")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16}
@@ -38,10 +38,13 @@ _HEADER = """#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 #include <vector>
 """

@@ -5,15 +5,17 @@ a register-tiled one for larger batches over fp32 panels of the weights (``tile_
 ``y[M, N] = x[M, K] @ W[N, K]^T (+ b)`` for a bf16 weight in its own layout (no packed copy).
 Decode steps at batch 1-16 are bound by reading the weights; oneDNN on CPUs without native bf16
 converts them through a slow path (~20 GFLOP/s), and an fp32 copy doubles the bytes to read.
-This kernel widens bf16 to fp32 in registers (a bf16 value is the top half of an fp32 one) a tile
-at a time: each tile of 3-4 weight rows x 512 columns is widened once into an L1-resident buffer and
+This kernel widens bf16 to fp32 in registers (a bf16 value is the top half of an fp32 one): for one
+to four activation rows each weight row as it streams past (``direct_rows``); from five, a tile at a
+time: each tile of 3-4 weight rows x 512 columns is widened once into an L1-resident buffer and
 then multiplied with every activation row (fp32 FMAs, several rows and outputs per register
 block), so the widening is paid once per weight and the arithmetic runs at fp32 FMA speed.
 Sums run in a fixed order (no ``-ffast-math``); products of bf16 values are exact in fp32, so
 the result differs from oneDNN's only by the order of the fp32 additions, then one rounding to
 the activation dtype (round to nearest even, as torch); inputs are widened and outputs rounded in
 the kernel, not by torch operators around it (two fewer operators per linear layer). Parallel over
-tiles of output features with ``at::parallel_for``.
+output features (or tiles of them) with ``at::parallel_for``, or split over a team of threads that is
+already running (``gemm_part``: ``rollout.layers.cpu_layer``'s ``decode_stack``).
 
 fp32 weights take the same code (an fp32 engine's small batches): there the one-row path, which
 streams each weight row with software prefetch, reads at about twice the bandwidth of oneDNN's
@@ -97,72 +99,91 @@ inline void put(uint16_t* y, int64_t i, float v) {  // fp32 -> bf16, round to ne
                                          : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// One or two activation rows (decode at batch 1-2, bound by reading the weights): one weight row
+// One to four activation rows (decode at batch 1-4, bound by reading the weights): one weight row
 // at a time, widened in registers and used at once, with the stream prefetched PF elements ahead
 // (rows lie end to end, so this runs into the next rows). Measured on AVX2 (AMD EPYC, 2 threads):
 // 1.3-1.8x the bandwidth of tiles of 3 rows read side by side, which the hardware prefetcher
-// follows poorly. Two chains per sum (even and odd vectors) hide the FMA latency.
+// follows poorly; on AMD EPYC Zen 4 (AVX-512) 1.6-2x at 3 rows and 1.3-1.6x at 4, and slower than
+// the tiles from about 6 rows (the FMAs bound it there). Two chains per sum (even and odd vectors)
+// hide the FMA latency.
 constexpr int64_t PF = 2048;
 template <int R, typename Out, typename W>
-void direct(const float* x, const W* w, const float* bias, Out* y, int64_t N, int64_t K) {
+void direct_rows(const float* x, const W* w, const float* bias, Out* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t kv = K / (2 * L) * (2 * L);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const W* row = w + n * K;
-      vf a[R] = {}, b[R] = {};
-      for (int64_t k = 0; k < kv; k += 2 * L) {
-        __builtin_prefetch(row + k + PF, 0, 0);
-        const vf wv = widen(row + k), wu = widen(row + k + L);
-        for (int i = 0; i < R; ++i) { a[i] += loadf(x + i * K + k) * wv; b[i] += loadf(x + i * K + k + L) * wu; }
-      }
-      for (int i = 0; i < R; ++i) {
-        float s = hsum(a[i] + b[i]);
-        for (int64_t k = kv; k < K; ++k) s += x[i * K + k] * widen1(row[k]);  // columns past the last pair
-        put(y, i * N + n, bias ? s + bias[n] : s);
-      }
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* row = w + n * K;
+    vf a[R] = {}, b[R] = {};
+    for (int64_t k = 0; k < kv; k += 2 * L) {
+      __builtin_prefetch(row + k + PF, 0, 0);
+      const vf wv = widen(row + k), wu = widen(row + k + L);
+      for (int i = 0; i < R; ++i) { a[i] += loadf(x + i * K + k) * wv; b[i] += loadf(x + i * K + k + L) * wu; }
     }
-  });
+    for (int i = 0; i < R; ++i) {
+      float s = hsum(a[i] + b[i]);
+      for (int64_t k = kv; k < K; ++k) s += x[i * K + k] * widen1(row[k]);  // columns past the last pair
+      put(y, i * N + n, bias ? s + bias[n] : s);
+    }
+  }
+}
+
+// five or more activation rows: tiles [t0, t1) of NB weight rows, each widened once into L1 and used by every row
+template <typename Out, typename W>
+void tile_rows_of(const float* x, const W* w, const float* bias, Out* y, int64_t M, int64_t N, int64_t K, int64_t t0,
+                  int64_t t1) {
+  const int64_t kv = K / L * L;
+  std::vector<float> wf(NB * KC);
+  std::vector<float> acc(M * NB * L);  // the sums' vectors (float storage: no over-aligned allocation)
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k0 = 0; k0 < kv; k0 += KC) {
+      const int64_t kc = std::min<int64_t>(KC, kv - k0);
+      for (int r = 0; r < NB; ++r) {
+        float* dst = wf.data() + r * KC;
+        if (r < nb) {
+          const W* src = w + (n0 + r) * K + k0;
+          for (int64_t k = 0; k < kc; k += L) {
+            __builtin_prefetch(src + k + PF, 0, 0);
+            storef(dst + k, widen(src + k));
+          }
+        } else {
+          std::fill(dst, dst + kc, 0.f);
+        }
+      }
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) block<MB>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+      if (M - m == 3) block<3>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+      if (M - m == 2) block<2>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+      if (M - m == 1) block<1>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < nb; ++r) {
+        float s = hsum(loadf(acc.data() + (m * NB + r) * L));
+        const W* wr = w + (n0 + r) * K;
+        for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * widen1(wr[k]);  // columns past the last vector
+        put(y, m * N + n0 + r, bias ? s + bias[n0 + r] : s);
+      }
+  }
+}
+
+// y [M, N] = x W^T (+ bias) in units of work: an output column each for M <= 4, else a tile of NB.
+// gemm_part computes units [u0, u1); every output is summed in the same order whatever the range or
+// the thread computing it, so any split of the units gives the same bits.
+inline int64_t gemm_units(int64_t M, int64_t N) { return M <= 4 ? N : (N + NB - 1) / NB; }
+template <typename Out, typename W>
+void gemm_part(const float* x, const W* w, const float* bias, Out* y, int64_t M, int64_t N, int64_t K, int64_t u0,
+               int64_t u1) {
+  if (M == 1) direct_rows<1>(x, w, bias, y, N, K, u0, u1);
+  else if (M == 2) direct_rows<2>(x, w, bias, y, N, K, u0, u1);
+  else if (M == 3) direct_rows<3>(x, w, bias, y, N, K, u0, u1);
+  else if (M == 4) direct_rows<4>(x, w, bias, y, N, K, u0, u1);
+  else tile_rows_of(x, w, bias, y, M, N, K, u0, u1);
 }
 
 template <typename Out, typename W>
 void gemm(const float* x, const W* w, const float* bias, Out* y, int64_t M, int64_t N, int64_t K) {
-  if (M == 1) return direct<1>(x, w, bias, y, N, K);
-  if (M == 2) return direct<2>(x, w, bias, y, N, K);
-  const int64_t tiles = (N + NB - 1) / NB, kv = K / L * L;
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> wf(NB * KC);
-    std::vector<float> acc(M * NB * L);  // the sums' vectors (float storage: no over-aligned allocation)
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k0 = 0; k0 < kv; k0 += KC) {
-        const int64_t kc = std::min<int64_t>(KC, kv - k0);
-        for (int r = 0; r < NB; ++r) {
-          float* dst = wf.data() + r * KC;
-          if (r < nb) {
-            const W* src = w + (n0 + r) * K + k0;
-            for (int64_t k = 0; k < kc; k += L) {
-              __builtin_prefetch(src + k + PF, 0, 0);
-              storef(dst + k, widen(src + k));
-            }
-          } else {
-            std::fill(dst, dst + kc, 0.f);
-          }
-        }
-        int64_t m = 0;
-        for (; m + MB <= M; m += MB) block<MB>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
-        if (M - m == 3) block<3>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
-        if (M - m == 2) block<2>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
-        if (M - m == 1) block<1>(x + m * K + k0, K, wf.data(), kc, acc.data() + m * NB * L);
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t r = 0; r < nb; ++r) {
-          float s = hsum(loadf(acc.data() + (m * NB + r) * L));
-          const W* wr = w + (n0 + r) * K;
-          for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * widen1(wr[k]);  // columns past the last vector
-          put(y, m * N + n0 + r, bias ? s + bias[n0 + r] : s);
-        }
-    }
+  at::parallel_for(0, gemm_units(M, N), M <= 4 ? 16 : 4, [&](int64_t u0, int64_t u1) {
+    gemm_part(x, w, bias, y, M, N, K, u0, u1);
   });
 }
 

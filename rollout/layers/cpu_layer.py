@@ -9,6 +9,14 @@ tensors from C++ — the project's kernels directly, oneDNN's and ``aten::linear
 dispatcher exactly as the Python path calls them — so its output is the module path's bit for bit
 (tested), with one crossing from Python per layer instead of a few dozen.
 
+At the fewest rows (1-3 on most CPUs: where the plan gives every linear the small-batch kernel,
+which reads the weights themselves) ``decode_stack`` runs every layer in one call: one OpenMP team
+for the whole stack, whose threads split each GEMV and the attention and meet at spin barriers
+between kernels while the first runs the small ones. Layer by layer, each kernel's parallel region
+woke the second thread from its sleep (``GOMP_SPINCOUNT`` bounds libgomp's spin, ``rollout.openmp``)
+and Python rebuilt 30 argument lists a step; measured on AMD EPYC Zen 4 (SmolLM2 bf16, batch 1):
+``benchmarks/NOTES.md``. Its bits are ``decode_layer``'s (tested on every ISA variant, 1 and 2 threads).
+
 It serves a plain decode step only: every row a decode token, the paged kernel and the fused
 rotary/cache write on, no q/k norms, no adapter rows in the batch, one TP rank; anything else takes
 the module path (``LlamaDecoderLayer.forward`` decides per forward).
@@ -84,6 +92,191 @@ at::Tensor decode_layer(at::Tensor hidden, std::vector<at::Tensor> t, std::vecto
   if (t[10].numel() > 0) down = down.add(t[10]);
   return hidden.add(down);
 }
+
+namespace {
+
+// The threads of a team meeting between two kernels of decode_stack: the last to arrive releases the
+// others, who spin on the generation (a pause per look) and yield their core after STACK_SPINS looks
+// (a thread of another process may hold the core the one they wait for needs).
+constexpr int64_t STACK_SPINS = 4096;
+struct Barrier {
+  std::atomic<int64_t> arrived{0};
+  std::atomic<int64_t> generation{0};
+  void wait(int64_t team) {
+    if (team == 1) return;
+    const int64_t g = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.store(g + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t looks = 0; generation.load(std::memory_order_acquire) == g; ++looks) {
+      if (looks < STACK_SPINS) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+};
+
+template <typename T>
+inline void widen_into(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = nwiden(src[i]);
+}
+// y = y + b, rounded as torch's add in T (b: one row of n, broadcast over m rows)
+template <typename T>
+inline void add_rows(T* y, const T* b, int64_t m, int64_t n, bool broadcast) {
+  for (int64_t i = 0; i < m * n; ++i) nstore(y + i, nwiden(y[i]) + nwiden(b[broadcast ? i % n : i]));
+}
+
+template <typename T> struct Bits { using type = T; };                 // what the GEMM kernel reads and writes
+template <> struct Bits<at::BFloat16> { using type = uint16_t; };
+template <typename T>
+inline typename Bits<T>::type* bits(T* p) { return reinterpret_cast<typename Bits<T>::type*>(p); }
+template <typename T>
+inline const typename Bits<T>::type* bits(const T* p) { return reinterpret_cast<const typename Bits<T>::type*>(p); }
+template <typename T>
+inline const T* ptr(const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<T>(); }
+
+// thread tid's share of y [M, N] = x W^T (+ bias): the GEMM kernel's units cut into team pieces (column
+// ranges a multiple of 32 outputs apart, so no two threads write one cache line)
+template <typename T>
+void gemm_share(const float* x, const at::Tensor& w, const float* bias, T* y, int64_t M, int64_t K, int64_t tid,
+                int64_t team) {
+  const int64_t N = w.size(0), units = gemm_units(M, N), align = M <= 4 ? 32 : 1;
+  auto cut = [&](int64_t i) { return i == team ? units : std::min(units, (units * i / team + align - 1) / align * align); };
+  const int64_t u0 = cut(tid), u1 = cut(tid + 1);
+  if (u0 < u1) gemm_part(x, bits(ptr<T>(w)), bias, bits(y), M, N, K, u0, u1);
+}
+
+struct StackShape {
+  int64_t M, H, I, Hq, Hkv, D, layers;
+  float eps, scale;
+  int64_t window;
+};
+
+// every layer of decode_layer's plain decode step (same kernels, same order, same roundings) with one
+// team of threads for the whole stack: the first thread runs the small kernels (norms, rotary and
+// cache write, SiLU, the adds) while the others wait at a barrier; all share the GEMMs and attention
+template <typename T>
+void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<std::vector<float>>& col_bias,
+                const T* cos, const T* sin, const int64_t* slots, const at::Tensor& blocks, const int64_t* lens,
+                const StackShape& s) {
+  const int64_t M = s.M, H = s.H, I = s.I, Q = s.Hq * s.D, QKV = (s.Hq + 2 * s.Hkv) * s.D;
+  std::vector<float> xf(M * std::max({H, I, Q}));
+  std::vector<T> x(M * H), qkv(M * QKV), q(M * Q), att(M * Q), o(M * H), gu(M * 2 * I), act(M * I), dn(M * H);
+  const int64_t* tables = blocks.data_ptr<int64_t>();
+  Barrier bar;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int64_t l = 0; l < s.layers; ++l) {
+      const at::Tensor* lt = t.data() + l * 12;
+      const at::Tensor &kc = lt[2], &vc = lt[3];
+      const float* qkv_bias = col_bias[2 * l].empty() ? nullptr : col_bias[2 * l].data();
+      const float* gu_bias = col_bias[2 * l + 1].empty() ? nullptr : col_bias[2 * l + 1].data();
+      if (tid == 0) {
+        rms_rows<T>(hidden, ptr<T>(lt[0]), x.data(), M, H, s.eps);
+        widen_into(x.data(), xf.data(), M * H);
+      }
+      bar.wait(team);
+      gemm_share(xf.data(), lt[4], qkv_bias, qkv.data(), M, H, tid, team);
+      bar.wait(team);
+      if (tid == 0)
+        rope_rows<T>(qkv.data(), QKV, cos, sin, q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), slots, M, s.Hq, s.Hkv, s.D);
+      bar.wait(team);
+      decode<T>(q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables, lens, att.data(), M, s.Hq, s.Hkv, s.D, kc.size(1),
+                blocks.size(1), kc.stride(0), kc.stride(1), kc.stride(2), s.scale, s.window, team, tid);
+      bar.wait(team);
+      if (tid == 0) widen_into(att.data(), xf.data(), M * Q);
+      bar.wait(team);
+      gemm_share(xf.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
+      bar.wait(team);
+      if (tid == 0) {
+        if (lt[7].numel() > 0) add_rows(o.data(), ptr<T>(lt[7]), M, H, true);
+        add_rows(hidden, o.data(), M, H, false);
+        rms_rows<T>(hidden, ptr<T>(lt[1]), x.data(), M, H, s.eps);
+        widen_into(x.data(), xf.data(), M * H);
+      }
+      bar.wait(team);
+      gemm_share(xf.data(), lt[8], gu_bias, gu.data(), M, H, tid, team);
+      bar.wait(team);
+      if (tid == 0) {
+        silu_mul_rows<T>(gu.data(), act.data(), M, I);
+        widen_into(act.data(), xf.data(), M * I);
+      }
+      bar.wait(team);
+      gemm_share(xf.data(), lt[10], nullptr, dn.data(), M, I, tid, team);
+      bar.wait(team);
+      if (tid == 0) {
+        if (lt[11].numel() > 0) add_rows(dn.data(), ptr<T>(lt[11]), M, H, true);
+        add_rows(hidden, dn.data(), M, H, false);
+      }
+    }
+  }
+}
+
+void check_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& t, const StackShape& s) {
+  const auto dt = hidden.scalar_type();
+  const int64_t Q = s.Hq * s.D, KV = s.Hkv * s.D;
+  auto is = [&](const at::Tensor& x, std::initializer_list<int64_t> shape) {
+    return x.scalar_type() == dt && x.is_contiguous() && x.sizes().equals(shape);
+  };
+  auto bias = [&](const at::Tensor& b, int64_t n) { return b.numel() == 0 || is(b, {n}); };
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const at::Tensor* lt = t.data() + l * 12;
+    TORCH_CHECK(is(lt[0], {s.H}) && is(lt[1], {s.H}), "decode_stack: layer ", l, ": norm weights [H] in the hidden dtype");
+    TORCH_CHECK(lt[2].dim() == 4 && lt[2].scalar_type() == dt && lt[2].is_contiguous() && lt[3].sizes() == lt[2].sizes() &&
+                lt[3].strides() == lt[2].strides() && lt[3].scalar_type() == dt && lt[2].size(2) == s.Hkv &&
+                lt[2].size(3) == s.D, "decode_stack: layer ", l, ": contiguous caches [blocks, bs, Hkv, D]");
+    TORCH_CHECK(is(lt[4], {Q + 2 * KV, s.H}) && bias(lt[5], Q + 2 * KV) && is(lt[6], {s.H, Q}) && bias(lt[7], s.H) &&
+                is(lt[8], {2 * s.I, s.H}) && bias(lt[9], 2 * s.I) && is(lt[10], {s.H, s.I}) && bias(lt[11], s.H),
+                "decode_stack: layer ", l, ": q/k/v, o, gate/up and down weights (and biases) of the model's shapes");
+  }
+}
+
+}  // namespace
+
+// hidden [M, H] -> every layer's output for a plain decode step, each layer as decode_layer computes it
+// where all four linears take the small-batch kernel (kind 0), with one team of threads for the whole
+// stack. t: 12 tensors per layer (input and post-attention norm weights, K and V caches, then weight and
+// bias of q/k/v, o, gate/up and down; an empty bias: none); cos / signed sin [M, 1, D], slots [M], block
+// tables [M, max_blocks], context lengths [M]: the step's, shared by every layer.
+at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> t, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                        at::Tensor blocks, at::Tensor lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                        double scale, int64_t window) {
+  TORCH_CHECK(hidden.dim() == 2 && !t.empty() && t.size() % 12 == 0, "decode_stack: hidden [M, H], 12 tensors per layer");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16, "decode_stack: fp32 or bf16");
+  const int64_t M = hidden.size(0), H = hidden.size(1), D = t[2].dim() == 4 ? t[2].size(3) : 0;
+  TORCH_CHECK(D > 0 && D % 2 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_stack: bad head layout");
+  const StackShape s{M, H, t[10].dim() == 2 ? t[10].size(1) : 0, num_heads, num_kv_heads, D,
+                     static_cast<int64_t>(t.size() / 12), static_cast<float>(eps), static_cast<float>(scale), window};
+  check_stack(hidden, t, s);
+  auto c = cos.reshape({M, D}).contiguous(), sn = sin.reshape({M, D}).contiguous();
+  auto sl = slots.to(at::kLong).contiguous(), tb = blocks.to(at::kLong).contiguous(), ln = lens.to(at::kLong).contiguous();
+  TORCH_CHECK(c.scalar_type() == hidden.scalar_type() && sn.scalar_type() == hidden.scalar_type() && sl.numel() == M &&
+              tb.dim() == 2 && tb.size(0) == M && ln.numel() == M,
+              "decode_stack: one rotary row, slot, table and length per row");
+  const int64_t num_slots = t[2].size(0) * t[2].size(1);
+  for (int64_t i = 0; i < M; ++i)
+    TORCH_CHECK(sl.data_ptr<int64_t>()[i] >= 0 && sl.data_ptr<int64_t>()[i] < num_slots, "decode_stack: slot out of range");
+  std::vector<std::vector<float>> col_bias;  // q/k/v's and gate/up's biases widened, as bf16_linear widens them
+  for (size_t l = 0; l < t.size(); l += 12) {
+    col_bias.push_back(widened_bias(given(t[l + 5]), t[l + 4].size(0)));
+    col_bias.push_back(widened_bias(given(t[l + 9]), t[l + 8].size(0)));
+  }
+  auto out = hidden.contiguous().clone();
+  if (out.scalar_type() == at::kFloat)
+    stack_rows<float>(out.data_ptr<float>(), t, col_bias, c.data_ptr<float>(), sn.data_ptr<float>(), sl.data_ptr<int64_t>(),
+                      tb, ln.data_ptr<int64_t>(), s);
+  else
+    stack_rows<at::BFloat16>(out.data_ptr<at::BFloat16>(), t, col_bias, c.data_ptr<at::BFloat16>(),
+                             sn.data_ptr<at::BFloat16>(), sl.data_ptr<int64_t>(), tb, ln.data_ptr<int64_t>(), s);
+  return out;
+}
 """
 
 KINDS = {"own": 0, "tiled": 1, "onednn": 2, "fp32": 3, "linear": 4}
@@ -128,3 +321,41 @@ def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta) -> Optional[
     return cpu_build.kernels().decode_layer(hidden, tensors, kinds, attn.num_heads, attn.num_kv_heads,
                                             float(layer.input_layernorm.eps), float(attn.attn.scale),
                                             int(meta.sliding_window or 0))
+
+
+def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
+    """``decode_stack``'s 12 tensors per layer, or None where a linear's plan does not choose the
+    small-batch kernel (kind 0, which reads the weights themselves: no copy to go stale) at ``rows``."""
+    out: list = []
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        out += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache)
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            packed = linear.packed_weight
+            if packed is None or packed.plan.kernel_for(rows) != "own":
+                return None
+            out += (linear.weight, _NONE if linear.bias is None else linear.bias)
+    return out
+
+
+def decode_stack(model, rope, hidden: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
+    """Every decoder layer of ``model`` (a ``LlamaModel``) over a plain decode step in one C++ call with
+    one team of threads, where each linear's plan takes the small-batch kernel at these rows (a decode
+    step of 1-3 rows on most CPUs); None otherwise (the caller goes layer by layer). The tensor list is
+    built once per row count and KV pool (``model.stack_tensors``; the runner empties it whenever the
+    weights or their copies change)."""
+    from rollout.layers import cpu_build
+
+    key = (hidden.shape[0], id(kv_caches))
+    cached = model.stack_tensors.get(key)
+    if cached is None:
+        cached = model.stack_tensors[key] = (kv_caches, _stack_tensors(model.layers, kv_caches, hidden.shape[0]))
+    if cached[1] is None:
+        return None
+    layer = model.layers[0]
+    attn = layer.self_attn
+    return cpu_build.kernels().decode_stack(hidden, cached[1], rope[0], rope[1], meta.slot_mapping, meta.decode_blocks,
+                                            meta.decode_ctx_lens, attn.num_heads, attn.num_kv_heads,
+                                            float(layer.input_layernorm.eps), float(attn.attn.scale),
+                                            int(meta.sliding_window or 0))
+

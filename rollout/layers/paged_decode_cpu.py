@@ -339,18 +339,22 @@ inline void prefetch_bytes(const void* p, int64_t n) {
   }
 }
 
+// team == 0: every work item through at::parallel_for; else the share of thread tid of a team of that
+// many that runs this same call (rollout.layers.cpu_layer's decode_stack). An item's output is the same
+// whatever the thread or the split.
 template <typename T, int ND>
 void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
                int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
-               int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+               int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window,
+               int64_t team, int64_t tid) {
   constexpr bool paired = std::is_same_v<T, at::BFloat16> && ND > 0 && ND % 2 == 0;
   auto widen = [](const T* src, float* dst, int64_t n) {
     if constexpr (paired) to_float_paired(src, dst, n); else to_float(src, dst, n);
   };
   const int64_t g = Hq / Hkv;
-  const int64_t per_item = B >= 2 * at::get_num_threads() ? Hkv : 1;  // KV heads per work item
+  const int64_t per_item = B >= 2 * (team > 0 ? team : at::get_num_threads()) ? Hkv : 1;  // KV heads per work item
   const int64_t groups = (Hkv + per_item - 1) / per_item;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_item * g * D), acc(per_item * g * D), rows(paired ? 0 : per_item * bs * D), scores,
         total(per_item * g);
     for (int64_t item = begin; item < end; ++item) {
@@ -439,7 +443,13 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
           for (int64_t d = 0; d < D; ++d) o[i * D + d] = static_cast<T>(acc[i * D + d] / total[i]);
         }
     }
-  });
+  };
+  if (team == 0) {
+    at::parallel_for(0, B * groups, 1, work);
+  } else {
+    const int64_t items = B * groups, begin = items * tid / team, end = items * (tid + 1) / team;
+    if (begin < end) work(begin, end);
+  }
 }
 
 // the register kernels for head sizes of 2 - 32 vectors (D = 64 or 128 on every ISA), the general
@@ -447,10 +457,11 @@ void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, cons
 template <typename T>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks,
-            int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window) {
+            int64_t blk_stride, int64_t tok_stride, int64_t head_stride, float scale, int64_t window,
+            int64_t team = 0, int64_t tid = 0) {
   auto run = [&](auto nd) {
     decode_nd<T, decltype(nd)::value>(q, kc, vc, tables, lens, out, B, Hq, Hkv, D, bs, max_blocks, blk_stride,
-                                      tok_stride, head_stride, scale, window);
+                                      tok_stride, head_stride, scale, window, team, tid);
   };
   const int64_t nd = D % PL == 0 ? D / PL : 0;
   switch (nd) {

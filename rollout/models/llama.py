@@ -94,6 +94,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused_decode = False  # set by the ModelRunner on CPU (rollout.layers.cpu_layer)
+        self.fused_stack = False  # the same, every layer in one call where the plans allow
+        self.stack_tensors: dict = {}  # rollout.layers.cpu_layer.decode_stack's arguments, emptied by the runner
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
@@ -101,6 +103,9 @@ class LlamaModel(nn.Module):
         lora = self.layers[0].self_attn.qkv_proj.lora.context
         # a plain CPU decode step: each layer in one C++ call (rollout.layers.cpu_layer), the same bits
         fused = self.fused_decode and meta.all_decode and meta.use_paged_kernel and (lora is None or lora.batch is None)
+        out = cpu_layer.decode_stack(self, rope, hidden, kv_caches, meta) if fused and self.fused_stack else None
+        if out is not None:
+            return self.norm(out)
         for layer, kv in zip(self.layers, kv_caches):
             out = cpu_layer.decode_layer(layer, rope, hidden, kv, meta) if fused else None
             hidden = layer(rope, hidden, kv, meta) if out is None else out
