@@ -659,9 +659,10 @@ def _layer_weights(g, dtype, h, hq, hkv, d, inter, biases):
 def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_bit(dtype):
     """``decode_stack`` (every layer of a 1-5 row decode step with one team of threads meeting at
     barriers) against ``decode_layer`` called layer after layer with the small-batch kernel: the same
-    hidden states and the same K/V written, bit for bit, on each ISA variant this CPU runs and on one
-    and two threads; GQA groups of 3, 1 and 8, biases on every linear (Qwen2's q/k/v ones and
-    row-parallel o/down ones), a sliding window, ragged contexts over scattered blocks."""
+    hidden states and the same K/V written, bit for bit, on each ISA variant this CPU runs, on one and
+    two threads, with waits that spin and with waits that sleep at once; GQA groups of 3, 1 and 8,
+    biases on every linear (Qwen2's q/k/v ones and row-parallel o/down ones), a sliding window, ragged
+    contexts over scattered blocks."""
     from rollout.layers import cpu_build
 
     torch.manual_seed(0)
@@ -682,7 +683,7 @@ def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_
                 hidden = torch.randn(rows, h, generator=g).to(dtype)
                 for isa in cpu_capability().runnable_isas:
                     k = cpu_build.kernels_for(isa)
-                    for n in (1, 2):
+                    for n, spins in ((1, 2000), (2, 2000), (2, 0)):  # 0: every wait at a barrier sleeps
                         torch.set_num_threads(n)
                         ref_caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
                         ref = hidden
@@ -693,12 +694,25 @@ def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_
                             ref = k.decode_layer(ref, t, [0, 0, 0, 0], hq, hkv, 1e-5, d ** -0.5, window)
                         got_caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
                         flat = [x for wts, kv in zip(weights, got_caches) for x in (wts[:2] + list(kv) + wts[4:])]
-                        got = k.decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window)
-                        where = (hq, hkv, d, rows, isa, n)
+                        got = k.decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window,
+                                             spins)
+                        where = (hq, hkv, d, rows, isa, n, spins)
                         assert torch.equal(got, ref), where
                         assert all(torch.equal(a, b) for x, y in zip(got_caches, ref_caches) for a, b in zip(x, y)), where
     finally:
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="layer 1: q/k/v, o, gate/up and down weights"):
         flat[12 + 4] = flat[12 + 4][:, :-1].contiguous()  # a layer whose q/k/v weight lost a column
-        cpu_build.kernels().decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window)
+        cpu_build.kernels().decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window, 0)
+
+
+def test_the_stacks_barriers_wait_as_long_as_libgomps_threads():
+    """``decode_stack``'s spin count is libgomp's, read as libgomp reads its environment."""
+    from rollout.layers.cpu_layer import FOREVER, LIBGOMP_SPINS, spin_count
+
+    assert spin_count({}) == LIBGOMP_SPINS == 300_000
+    assert spin_count({"GOMP_SPINCOUNT": "2000"}) == 2000 and spin_count({"GOMP_SPINCOUNT": "20k"}) == 20_000
+    assert spin_count({"GOMP_SPINCOUNT": "3M", "OMP_WAIT_POLICY": "passive"}) == 3_000_000
+    assert spin_count({"GOMP_SPINCOUNT": "INFINITE"}) == FOREVER == spin_count({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert spin_count({"OMP_WAIT_POLICY": "passive"}) == 0
+    assert spin_count({"GOMP_SPINCOUNT": "lots"}) == LIBGOMP_SPINS

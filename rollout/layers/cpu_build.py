@@ -47,6 +47,11 @@ _HEADER = """#include <ATen/core/Tensor.h>
 #include <thread>
 #include <type_traits>
 #include <vector>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 """
 _BINDING_HEADER = "#include <ATen/core/Tensor.h>\n#include <torch/csrc/utils/pybind.h>\n"
 

@@ -15,7 +15,10 @@ for the whole stack, whose threads split each GEMV and the attention and meet at
 between kernels while the first runs the small ones. Layer by layer, each kernel's parallel region
 woke the second thread from its sleep (``GOMP_SPINCOUNT`` bounds libgomp's spin, ``rollout.openmp``)
 and Python rebuilt 30 argument lists a step; measured on AMD EPYC Zen 4 (SmolLM2 bf16, batch 1):
-``benchmarks/NOTES.md``. Its bits are ``decode_layer``'s (tested on every ISA variant, 1 and 2 threads).
+``benchmarks/NOTES.md``. A thread waiting at a barrier spins as long as libgomp's threads would
+(``spin_count``), then sleeps on a futex, so beside another computing process it gives its core up as
+they do (a barrier that only yielded after its spin cost the step 1.5x beside a busy neighbour). Its
+bits are ``decode_layer``'s (tested on every ISA variant, 1 and 2 threads).
 
 It serves a plain decode step only: every row a decode token, the paged kernel and the fused
 rotary/cache write on, no q/k norms, no adapter rows in the batch, one TP rank; anything else takes
@@ -24,6 +27,7 @@ the module path (``LlamaDecoderLayer.forward`` decides per forward).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -96,29 +100,47 @@ at::Tensor decode_layer(at::Tensor hidden, std::vector<at::Tensor> t, std::vecto
 namespace {
 
 // The threads of a team meeting between two kernels of decode_stack: the last to arrive releases the
-// others, who spin on the generation (a pause per look) and yield their core after STACK_SPINS looks
-// (a thread of another process may hold the core the one they wait for needs).
-constexpr int64_t STACK_SPINS = 4096;
+// others. A waiter looks at the generation `spins` times (a pause per look; libgomp's own spin count,
+// GOMP_SPINCOUNT, passed in: the gaps inside a step are microseconds), then sleeps on it (a futex, as
+// libgomp's threads do): beside another process computing on the same cores the thread it waits for may
+// be off its core for a whole time slice, and a spinning waiter would hold the core that thread needs.
 struct Barrier {
-  std::atomic<int64_t> arrived{0};
-  std::atomic<int64_t> generation{0};
-  void wait(int64_t team) {
+  std::atomic<int32_t> arrived{0};
+  std::atomic<int32_t> generation{0};
+  std::atomic<int32_t> sleepers{0};
+  void wait(int64_t team, int64_t spins) {
     if (team == 1) return;
-    const int64_t g = generation.load(std::memory_order_acquire);
+    const int32_t g = generation.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
       arrived.store(0, std::memory_order_relaxed);
-      generation.store(g + 1, std::memory_order_release);
+      generation.store(g + 1, std::memory_order_seq_cst);
+      if (sleepers.load(std::memory_order_seq_cst) > 0) wake_all();
       return;
     }
     for (int64_t looks = 0; generation.load(std::memory_order_acquire) == g; ++looks) {
-      if (looks < STACK_SPINS) {
+      if (looks < spins) {
 #if defined(__x86_64__)
         __builtin_ia32_pause();
 #endif
-      } else {
-        std::this_thread::yield();
+        continue;
       }
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (generation.load(std::memory_order_seq_cst) == g) sleep_while(g);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
+  }
+  // futex: sleep while the generation is g (returns at once if it moved); wake every sleeper
+  void sleep_while(int32_t g) {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(&generation), FUTEX_WAIT_PRIVATE, g, nullptr, nullptr, 0);
+#else
+    std::this_thread::yield();
+#endif
+  }
+  void wake_all() {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(&generation), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#endif
   }
 };
 
@@ -155,7 +177,7 @@ void gemm_share(const float* x, const at::Tensor& w, const float* bias, T* y, in
 struct StackShape {
   int64_t M, H, I, Hq, Hkv, D, layers;
   float eps, scale;
-  int64_t window;
+  int64_t window, spins;
 };
 
 // every layer of decode_layer's plain decode step (same kernels, same order, same roundings) with one
@@ -182,35 +204,35 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
         rms_rows<T>(hidden, ptr<T>(lt[0]), x.data(), M, H, s.eps);
         widen_into(x.data(), xf.data(), M * H);
       }
-      bar.wait(team);
+      bar.wait(team, s.spins);
       gemm_share(xf.data(), lt[4], qkv_bias, qkv.data(), M, H, tid, team);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       if (tid == 0)
         rope_rows<T>(qkv.data(), QKV, cos, sin, q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), slots, M, s.Hq, s.Hkv, s.D);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       decode<T>(q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables, lens, att.data(), M, s.Hq, s.Hkv, s.D, kc.size(1),
                 blocks.size(1), kc.stride(0), kc.stride(1), kc.stride(2), s.scale, s.window, team, tid);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       if (tid == 0) widen_into(att.data(), xf.data(), M * Q);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       gemm_share(xf.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       if (tid == 0) {
         if (lt[7].numel() > 0) add_rows(o.data(), ptr<T>(lt[7]), M, H, true);
         add_rows(hidden, o.data(), M, H, false);
         rms_rows<T>(hidden, ptr<T>(lt[1]), x.data(), M, H, s.eps);
         widen_into(x.data(), xf.data(), M * H);
       }
-      bar.wait(team);
+      bar.wait(team, s.spins);
       gemm_share(xf.data(), lt[8], gu_bias, gu.data(), M, H, tid, team);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       if (tid == 0) {
         silu_mul_rows<T>(gu.data(), act.data(), M, I);
         widen_into(act.data(), xf.data(), M * I);
       }
-      bar.wait(team);
+      bar.wait(team, s.spins);
       gemm_share(xf.data(), lt[10], nullptr, dn.data(), M, I, tid, team);
-      bar.wait(team);
+      bar.wait(team, s.spins);
       if (tid == 0) {
         if (lt[11].numel() > 0) add_rows(dn.data(), ptr<T>(lt[11]), M, H, true);
         add_rows(hidden, dn.data(), M, H, false);
@@ -244,16 +266,18 @@ void check_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& t, con
 // where all four linears take the small-batch kernel (kind 0), with one team of threads for the whole
 // stack. t: 12 tensors per layer (input and post-attention norm weights, K and V caches, then weight and
 // bias of q/k/v, o, gate/up and down; an empty bias: none); cos / signed sin [M, 1, D], slots [M], block
-// tables [M, max_blocks], context lengths [M]: the step's, shared by every layer.
+// tables [M, max_blocks], context lengths [M]: the step's, shared by every layer; spins: how long a
+// thread waiting at a barrier looks before it sleeps.
 at::Tensor decode_stack(at::Tensor hidden, std::vector<at::Tensor> t, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                         at::Tensor blocks, at::Tensor lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                        double scale, int64_t window) {
+                        double scale, int64_t window, int64_t spins) {
   TORCH_CHECK(hidden.dim() == 2 && !t.empty() && t.size() % 12 == 0, "decode_stack: hidden [M, H], 12 tensors per layer");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16, "decode_stack: fp32 or bf16");
   const int64_t M = hidden.size(0), H = hidden.size(1), D = t[2].dim() == 4 ? t[2].size(3) : 0;
   TORCH_CHECK(D > 0 && D % 2 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_stack: bad head layout");
   const StackShape s{M, H, t[10].dim() == 2 ? t[10].size(1) : 0, num_heads, num_kv_heads, D,
-                     static_cast<int64_t>(t.size() / 12), static_cast<float>(eps), static_cast<float>(scale), window};
+                     static_cast<int64_t>(t.size() / 12), static_cast<float>(eps), static_cast<float>(scale), window,
+                     std::max<int64_t>(spins, 0)};
   check_stack(hidden, t, s);
   auto c = cos.reshape({M, D}).contiguous(), sn = sin.reshape({M, D}).contiguous();
   auto sl = slots.to(at::kLong).contiguous(), tb = blocks.to(at::kLong).contiguous(), ln = lens.to(at::kLong).contiguous();
@@ -323,6 +347,29 @@ def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta) -> Optional[
                                             int(meta.sliding_window or 0))
 
 
+LIBGOMP_SPINS = 300_000  # libgomp's spin count where neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY says otherwise
+FOREVER = 1 << 62
+
+
+def spin_count(environ=os.environ) -> int:
+    """How many times a thread waiting at one of ``decode_stack``'s barriers looks before it sleeps:
+    libgomp's own spin count, read as libgomp reads it (``GOMP_SPINCOUNT``: a number, or ``infinite``;
+    unset, ``OMP_WAIT_POLICY=active`` spins forever, ``passive`` not at all, neither 300,000), so the
+    stack's threads wait as torch's do: ``rollout.openmp`` bounds both at 2000 beside other computing
+    processes, a process alone on its cores may lift both."""
+    value = environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    if value in ("infinite", "infinity"):
+        return FOREVER
+    if value:
+        scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}.get(value[-1], 1)
+        try:
+            return min(FOREVER, int(value[:-1] if scale > 1 else value) * scale)
+        except ValueError:
+            pass  # libgomp ignores what it cannot read
+    policy = environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    return {"active": FOREVER, "passive": 0}.get(policy, LIBGOMP_SPINS)
+
+
 def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
     """``decode_stack``'s 12 tensors per layer, or None where a linear's plan does not choose the
     small-batch kernel (kind 0, which reads the weights themselves: no copy to go stale) at ``rows``."""
@@ -357,5 +404,5 @@ def decode_stack(model, rope, hidden: torch.Tensor, kv_caches, meta) -> Optional
     return cpu_build.kernels().decode_stack(hidden, cached[1], rope[0], rope[1], meta.slot_mapping, meta.decode_blocks,
                                             meta.decode_ctx_lens, attn.num_heads, attn.num_kv_heads,
                                             float(layer.input_layernorm.eps), float(attn.attn.scale),
-                                            int(meta.sliding_window or 0))
+                                            int(meta.sliding_window or 0), spin_count())
 
