@@ -3,6 +3,7 @@
 busy process."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -92,6 +93,29 @@ def test_this_process_run_times_come_from_the_kernel():
         sum(range(1000))
     later = process_run_times()
     assert later[0] - times[0] >= 0.04 and later[1] >= times[1] >= 0
+
+
+def test_run_times_keep_the_time_of_threads_that_have_ended():
+    """The kernel forgets a thread's run times when it ends; the process's sums must not fall."""
+    if process_run_times() is None:
+        pytest.skip("needs a Linux kernel with schedstat (/proc/self/task/*/schedstat)")
+    burned, done = threading.Event(), threading.Event()
+
+    def burn():
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            sum(range(1000))
+        burned.set()
+        done.wait(10)
+
+    worker = threading.Thread(target=burn)
+    worker.start()
+    assert burned.wait(10)
+    during = process_run_times()
+    done.set()
+    worker.join(10)
+    after = process_run_times()
+    assert after[0] >= during[0] and after[1] >= during[1]
 
 
 def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when_it_stops(make_engine, llama_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Optional
@@ -41,10 +42,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+_run_times_lock = threading.Lock()
+_seen: dict[str, tuple[int, int]] = {}  # thread id -> its (on-core, waiting) nanoseconds when last read
+_ended = [0, 0]  # the last-read nanoseconds of threads that have ended since
+
+
 def process_run_times() -> Optional[tuple[float, float]]:
     """(seconds on a core, seconds runnable but waiting for one), summed over this process's
-    threads since they started; None where the kernel does not report them."""
-    on_cpu = waiting = 0
+    threads since they started; None where the kernel does not report them. Never decreases: a
+    thread that ended keeps the time it had when last read (the kernel drops its entry)."""
+    current: dict[str, tuple[int, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -56,8 +63,17 @@ def process_run_times() -> Optional[tuple[float, float]]:
         except OSError:  # a thread that ended meanwhile
             continue
         if len(fields) >= 2:
-            on_cpu += int(fields[0])
-            waiting += int(fields[1])
+            current[tid] = (int(fields[0]), int(fields[1]))
+    with _run_times_lock:
+        for tid, (on_cpu, waiting) in _seen.items():
+            now = current.get(tid)
+            if now is None or now[0] < on_cpu:  # ended (or its id reused by a newer thread)
+                _ended[0] += on_cpu
+                _ended[1] += waiting
+        _seen.clear()
+        _seen.update(current)
+        on_cpu = _ended[0] + sum(v[0] for v in current.values())
+        waiting = _ended[1] + sum(v[1] for v in current.values())
     return on_cpu / 1e9, waiting / 1e9
 
 
