@@ -191,6 +191,11 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
   std::vector<float> xf(M * std::max({H, I, Q}));
   std::vector<T> x(M * H), qkv(M * QKV), q(M * Q), att(M * Q), o(M * H), gu(M * 2 * I), act(M * I), dn(M * H);
   const int64_t* tables = blocks.data_ptr<int64_t>();
+  // hidden += y (+ a row-parallel bias, added to y first), each add rounded as torch's
+  auto residual = [&](T* y, const at::Tensor& bias) {
+    if (bias.numel() > 0) add_rows(y, ptr<T>(bias), M, H, true);
+    add_rows(hidden, y, M, H, false);
+  };
   Barrier bar;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -218,8 +223,7 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
       gemm_share(xf.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0) {
-        if (lt[7].numel() > 0) add_rows(o.data(), ptr<T>(lt[7]), M, H, true);
-        add_rows(hidden, o.data(), M, H, false);
+        residual(o.data(), lt[7]);
         rms_rows<T>(hidden, ptr<T>(lt[1]), x.data(), M, H, s.eps);
         widen_into(x.data(), xf.data(), M * H);
       }
@@ -233,10 +237,7 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
       bar.wait(team, s.spins);
       gemm_share(xf.data(), lt[10], nullptr, dn.data(), M, I, tid, team);
       bar.wait(team, s.spins);
-      if (tid == 0) {
-        if (lt[11].numel() > 0) add_rows(dn.data(), ptr<T>(lt[11]), M, H, true);
-        add_rows(hidden, dn.data(), M, H, false);
-      }
+      if (tid == 0) residual(dn.data(), lt[11]);
     }
   }
 }
@@ -351,6 +352,9 @@ LIBGOMP_SPINS = 300_000  # libgomp's spin count where neither GOMP_SPINCOUNT nor
 FOREVER = 1 << 62
 
 
+_process_spins: list[int] = []  # spin_count() of this process, read once (libgomp reads it once too)
+
+
 def spin_count(environ=os.environ) -> int:
     """How many times a thread waiting at one of ``decode_stack``'s barriers looks before it sleeps:
     libgomp's own spin count, read as libgomp reads it (``GOMP_SPINCOUNT``: a number, or ``infinite``;
@@ -368,6 +372,12 @@ def spin_count(environ=os.environ) -> int:
             pass  # libgomp ignores what it cannot read
     policy = environ.get("OMP_WAIT_POLICY", "").strip().lower()
     return {"active": FOREVER, "passive": 0}.get(policy, LIBGOMP_SPINS)
+
+
+def _spins() -> int:
+    if not _process_spins:
+        _process_spins.append(spin_count())
+    return _process_spins[0]
 
 
 def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
@@ -404,5 +414,5 @@ def decode_stack(model, rope, hidden: torch.Tensor, kv_caches, meta) -> Optional
     return cpu_build.kernels().decode_stack(hidden, cached[1], rope[0], rope[1], meta.slot_mapping, meta.decode_blocks,
                                             meta.decode_ctx_lens, attn.num_heads, attn.num_kv_heads,
                                             float(layer.input_layernorm.eps), float(attn.attn.scale),
-                                            int(meta.sliding_window or 0), spin_count())
+                                            int(meta.sliding_window or 0), _spins())
 
