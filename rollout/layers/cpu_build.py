@@ -30,14 +30,20 @@ logger = logging.getLogger(__name__)
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
              "silu_mul", "scatter_scaled", "decode_layer", "decode_stack")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
-_TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c"}
-_LANES = {"generic": 4, "avx2": 8, "avx512": 16}
+_TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+            "avx512bf16": "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"}
+_LANES = {"generic": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}
+# variants whose source takes AVX512-BF16's dot products (rollout.layers.cpu_gemm's dot_rows)
+_BF16_DOT = {"avx512bf16"}
 # what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for, and the
 # dispatcher (cpu_layer calls oneDNN's and aten's linear as Python does)
 _HEADER = """#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <algorithm>
 #include <atomic>
@@ -93,7 +99,8 @@ def translation_units(body: str) -> dict[str, str]:
         target = _TARGETS[isa]
         units[f"kernels_{isa}.cpp"] = "\n".join([
             _HEADER, "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
-            f"#define ROLLOUT_LANES {_LANES[isa]}", f"namespace rollout_{isa} {{", body, "}",
+            f"#define ROLLOUT_LANES {_LANES[isa]}", f"#define ROLLOUT_BF16_DOT {int(isa in _BF16_DOT)}",
+            f"namespace rollout_{isa} {{", body, "}",
             "#pragma GCC pop_options", ""])
     return units
 

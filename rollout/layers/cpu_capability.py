@@ -4,13 +4,14 @@
 what torch dispatches to (``torch.backends.cpu.get_cpu_capability()``) and whether oneDNN runs
 bf16 GEMMs natively (AVX512-BF16 or AMX) rather than by converting to fp32 and back (on AVX2-only
 CPUs a bf16 GEMM is several times slower than an fp32 one). It also says which instruction set the
-project's own C++ kernels run (``kernel_isa``): ``avx512`` (AVX-512 F/BW/VL), ``avx2``
-(AVX2 + FMA + F16C) or ``generic``. One build holds a variant of every one
+project's own C++ kernels run (``kernel_isa``): ``avx512bf16`` (the AVX-512 one with AVX512-BF16's
+dot products, which the small-batch GEMM takes from five bf16 rows), ``avx512`` (AVX-512 F/BW/VL),
+``avx2`` (AVX2 + FMA + F16C) or ``generic``. One build holds a variant of every one
 (``rollout.layers.cpu_build``), chosen at run time from this CPU's flags, so a build made on one
 processor never runs instructions another lacks.
 
-``ROLLOUT_CPU_ISA=avx2`` (or ``generic``) caps ``kernel_isa`` below what the CPU has, so a machine
-with AVX-512 runs (and tests) the AVX2 kernels too; ``ROLLOUT_CPU_NATIVE_BF16=0`` makes the
+``ROLLOUT_CPU_ISA=avx512`` (or ``avx2``, ``generic``) caps ``kernel_isa`` below what the CPU has, so
+a machine with AVX512-BF16 runs (and tests) the plain AVX-512 and AVX2 kernels too; ``ROLLOUT_CPU_NATIVE_BF16=0`` makes the
 engine plan its GEMMs as on a CPU without native bf16 (the fp32-compute path), for the same reason.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-KERNEL_ISAS = ("generic", "avx2", "avx512")
+KERNEL_ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 # the ISA extensions that decide kernels, as /proc/cpuinfo spells them
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -78,7 +79,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 def _best_isa(flags: set[str]) -> str:
     if {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"} <= flags:
-        return "avx512"
+        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "generic"

@@ -9,8 +9,9 @@ tensors from C++ — the project's kernels directly, oneDNN's and ``aten::linear
 dispatcher exactly as the Python path calls them — so its output is the module path's bit for bit
 (tested), with one crossing from Python per layer instead of a few dozen.
 
-At the fewest rows (1-3 on most CPUs: where the plan gives every linear the small-batch kernel,
-which reads the weights themselves) ``decode_stack`` runs every layer in one call: one OpenMP team
+At the fewest rows (1-3 on most CPUs, up to 8 on those with AVX512-BF16, whose small-batch kernel
+takes dot products from five rows: where the plan gives every linear the small-batch kernel, which
+reads the weights themselves) ``decode_stack`` runs every layer in one call: one OpenMP team
 for the whole stack, whose threads split each GEMV and the attention and meet at spin barriers
 between kernels while the first runs the small ones. Layer by layer, each kernel's parallel region
 woke the second thread from its sleep (``GOMP_SPINCOUNT`` bounds libgomp's spin, ``rollout.openmp``)
@@ -163,15 +164,24 @@ inline const typename Bits<T>::type* bits(const T* p) { return reinterpret_cast<
 template <typename T>
 inline const T* ptr(const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<T>(); }
 
-// thread tid's share of y [M, N] = x W^T (+ bias): the GEMM kernel's units cut into team pieces (column
-// ranges a multiple of 32 outputs apart, so no two threads write one cache line)
+// the bf16 bits of activations of type T (the dot products read them as they are), or none (fp32)
 template <typename T>
-void gemm_share(const float* x, const at::Tensor& w, const float* bias, T* y, int64_t M, int64_t K, int64_t tid,
-                int64_t team) {
-  const int64_t N = w.size(0), units = gemm_units(M, N), align = M <= 4 ? 32 : 1;
+inline const uint16_t* bf16_bits(const T* p) {
+  return std::is_same<T, at::BFloat16>::value ? reinterpret_cast<const uint16_t*>(p) : nullptr;
+}
+
+// thread tid's share of y [M, N] = x W^T (+ bias), x given widened (xf) and as it is (xt): the GEMM
+// kernel's units cut into team pieces (column ranges a multiple of 32 outputs apart where a unit is one
+// output, so no two threads write one cache line)
+template <typename T>
+void gemm_share(const float* xf, const T* xt, const at::Tensor& w, const float* bias, T* y, int64_t M, int64_t K,
+                int64_t tid, int64_t team) {
+  const uint16_t* xh = bf16_bits(xt);
+  const bool dot = takes_dot<typename Bits<T>::type>(M, xh);
+  const int64_t N = w.size(0), units = gemm_units(M, N, dot), align = M <= 4 || dot ? 32 : 1;
   auto cut = [&](int64_t i) { return i == team ? units : std::min(units, (units * i / team + align - 1) / align * align); };
   const int64_t u0 = cut(tid), u1 = cut(tid + 1);
-  if (u0 < u1) gemm_part(x, bits(ptr<T>(w)), bias, bits(y), M, N, K, u0, u1);
+  if (u0 < u1) gemm_part(xf, xh, bits(ptr<T>(w)), bias, bits(y), M, N, K, u0, u1);
 }
 
 struct StackShape {
@@ -196,6 +206,8 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
     if (bias.numel() > 0) add_rows(y, ptr<T>(bias), M, H, true);
     add_rows(hidden, y, M, H, false);
   };
+  // the dot products read the bf16 activations themselves: nothing to widen
+  const bool widen = !takes_dot<typename Bits<T>::type>(M, bf16_bits(x.data()));
   Barrier bar;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -207,10 +219,10 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
       const float* gu_bias = col_bias[2 * l + 1].empty() ? nullptr : col_bias[2 * l + 1].data();
       if (tid == 0) {
         rms_rows<T>(hidden, ptr<T>(lt[0]), x.data(), M, H, s.eps);
-        widen_into(x.data(), xf.data(), M * H);
+        if (widen) widen_into(x.data(), xf.data(), M * H);
       }
       bar.wait(team, s.spins);
-      gemm_share(xf.data(), lt[4], qkv_bias, qkv.data(), M, H, tid, team);
+      gemm_share(xf.data(), x.data(), lt[4], qkv_bias, qkv.data(), M, H, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0)
         rope_rows<T>(qkv.data(), QKV, cos, sin, q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), slots, M, s.Hq, s.Hkv, s.D);
@@ -218,24 +230,24 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
       decode<T>(q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables, lens, att.data(), M, s.Hq, s.Hkv, s.D, kc.size(1),
                 blocks.size(1), kc.stride(0), kc.stride(1), kc.stride(2), s.scale, s.window, team, tid);
       bar.wait(team, s.spins);
-      if (tid == 0) widen_into(att.data(), xf.data(), M * Q);
+      if (tid == 0 && widen) widen_into(att.data(), xf.data(), M * Q);
       bar.wait(team, s.spins);
-      gemm_share(xf.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
+      gemm_share(xf.data(), att.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0) {
         residual(o.data(), lt[7]);
         rms_rows<T>(hidden, ptr<T>(lt[1]), x.data(), M, H, s.eps);
-        widen_into(x.data(), xf.data(), M * H);
+        if (widen) widen_into(x.data(), xf.data(), M * H);
       }
       bar.wait(team, s.spins);
-      gemm_share(xf.data(), lt[8], gu_bias, gu.data(), M, H, tid, team);
+      gemm_share(xf.data(), x.data(), lt[8], gu_bias, gu.data(), M, H, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0) {
         silu_mul_rows<T>(gu.data(), act.data(), M, I);
-        widen_into(act.data(), xf.data(), M * I);
+        if (widen) widen_into(act.data(), xf.data(), M * I);
       }
       bar.wait(team, s.spins);
-      gemm_share(xf.data(), lt[10], nullptr, dn.data(), M, I, tid, team);
+      gemm_share(xf.data(), act.data(), lt[10], nullptr, dn.data(), M, I, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0) residual(dn.data(), lt[11]);
     }
@@ -398,7 +410,7 @@ def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
 def decode_stack(model, rope, hidden: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
     """Every decoder layer of ``model`` (a ``LlamaModel``) over a plain decode step in one C++ call with
     one team of threads, where each linear's plan takes the small-batch kernel at these rows (a decode
-    step of 1-3 rows on most CPUs); None otherwise (the caller goes layer by layer). The tensor list is
+    step of 1-3 rows on most CPUs, up to 8 with AVX512-BF16); None otherwise (the caller goes layer by layer). The tensor list is
     built once per row count and KV pool (``model.stack_tensors``; the runner empties it whenever the
     weights or their copies change)."""
     from rollout.layers import cpu_build

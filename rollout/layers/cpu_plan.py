@@ -15,7 +15,9 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
   by ``cpu_fp32_gemm_rows`` as that one is). Measured on AMD EPYC (AVX2, 2 threads): 1.2-2.3x
   oneDNN's fp32 GEMM at 8-16 rows, 1.0-1.2x at 64, even at 128-256.
 
-``plan_gemms`` times every candidate at 1, 2, 4 ... 64 and 256 rows (``own`` up to 64) for each
+``plan_gemms`` times every candidate at 1, 2, 4, 8, 9, 16 ... 64 and 256 rows (``own`` up to 64; at 9
+because its dot products, on CPUs with AVX512-BF16, end at 8 rows: the choice at 8 would otherwise
+hold for 9-15 rows, where ``own`` runs its tiles) for each
 weight shape of the model (as many distinct weights as it takes to stream them from memory, as in
 a forward; the LM head as the one weight it is) and keeps the fastest per shape and row count;
 larger forwards take the choice at 256. The plans are cached on disk per CPU, ISA, torch version,
@@ -46,13 +48,19 @@ from rollout.layers.cpu_capability import cpu_capability
 logger = logging.getLogger(__name__)
 
 KERNELS = ("linear", "onednn", "fp32", "own", "tiled")
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+CANDIDATE_ROWS = (1, 2, 4, 8, 9, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
-# 3: oneDNN's kernels timed at every row count; 4: the tiled kernel among them; 5: kernels timed in rounds
-_CACHE_VERSION = 5
+# 3: oneDNN's kernels timed at every row count; 4: the tiled kernel among them; 5: kernels timed in rounds;
+# 6: timed at 9 rows too (the small-batch kernel's dot products end at 8)
+_CACHE_VERSION = 6
 ROUNDS = 5  # rounds of timing, every candidate once per round (_time_rounds)
 PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower than the best
+# A layer's linear keeps the small-batch kernel where it is within this fraction of the fastest: that
+# kernel reads the weights themselves, and where every linear of a decode step takes it the whole layer
+# stack runs as one C++ call (rollout.layers.cpu_layer.decode_stack), which saves more than this (AMD
+# EPYC Zen 4, SmolLM2 bf16 at 8 rows: ~20 % of the step against layer by layer). Not the LM head's.
+OWN_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,7 @@ def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optio
 
 
 def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows: Optional[int],
-            small_rows: Optional[int], how: str) -> GemmPlan:
+            small_rows: Optional[int], how: str, layer: bool = True) -> GemmPlan:
     # explicit bounds are honoured at their own row counts, timed as the candidate just below
     points = sorted({*CANDIDATE_ROWS, OWN_MAX_ROWS + 1, *([fp32_rows] if fp32_rows else []),
                      *([small_rows + 1] if small_rows else [])})
@@ -268,7 +276,12 @@ def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows:
     for r in points:
         at = max(c for c in CANDIDATE_ROWS if c <= r)
         timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows, dtype)}
-        choice[r] = min(timed, key=timed.get) if timed else (_bf16_base() if dtype == torch.bfloat16 else "linear")
+        if not timed:
+            choice[r] = _bf16_base() if dtype == torch.bfloat16 else "linear"
+            continue
+        best = min(timed, key=timed.get)
+        keep_own = layer and "own" in timed and timed["own"] <= (1 + OWN_MARGIN) * timed[best]
+        choice[r] = "own" if keep_own else best
     return GemmPlan(_segments(choice), how, timings)
 
 
@@ -317,5 +330,5 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
     plans = []
     for o, i in all_shapes:
         timings = {k: {int(r): t for r, t in v.items()} for k, v in cached["timings"][f"{o}x{i}"].items()}
-        plans.append(((o, i), _choose(timings, dtype, fp32_rows, small_rows, how)))
+        plans.append(((o, i), _choose(timings, dtype, fp32_rows, small_rows, how, layer=(o, i) in shapes)))
     return GemmPlans(tuple(plans))
