@@ -75,8 +75,9 @@ class EngineConfig:
     # rotary/cache write, SiLU and paged attention are all on (the same kernels, the same bits)
     cpu_fused_layer: bool = True
     # CPU decode steps of the few rows where every linear takes the C++ small-batch kernel (1-3 rows on
-    # most CPUs, up to 8 with AVX512-BF16): all decoder layers in one C++ call with one team of threads for the whole stack, which
-    # meet at spin barriers between kernels instead of starting a parallel region per kernel (the same bits)
+    # most CPUs, up to 8 with AVX512-BF16): all decoder layers in one C++ call with one team of threads
+    # for the whole stack, which meet at spin barriers between kernels instead of starting a parallel
+    # region per kernel (the same bits)
     cpu_fused_stack: bool = True
     # CPU: forwards drop to one thread while another process computes on this process's cores (the
     # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads).

@@ -410,9 +410,9 @@ def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
 def decode_stack(model, rope, hidden: torch.Tensor, kv_caches, meta) -> Optional[torch.Tensor]:
     """Every decoder layer of ``model`` (a ``LlamaModel``) over a plain decode step in one C++ call with
     one team of threads, where each linear's plan takes the small-batch kernel at these rows (a decode
-    step of 1-3 rows on most CPUs, up to 8 with AVX512-BF16); None otherwise (the caller goes layer by layer). The tensor list is
-    built once per row count and KV pool (``model.stack_tensors``; the runner empties it whenever the
-    weights or their copies change)."""
+    step of 1-3 rows on most CPUs, up to 8 with AVX512-BF16); None otherwise (the caller goes layer by
+    layer). The tensor list is built once per row count and KV pool (``model.stack_tensors``; the runner
+    empties it whenever the weights or their copies change)."""
     from rollout.layers import cpu_build
 
     key = (hidden.shape[0], id(kv_caches))
