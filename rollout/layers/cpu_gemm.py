@@ -20,9 +20,9 @@ already running (``gemm_part``: ``rollout.layers.cpu_layer``'s ``decode_stack``)
 On CPUs with AVX512-BF16 (the ``avx512bf16`` variant) bf16 activations of five to eight rows take its
 dot products instead of the tiles (``dot_rows``): one ``vdpbf16ps`` per 32 weight values and row, the
 activations read as the bf16 values they are, the weights in place (so ``decode_stack`` can take these
-rows too). Measured on AMD EPYC Zen 4 (2 threads, SmolLM2's layers streamed from memory, 8 rows): as
-fast as oneDNN's packed bf16 GEMMs or a little faster (both bound by the dot products' rate on these two
-cores), 1.5-2x the tiles (``benchmarks/NOTES.md``).
+rows too). Measured on AMD EPYC Zen 4 (2 threads, SmolLM2's layers streamed from memory, 5-8 rows): on a
+par with oneDNN's packed bf16 GEMMs (both bound by the dot products' rate on these two cores), 1.5-2x the
+tiles (``benchmarks/NOTES.md``).
 
 fp32 weights take the same code (an fp32 engine's small batches): there the one-row path, which
 streams each weight row with software prefetch, reads at about twice the bandwidth of oneDNN's
