@@ -187,6 +187,7 @@ void tile_rows_of(const float* x, const W* w, const float* bias, Out* y, int64_t
 // bound by the dot products' rate: measured on AMD EPYC Zen 4 at 16 rows in an engine, a decode step
 // 20 % slower than oneDNN's packed GEMMs; the tiles take those rows (the plan picks oneDNN there).
 constexpr int DN = 2, DM = 8;
+static_assert(DM * DN == 16, "lane_sums adds 16 sums' lanes at once");
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // lane j: the sum of a[j]'s 16 lanes, for 16 vectors at once. Every vector's lanes are added to each

@@ -28,6 +28,7 @@ the module path (``LlamaDecoderLayer.forward`` decides per forward).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -230,8 +231,10 @@ void stack_rows(T* hidden, const std::vector<at::Tensor>& t, const std::vector<s
       decode<T>(q.data(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables, lens, att.data(), M, s.Hq, s.Hkv, s.D, kc.size(1),
                 blocks.size(1), kc.stride(0), kc.stride(1), kc.stride(2), s.scale, s.window, team, tid);
       bar.wait(team, s.spins);
-      if (tid == 0 && widen) widen_into(att.data(), xf.data(), M * Q);
-      bar.wait(team, s.spins);
+      if (widen) {  // else the GEMM reads att itself, complete since the barrier above
+        if (tid == 0) widen_into(att.data(), xf.data(), M * Q);
+        bar.wait(team, s.spins);
+      }
       gemm_share(xf.data(), att.data(), lt[6], nullptr, o.data(), M, Q, tid, team);
       bar.wait(team, s.spins);
       if (tid == 0) {
@@ -364,9 +367,6 @@ LIBGOMP_SPINS = 300_000  # libgomp's spin count where neither GOMP_SPINCOUNT nor
 FOREVER = 1 << 62
 
 
-_process_spins: list[int] = []  # spin_count() of this process, read once (libgomp reads it once too)
-
-
 def spin_count(environ=os.environ) -> int:
     """How many times a thread waiting at one of ``decode_stack``'s barriers looks before it sleeps:
     libgomp's own spin count, read as libgomp reads it (``GOMP_SPINCOUNT``: a number, or ``infinite``;
@@ -386,10 +386,10 @@ def spin_count(environ=os.environ) -> int:
     return {"active": FOREVER, "passive": 0}.get(policy, LIBGOMP_SPINS)
 
 
+@functools.lru_cache(maxsize=1)
 def _spins() -> int:
-    if not _process_spins:
-        _process_spins.append(spin_count())
-    return _process_spins[0]
+    """spin_count() of this process, read once (libgomp reads it once too)."""
+    return spin_count()
 
 
 def _stack_tensors(layers, kv_caches, rows: int) -> Optional[list]:
