@@ -59,7 +59,9 @@ PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower 
 # A layer's linear keeps the small-batch kernel where it is within this fraction of the fastest: that
 # kernel reads the weights themselves, and where every linear of a decode step takes it the whole layer
 # stack runs as one C++ call (rollout.layers.cpu_layer.decode_stack), which saves more than this (AMD
-# EPYC Zen 4, SmolLM2 bf16 at 8 rows: ~20 % of the step against layer by layer). Not the LM head's.
+# EPYC Zen 4, SmolLM2 bf16 at 8 rows: ~20 % of the step against layer by layer). Not the LM head's, and
+# bf16 engines only (measured there; fp32 plans take the fastest, so a prompt scored whole or after a
+# cached prefix keeps the kernels, and the logprob bits, it had before).
 OWN_MARGIN = 0.1
 
 
@@ -280,7 +282,7 @@ def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows:
             choice[r] = _bf16_base() if dtype == torch.bfloat16 else "linear"
             continue
         best = min(timed, key=timed.get)
-        keep_own = layer and "own" in timed and timed["own"] <= (1 + OWN_MARGIN) * timed[best]
+        keep_own = layer and dtype == torch.bfloat16 and "own" in timed and timed["own"] <= (1 + OWN_MARGIN) * timed[best]
         choice[r] = "own" if keep_own else best
     return GemmPlan(_segments(choice), how, timings)
 
