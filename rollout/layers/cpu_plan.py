@@ -56,12 +56,14 @@ STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyo
 _CACHE_VERSION = 6
 ROUNDS = 5  # rounds of timing, every candidate once per round (_time_rounds)
 PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower than the best
-# A layer's linear keeps the small-batch kernel where it is within this fraction of the fastest: that
-# kernel reads the weights themselves, and where every linear of a decode step takes it the whole layer
-# stack runs as one C++ call (rollout.layers.cpu_layer.decode_stack), which saves more than this (AMD
-# EPYC Zen 4, SmolLM2 bf16 at 8 rows: ~20 % of the step against layer by layer). Not the LM head's, and
-# bf16 engines only (measured there; fp32 plans take the fastest, so a prompt scored whole or after a
-# cached prefix keeps the kernels, and the logprob bits, it had before).
+# The layer linears keep the small-batch kernel at a row count where, summed over a layer's linears, it
+# is within this fraction of the fastest kernel of each: that kernel reads the weights themselves, and where
+# every linear of a decode step takes it the whole layer stack runs as one C++ call
+# (rollout.layers.cpu_layer.decode_stack), which saves more than this (AMD EPYC Zen 4, SmolLM2 bf16 at 8
+# rows: ~20 % of the step against layer by layer). Decided for the layer as a whole (the stack needs every
+# linear; one linear's timing moves by 10 % between measurements, a layer's sum less), not the LM head's,
+# and for bf16 engines only (measured there; fp32 plans take the fastest, so a prompt scored whole or after
+# a cached prefix keeps the kernels, and the logprob bits, it had before).
 OWN_MARGIN = 0.1
 
 
@@ -269,21 +271,42 @@ def _allowed(kernel: str, rows: int, fp32_rows: Optional[int], small_rows: Optio
     return True
 
 
+def _timed(kernels: dict[str, dict[int, float]], at: int, rows: int, fp32_rows: Optional[int],
+           small_rows: Optional[int], dtype: torch.dtype) -> dict[str, float]:
+    """Each kernel allowed at ``rows`` with its time at the candidate row count ``at``."""
+    return {k: t[at] for k, t in kernels.items() if at in t and _allowed(k, rows, fp32_rows, small_rows, dtype)}
+
+
+def _stack_rows(timings: dict[tuple[int, int], dict[str, dict[int, float]]], shapes: list[tuple[int, int]],
+                dtype: torch.dtype, fp32_rows: Optional[int], small_rows: Optional[int]) -> frozenset:
+    """The candidate row counts at which every linear of a layer (``shapes``, one per linear) keeps the
+    small-batch kernel: its time summed over them within ``OWN_MARGIN`` of the fastest kernels' sum."""
+    if dtype != torch.bfloat16:
+        return frozenset()
+    kept = set()
+    for at in CANDIDATE_ROWS:
+        timed = [_timed(timings[s], at, at, fp32_rows, small_rows, dtype) for s in shapes]
+        if timed and all("own" in t for t in timed) and \
+                sum(t["own"] for t in timed) <= (1 + OWN_MARGIN) * sum(min(t.values()) for t in timed):
+            kept.add(at)
+    return frozenset(kept)
+
+
 def _choose(timings: dict[str, dict[int, float]], dtype: torch.dtype, fp32_rows: Optional[int],
-            small_rows: Optional[int], how: str, layer: bool = True) -> GemmPlan:
+            small_rows: Optional[int], how: str, own_at: frozenset = frozenset()) -> GemmPlan:
+    """The fastest timed kernel at each row count, or the small-batch one at the candidate row counts
+    ``own_at`` (``_stack_rows``, for a layer's linear)."""
     # explicit bounds are honoured at their own row counts, timed as the candidate just below
     points = sorted({*CANDIDATE_ROWS, OWN_MAX_ROWS + 1, *([fp32_rows] if fp32_rows else []),
                      *([small_rows + 1] if small_rows else [])})
     choice = {}
     for r in points:
         at = max(c for c in CANDIDATE_ROWS if c <= r)
-        timed = {k: t[at] for k, t in timings.items() if at in t and _allowed(k, r, fp32_rows, small_rows, dtype)}
+        timed = _timed(timings, at, r, fp32_rows, small_rows, dtype)
         if not timed:
             choice[r] = _bf16_base() if dtype == torch.bfloat16 else "linear"
             continue
-        best = min(timed, key=timed.get)
-        keep_own = layer and dtype == torch.bfloat16 and "own" in timed and timed["own"] <= (1 + OWN_MARGIN) * timed[best]
-        choice[r] = "own" if keep_own else best
+        choice[r] = "own" if at in own_at and "own" in timed else min(timed, key=timed.get)
     return GemmPlan(_segments(choice), how, timings)
 
 
@@ -329,8 +352,9 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
         cached = _store_first(key, {"timings": measure(dtype, timed_shapes, kernels)})
         how = "measured"
         logger.info("measured CPU GEMM kernels for %s in %.2fs", dtype, time.perf_counter() - t0)
-    plans = []
-    for o, i in all_shapes:
-        timings = {k: {int(r): t for r, t in v.items()} for k, v in cached["timings"][f"{o}x{i}"].items()}
-        plans.append(((o, i), _choose(timings, dtype, fp32_rows, small_rows, how, layer=(o, i) in shapes)))
-    return GemmPlans(tuple(plans))
+    timings = {(o, i): {k: {int(r): t for r, t in v.items()} for k, v in cached["timings"][f"{o}x{i}"].items()}
+               for o, i in all_shapes}
+    own_at = _stack_rows(timings, shapes, dtype, fp32_rows, small_rows)
+    head: frozenset = frozenset()  # the LM head takes the fastest kernel at every row count
+    return GemmPlans(tuple((s, _choose(timings[s], dtype, fp32_rows, small_rows, how, own_at if s in shapes else head))
+                           for s in all_shapes))
