@@ -80,12 +80,14 @@ class EngineConfig:
     # region per kernel (the same bits)
     cpu_fused_stack: bool = True
     # CPU: forwards drop to one thread while another process computes on this process's cores (the
-    # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads).
-    # For a process running at libgomp's default spin (GOMP_SPINCOUNT unset by the user): there beside
-    # a computing process both would collapse. Off by default (rollout.openmp bounds the spin, which
-    # shares cores well without it); greedy decodes at 1-8 rows report the same bits on one thread as on
-    # two since the sampler's one-row logsumexp went (other shapes unchecked)
-    cpu_adapt_threads: bool = False
+    # kernel's run delay says so) and return to all of them when it stops (rollout.executor.cpu_threads):
+    # beside a computing process (a trainer, a client) its team's barriers wait on threads off their
+    # cores. None: on for bf16 engines, whose tokens and logprobs are the same bits on one thread as on
+    # two (measured: SmolLM2 generations with prompt logprobs, prompts of 5-700 tokens, decode at 1-72
+    # rows), off for fp32 ones, whose logprobs move in their last bits with the thread count (the fp32
+    # exactness checks compare them across processes), and off in the batch-invariant mode (`deterministic`,
+    # whose bits must not move with the machine's load; at TP=2 they did)
+    cpu_adapt_threads: Optional[bool] = None
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
     max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request

@@ -17,15 +17,18 @@ third or more. Above ``drop_above`` the forwards run on one thread; back on all 
 waiting stays below ``return_below`` after a hold, the hold doubling (up to ``max_hold_s``) each time
 the cores turn out to be still shared, so a neighbour that stays costs a probe every half minute at
 most. Decisions are made once per window of runnable time, never per step, and the numbers are read
-from ``/proc`` (on a kernel without schedstat the governor stays off and says so once). Off by
-default: torch splits a reduction over the vocabulary by thread count where there are fewer rows than
-threads (a [1, 49152] sum differs in its last bits between one and two), so logprobs
-computed on one thread differed from two threads' in their last bits — measured, a server and an
-in-process engine of the same model disagreeing while the suite's other processes ran. The one such
-reduction on the decode path was the sampler's ``logsumexp`` for greedy rows and raw logprobs
-(``rollout.layers.sampler.token_logprob``, now a row-wise ``log_softmax``); the forward is bitwise the
-same on one thread as on two (checked at 1-8 rows, fused layer and module path). Whether the governor
-can then be on by default, with the bounded spin, is not measured yet.
+from ``/proc`` (on a kernel without schedstat the governor stays off and says so once). On by default for
+bf16 engines, off for fp32 ones and in the batch-invariant mode (``EngineConfig.cpu_adapt_threads``):
+torch split a reduction over the vocabulary by thread count where there were fewer rows than threads (a
+[1, 49152] sum differs in its last bits between one and two), so logprobs computed on one thread differed
+from two threads' — a server and an in-process engine of the same model disagreeing while the suite's
+other processes ran. That reduction on the decode path (the sampler's ``logsumexp`` for greedy rows and
+raw logprobs, ``rollout.layers.sampler.token_logprob``) is now a row-wise ``log_softmax``; a bf16
+engine's tokens, output and prompt logprobs are then the same bits on one thread as on two (measured:
+prompts of 5-700 tokens, decode at 1-72 rows), an fp32 engine's logprobs are not (oneDNN's fp32 GEMMs and
+torch's fp32 reductions split by thread count; ``benchmarks/NOTES.md``). Beside a busy neighbour the
+governor keeps a bf16 SmolLM2 engine at 0.6x its speed alone against 0.4x on two threads (AMD EPYC Zen
+4).
 """
 
 from __future__ import annotations

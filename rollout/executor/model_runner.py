@@ -170,8 +170,10 @@ class ModelRunner:
             logger.info("CPU %s; %s GEMMs by weight shape: %s; decode attention: %s", cpu_capability().describe(),
                         dtype, self.gemm_plans.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
         # CPU: all of torch's threads alone on the cores, one while another process computes on them
-        self.threads = ThreadGovernor(torch.get_num_threads()) \
-            if device.type == "cpu" and config.cpu_adapt_threads else None
+        # (by default for bf16 engines outside the batch-invariant mode: see EngineConfig.cpu_adapt_threads)
+        adapt = config.cpu_adapt_threads if config.cpu_adapt_threads is not None else \
+            dtype == torch.bfloat16 and not config.deterministic
+        self.threads = ThreadGovernor(torch.get_num_threads()) if device.type == "cpu" and adapt else None
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
