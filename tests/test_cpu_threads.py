@@ -152,3 +152,18 @@ def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when
     assert engine.get_stats()["cpu_threads"] == 2, engine.get_stats()
     again = engine.generate(input_ids=prompts, sampling_params=sp)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in alone]
+
+
+def test_the_governor_is_on_by_default_for_bf16_engines_only_outside_the_batch_invariant_mode(make_engine, llama_path):
+    """``cpu_adapt_threads=None`` (the default): a bf16 engine's forwards follow the governor (its tokens and
+    logprobs are the same bits on one thread as on two); an fp32 engine's (logprobs move in their last
+    bits with the thread count) and the batch-invariant mode's do not; an explicit value decides for either."""
+    def governed(**kw) -> bool:
+        engine = make_engine(llama_path, kv_cache_tokens=1024, **kw)
+        return "cpu_threads" in engine.get_stats()
+
+    assert governed(dtype="bfloat16")
+    assert not governed(dtype="float32")
+    assert not governed(dtype="bfloat16", deterministic=True)
+    assert governed(dtype="float32", cpu_adapt_threads=True)
+    assert not governed(dtype="bfloat16", cpu_adapt_threads=False)

@@ -355,6 +355,6 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
     timings = {(o, i): {k: {int(r): t for r, t in v.items()} for k, v in cached["timings"][f"{o}x{i}"].items()}
                for o, i in all_shapes}
     own_at = _stack_rows(timings, shapes, dtype, fp32_rows, small_rows)
-    head: frozenset = frozenset()  # the LM head takes the fastest kernel at every row count
-    return GemmPlans(tuple((s, _choose(timings[s], dtype, fp32_rows, small_rows, how, own_at if s in shapes else head))
+    return GemmPlans(tuple((s, _choose(timings[s], dtype, fp32_rows, small_rows, how,
+                                       own_at if s in shapes else frozenset()))  # the LM head: the fastest
                            for s in all_shapes))
