@@ -126,10 +126,22 @@ def useful_lengths(seqs: torch.Tensor, eos_ids: set[int], ignore_eos: bool) -> l
     return out
 
 
+def hf_device() -> torch.device:
+    """Where the ``transformers`` baseline runs: where the engine's ``device="auto"`` puts the engine (CUDA
+    when there is one, else the CPU), so that a ratio never sets a GPU engine against a CPU ``generate``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    dev = hf_device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else next(iter(eos_ids))
     torch.manual_seed(0)
@@ -137,8 +149,8 @@ def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dic
     for i in range(0, len(prompts), hf_batch):
         chunk = prompts[i: i + hf_batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=dev)
         kwargs = dict(max_new_tokens=w.max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                       num_return_sequences=w.n, pad_token_id=pad)
         if w.ignore_eos:
@@ -149,31 +161,34 @@ def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dic
             out = model.generate(ids, attention_mask=mask, **kwargs)
         total += sum(useful_lengths(out[:, width:], eos_ids, w.ignore_eos))
         steps += out.shape[1] - width
+    _sync(dev)
     elapsed = time.perf_counter() - t0
     return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed, "decode_steps": steps,
-            "padded_tokens": steps * len(prompts) * w.n}
+            "padded_tokens": steps * len(prompts) * w.n, "device": str(dev)}
 
 
 def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
     """Logprob of every completion token: one forward per micro-batch (right padding), fp32 log-softmax."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    dev = hf_device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     total, t0 = 0, time.perf_counter()
     for i in range(0, len(pairs), hf_batch):
         chunk = pairs[i: i + hf_batch]
         seqs = [p + c for p, c in chunk]
         width = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=dev)
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=dev)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits
         for j, (p, c) in enumerate(chunk):
             rows = logits[j, len(p) - 1: len(p) - 1 + len(c)].float()
-            torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(c).unsqueeze(1))
+            torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(c, device=dev).unsqueeze(1))
             total += len(c)
+    _sync(dev)
     elapsed = time.perf_counter() - t0
-    return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed}
+    return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed, "device": str(dev)}
 
 
 def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int, engine_args: dict | None = None):

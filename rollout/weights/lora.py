@@ -376,9 +376,9 @@ class AdapterLayout:
             src = tensor if narrow is None else tensor.narrow(*narrow)
             if scale is None:
                 dst.copy_(src)
-            elif src.dtype == LORA_DTYPE:
+            elif src.dtype == LORA_DTYPE and src.device == dst.device:
                 torch.mul(src, scale, out=dst)  # dst: rows of b, each a run of rank values
-            else:  # scaled in fp32, as peft does on an fp32 adapter
+            else:  # scaled in fp32, as peft does on an fp32 adapter (or read on the host for a device)
                 dst.copy_(src)
                 dst.mul_(scale)
             self.missing.discard(name)
