@@ -17,7 +17,9 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``cuda_ipc_update``: a second process pushes weights through ``CudaIpcBucket`` 30 times: exported once,
   mapped once, no device-memory growth, no recapture, tokens equal a fresh engine's;
 - ``throughput_vs_hf``: the RL-shaped throughput benchmark vs transformers generate (bf16,
-  Qwen2-0.5B-shaped random model).
+  Qwen2-0.5B-shaped random model; ``generate`` on the same GPU), and the engine again with CUDA graphs
+  captured up to 512 rows;
+- ``limits``: ``rollout bench limits`` on the device (the decode step against its GEMM-only step).
 ``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
 """
 
@@ -348,7 +350,13 @@ def check_throughput_vs_hf(device, workdir, quick):
     res = run(model, "grpo-short", "bfloat16" if device == "cuda" else "float32", Features(), out_dir=workdir,
               workdir=workdir, overrides=overrides)
     target = 10.0 if device == "cuda" and not quick else 0.0
-    return {"ok": res["ratio"] > target, "ratio": res["ratio"], "engine": res["engine"], "hf": res["hf"]}
+    out = {"ok": res["ratio"] > target, "ratio": res["ratio"], "engine": res["engine"], "hf": res["hf"]}
+    if device == "cuda" and not quick:  # the same workload with graphs captured up to 512 rows (grpo-short's 64 x 8)
+        wide = run(model, "grpo-short", "bfloat16", Features(), skip_hf=True, out_dir=workdir, workdir=workdir,
+                   engine_args={"cuda_graph_max_bs": 512}, tag="_graphs512")
+        out["graphs_to_512"] = {"engine": wide["engine"],
+                                "ratio": wide["engine"]["tokens_per_s"] / res["hf"]["tokens_per_s"]}
+    return out
 
 
 def check_limits(device, workdir, quick):

@@ -240,6 +240,7 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
             "steps": delta["num_sample_steps"], "forward_ms_per_step": 1e3 * delta["forward_time_s"] / steps,
             "sampler_ms_per_step": 1e3 * delta["sample_time_s"] / steps,
             "decode_step_ms": 1e3 * delta["decode_step_time_s"] / max(delta["num_decode_steps"], 1),
+            "decode_steps": delta["num_decode_steps"], "decode_seconds": delta["decode_step_time_s"],
             "mean_decode_batch": delta["decode_step_batch"] / max(delta["num_decode_steps"], 1),
             "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1], **spec_stats(base, stats)}
 
