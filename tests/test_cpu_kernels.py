@@ -674,6 +674,42 @@ def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_fi
         torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
 
 
+def test_scatter_scaled_streams_aligned_fp32_rows_with_the_same_bits_and_counts():
+    """Pieces whose places are whole aligned vectors take streaming stores (a rank-16 piece of a fused
+    linear's ``b`` block: 16 columns of every 48-wide row; a 64-column piece at a row stride of 64),
+    the rest the plain loop (a place one float off alignment, 12 columns): every ISA variant writes
+    ``dst.copy_(src); dst.mul_(scale)``'s bits and counts the non-finite products, NaN, inf and an
+    overflow of the scale among them."""
+    from rollout.layers import cpu_build
+    from rollout.layers.cpu_copy import scatter_plan
+
+    g = torch.Generator().manual_seed(5)
+    slot = torch.zeros(1 << 17, dtype=torch.uint8)
+    flat = slot.view(torch.float32)
+    srcs = [flat[0:64 * 16].view(64, 16), flat[2048:2048 + 32 * 64].view(32, 64), flat[8192:8192 + 20 * 16].view(20, 16),
+            flat[12288:12288 + 24 * 12].view(24, 12)]
+    for t in srcs:
+        t.copy_(torch.randn(t.shape, generator=g))
+    buffer = torch.full((16384,), -1.0)
+    assert buffer.data_ptr() % 64 == 0
+    block = buffer[:64 * 48].view(64, 48)
+    places = [block[:, 16:32], buffer[4096:4096 + 32 * 64].view(32, 64), buffer[8193:8193 + 20 * 16].view(20, 16),
+              buffer[12288:12288 + 24 * 48].view(24, 48)[:, 36:48]]
+    scales = [0.125, 1.7, 0.3, 2.0]
+    srcs[0][3, 7], srcs[1][0, 63], srcs[2][5, 2] = float("nan"), float("inf"), 3.0e38  # 3e38 * 0.3: finite
+    srcs[1][9, 9] = 3.0e38  # times 1.7: overflows
+    want = buffer.clone()
+    for s, d, sc in zip(srcs, places, scales):
+        w = want[d.storage_offset():].as_strided(d.shape, d.stride())
+        w.copy_(s)
+        w.mul_(sc)
+    plan, sc_t = scatter_plan(slot, buffer, list(zip(srcs, places, scales)))
+    for isa in cpu_capability().runnable_isas:
+        buffer.fill_(-1.0)
+        assert int(cpu_build.kernels_for(isa).scatter_scaled(slot, buffer, plan, sc_t)) == 3, isa
+        torch.testing.assert_close(buffer, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, arch, monkeypatch):
     """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, and the

@@ -45,6 +45,39 @@ int64_t scatter_piece(const T* s, float* d, int64_t rows, int64_t cols, int64_t 
   return bad;
 }
 
+// fp32 pieces whose places are whole aligned vectors (every row): streamed out, so that no line of the
+// place is read before it is written — a piece of a fused linear's ``b`` block writes its rank's columns
+// of every row, and an ordinary store reads each line it writes into first (a rank-16 piece of a q/k/v
+// block: 2.3x faster here). The same products and the same count as scatter_piece; the caller fences once.
+int64_t scatter_piece_f32(const float* s, float* d, int64_t rows, int64_t cols, int64_t ss, int64_t ds, float scale) {
+#if ROLLOUT_LANES == 16 || ROLLOUT_LANES == 8
+  constexpr int64_t W = ROLLOUT_LANES;
+  if (cols % W == 0 && ds % W == 0 && reinterpret_cast<uintptr_t>(d) % (W * sizeof(float)) == 0) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* sr = s + r * ss;
+      float* dr = d + r * ds;
+      for (int64_t c = 0; c < cols; c += W) {
+#if ROLLOUT_LANES == 16
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + c), _mm512_set1_ps(scale));
+        _mm512_stream_ps(dr + c, v);
+        const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(3.4028234663852886e38f), _CMP_LE_OQ);
+        bad += W - __builtin_popcount(static_cast<unsigned>(ok));  // NaN compares false
+#else
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sr + c), _mm256_set1_ps(scale));
+        _mm256_stream_ps(dr + c, v);
+        const __m256 mag = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+        const __m256 ok = _mm256_cmp_ps(mag, _mm256_set1_ps(3.4028234663852886e38f), _CMP_LE_OQ);
+        bad += W - __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(ok)));
+#endif
+      }
+    }
+    return bad;
+  }
+#endif
+  return scatter_piece(s, d, rows, cols, ss, ds, scale);
+}
+
 }  // namespace
 
 // src: uint8 bytes; dst: fp32; plan: int64 [n, 7] (src byte offset, dtype 0 fp32 / 1 bf16 / 2 fp16, rows,
@@ -77,12 +110,15 @@ at::Tensor scatter_scaled(at::Tensor src, at::Tensor dst, at::Tensor plan, at::T
     if (q[1] == 0 && static_cast<const void*>(s) == static_cast<const void*>(d) && q[4] == q[6] && sc[i] == 1.0f)
       bad += count_piece(d, q[2], q[3], q[6]);  // received in place: already what a copy would write
     else if (q[1] == 0)
-      bad += scatter_piece(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+      bad += scatter_piece_f32(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
     else if (q[1] == 1)
       bad += scatter_piece(reinterpret_cast<const at::BFloat16*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
     else
       bad += scatter_piece(reinterpret_cast<const at::Half*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
   }
+#if ROLLOUT_LANES >= 8
+  _mm_sfence();  // the streamed rows are visible before anyone reads the buffer
+#endif
   auto out = plan.new_empty({});
   *out.data_ptr<int64_t>() = bad;
   return out;
