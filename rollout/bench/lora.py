@@ -87,13 +87,15 @@ def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
 def _bench_distributed_push(engine: RolloutEngine, adapter: list, config: dict, repeats: int) -> dict:
     """``load_lora_adapter_from_distributed`` from a sender process over gloo, against bare broadcasts
     of the same bytes on the same group — one message for our buckets, one per tensor for miles'
-    ``direct`` — each the best of ``repeats`` (at least 10), after one warm-up."""
+    ``direct`` — each the best of ``repeats`` (at least 40), after one warm-up."""
     import multiprocessing as mp
 
     from weight_sync.process_group import free_port
 
     port = free_port()
-    repeats = max(repeats, 10)  # ~10-20 ms a round on two shared cores, where one round's spread is +-50 %
+    # ~5-10 ms a round on two shared cores, where rounds minutes apart differ by 2x: the best of 10 still
+    # moved 0.50-0.71x between runs of one tree (Zen 4, e4d6984); 40 rounds cost ~0.5 s in our layout
+    repeats = max(repeats, 40)
     proc = mp.get_context("spawn").Process(target=_adapter_sender, args=(port, adapter, repeats))
     proc.start()
     assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "bench-lora", timeout_s=120).success
