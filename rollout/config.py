@@ -36,6 +36,10 @@ class EngineConfig:
     enable_overlap: bool = False
     enable_cuda_graph: bool = True  # CUDA only: capture decode graphs (eager on CPU)
     cuda_graph_max_bs: int = 256
+    # CUDA: wait for the device before reading a step's forward and sampling times, so that the
+    # stats split a step by what the GPU spent (a replayed graph returns at once, and its time
+    # otherwise lands in the sampler's first read); loses the host's run-ahead — for benchmarks
+    sync_step_timing: bool = False
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
     # An update call (tensors or distributed) that arrives while generation is paused stages into a
     # transaction published at continue_generation, so the bucket calls of one update (slime, AReaL:

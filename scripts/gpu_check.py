@@ -19,7 +19,8 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
 - ``throughput_vs_hf``: the RL-shaped throughput benchmark vs transformers generate (bf16,
   Qwen2-0.5B-shaped random model; ``generate`` on the same GPU), and the engine again with CUDA graphs
   captured up to 512 rows;
-- ``limits``: ``rollout bench limits`` on the device (the decode step against its GEMM-only step).
+- ``limits``: ``rollout bench limits`` on the device (the decode step against its GEMM-only step), and again
+  with ``sync_step_timing`` (the step split by what the device spent in forward and in sampling).
 ``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
 """
 
@@ -366,8 +367,11 @@ def check_limits(device, workdir, quick):
     from rollout.bench.limits import run
 
     res = run("qwen2-0.5b-random", "bfloat16", (1, 8, 64, 256), out_dir=workdir, workdir=workdir, steps=8)
+    # again with the device waited for before each stage's time is read: what forward and sampling spend
+    timed = run("qwen2-0.5b-random", "bfloat16", (1, 8, 64, 256), out_dir=workdir, workdir=workdir, steps=8,
+                engine_args={"sync_step_timing": True}, tag="_synced")
     return {"ok": True, "engine": res["engine"], "gemm": {b: g["gemm_step_s"] for b, g in res["gemm"].items()},
-            "ratios": res["ratios"]}
+            "ratios": res["ratios"], "engine_synced": timed["engine"]}
 
 
 CHECKS = {

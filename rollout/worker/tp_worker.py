@@ -86,6 +86,10 @@ class TpModelWorker(BaseTpWorker):
         except INPUT_ERRORS as exc:
             return WeightResult.fail(f"{type(exc).__name__}: {exc}")
 
+    def _sync_for_timing(self) -> None:
+        if self.config.sync_step_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         runner = self._model_runner
         t0 = time.perf_counter()
@@ -98,6 +102,7 @@ class TpModelWorker(BaseTpWorker):
         elif batch.input_logprob_idx:
             result.input_logprobs, result.input_top_ids, result.input_top_logprobs, result.input_ranks = \
                 runner.compute_input_logprobs(logits, batch)
+        self._sync_for_timing()
         result.forward_time_s = time.perf_counter() - t0
         if batch.is_prefill_only:
             return result
@@ -115,6 +120,7 @@ class TpModelWorker(BaseTpWorker):
             result.top_ids, result.top_logprobs = out.top_ids, out.top_logprobs
             result.sampling_masks, result.sampling_logprobs = out.masks, out.sampling_logprobs
             result.delay_sample_func = None
+            self._sync_for_timing()
             result.sample_time_s = time.perf_counter() - t1
             return result
 
