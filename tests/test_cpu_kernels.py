@@ -751,6 +751,52 @@ def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, a
                     assert layered and not stacked, where
             assert outs[0] == outs[1] == outs[2], (dtype, kernel)
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decode_layer_adds_the_low_rank_terms_of_one_adapter_on_every_row_with_the_module_paths_bits(
+        model_dir, arch, tmp_path, monkeypatch):
+    """One adapter serving every row of a decode step (on every linear; on q/v/down only, rank 4): each
+    layer's C++ call adds the linears' low-rank terms as ``LoraSlots.add`` does — tokens and logprobs the
+    module path's bit for bit, fp32 and bf16, with q/k/v biases (Qwen2) — and the call is really taken;
+    a batch mixing the adapter and the base weights takes the module path."""
+    from rollout.layers import cpu_layer
+    from rollout.tools.tiny import make_tiny_adapter
+
+    path = model_dir(f"{arch}-fused-layer", arch)
+    adapters = {"all": make_tiny_adapter(path, str(tmp_path / "all"), r=8, seed=1),
+                "some": make_tiny_adapter(path, str(tmp_path / "some"), r=4, seed=2,
+                                          target_modules=["q_proj", "v_proj", "down_proj"])}
+    slots_seen: list = []
+
+    def counted(*args, real=cpu_layer.decode_layer):
+        out = real(*args)
+        slots_seen.append((args[5] if len(args) > 5 else None, out is not None))
+        return out
+
+    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    prompts = [[3, 5, 7, 9, 11], [4, 2]]
+    for dtype in ("float32", "bfloat16"):
+        outs = {}
+        for mode, kw in {"layer": {}, "module": dict(cpu_fused_layer=False)}.items():
+            slots_seen.clear()
+            with RolloutEngine(path, dtype=dtype, kv_cache_tokens=1024, **kw) as e:
+                for name, folder in adapters.items():
+                    assert e.load_lora_adapter(name, folder).success
+                got = [e.generate(input_ids=prompts, sampling_params=sp, lora_path=name)
+                       for sp in SP for name in adapters]
+                layered = list(slots_seen)
+                slots_seen.clear()
+                mixed = e.generate(input_ids=prompts, sampling_params=SP[0], lora_path=["all", None])
+                assert not any(slot is not None for slot, _ in slots_seen), (dtype, mode)  # mixed: module path
+            outs[mode] = [[(o.output_token_ids, o.output_logprobs) for o in g] for g in got] + \
+                [[(o.output_token_ids, o.output_logprobs) for o in mixed]]
+            if mode == "layer":
+                assert layered and all(ok for _, ok in layered) and all(slot is not None for slot, _ in layered), dtype
+            else:
+                assert not layered, dtype
+        assert outs["layer"] == outs["module"], dtype
+        assert outs["layer"][0] != outs["layer"][1]  # the two adapters say different things
+
+
 def _layer_weights(g, dtype, h, hq, hkv, d, inter, biases):
     """One decoder layer's tensors for ``decode_stack`` (12) with random values of a trained model's scale."""
     def w(*shape):

@@ -22,8 +22,10 @@ they do (a barrier that only yielded after its spin cost the step 1.5x beside a 
 bits are ``decode_layer``'s (tested on every ISA variant, 1 and 2 threads).
 
 It serves a plain decode step only: every row a decode token, the paged kernel and the fused
-rotary/cache write on, no q/k norms, no adapter rows in the batch, one TP rank; anything else takes
-the module path (``LlamaDecoderLayer.forward`` decides per forward).
+rotary/cache write on, no q/k norms, one TP rank, and no adapter rows in the batch — except, layer by
+layer (not the stack), one adapter on every row with the torch LoRA backend, whose low-rank terms it adds
+with the ops ``LoraSlots.add`` runs; anything else takes the module path (``LlamaModel.forward`` decides per
+forward).
 """
 
 from __future__ import annotations
@@ -74,27 +76,42 @@ at::Tensor layer_linear(const at::Tensor& x, int64_t kind, const at::Tensor* t) 
   }
 }
 
+// a linear's low-rank term where one adapter serves every row of the step, op for op as
+// rollout.layers.lora.LoraSlots.add computes it (its all-rows group): t = linear(x in fp32, a), then
+// y + t b^T in fp32, rounded once to y's dtype; a and b empty: the linear has no adapter
+at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return y;
+  const at::Tensor t = aten_linear(x.to(at::kFloat), a, c10::nullopt);
+  if (y.scalar_type() == at::kFloat) return y.addmm_(t, b.t());
+  return y.copy_(y.to(at::kFloat).addmm(t, b.t()));
+}
+
 }  // namespace
 
 // hidden [T, H] -> the layer's output [T, H] for a plain decode step. t: input and post-attention norm
 // weights, rotary cos and signed sin [T, 1, D], the layer's K and V caches, slots [T], block tables, context
 // lengths, o_proj's and down_proj's biases (empty: none; added after the GEMM, as a row-parallel bias), then
-// four tensors per linear (qkv, o, gate_up, down; see layer_linear); kinds: the plan's kernel per linear.
+// four tensors per linear (qkv, o, gate_up, down; see layer_linear), and optionally an adapter's a and b per
+// linear (empty: none; add_lora) where one adapter serves every row; kinds: the plan's kernel per linear.
 at::Tensor decode_layer(at::Tensor hidden, std::vector<at::Tensor> t, std::vector<int64_t> kinds, int64_t num_heads,
                         int64_t num_kv_heads, double eps, double scale, int64_t window) {
-  TORCH_CHECK(t.size() == 27 && kinds.size() == 4, "decode_layer: 11 tensors, 4 per linear and 4 kernel kinds");
+  TORCH_CHECK((t.size() == 27 || t.size() == 35) && kinds.size() == 4,
+              "decode_layer: 11 tensors, 4 per linear (then 2 per linear: an adapter) and 4 kernel kinds");
   const at::Tensor* lin = t.data() + 11;
+  auto lora = [&](const at::Tensor& y, const at::Tensor& x, int64_t i) {
+    return t.size() == 35 ? add_lora(y, x, t[27 + 2 * i], t[28 + 2 * i]) : y;
+  };
   const int64_t T = hidden.size(0);
   auto x = rms_norm(hidden, t[0], eps);
-  auto qkv = layer_linear(x, kinds[0], lin);
+  auto qkv = lora(layer_linear(x, kinds[0], lin), x, 0);
   auto q = rope_and_cache(qkv, t[2], t[3], t[4], t[5], t[6], num_heads, num_kv_heads);
-  auto attn = paged_decode(q.contiguous(), t[4], t[5], t[7], t[8], scale, window);
-  auto o = layer_linear(attn.view({T, -1}), kinds[1], lin + 4);
+  auto attn = paged_decode(q.contiguous(), t[4], t[5], t[7], t[8], scale, window).view({T, -1});
+  auto o = lora(layer_linear(attn, kinds[1], lin + 4), attn, 1);
   if (t[9].numel() > 0) o = o.add(t[9]);
   hidden = hidden.add(o);
   x = rms_norm(hidden, t[1], eps);
-  auto act = silu_mul(layer_linear(x, kinds[2], lin + 8));
-  auto down = layer_linear(act, kinds[3], lin + 12);
+  auto act = silu_mul(lora(layer_linear(x, kinds[2], lin + 8), x, 2));
+  auto down = lora(layer_linear(act, kinds[3], lin + 12), act, 3);
   if (t[10].numel() > 0) down = down.add(t[10]);
   return hidden.add(down);
 }
@@ -342,9 +359,11 @@ def _linear_tensors(linear, rows: int, bias: Optional[torch.Tensor], out: list, 
     return True
 
 
-def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta) -> Optional[torch.Tensor]:
+def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta, lora_slot: Optional[int] = None
+                 ) -> Optional[torch.Tensor]:
     """``layer`` (a ``LlamaDecoderLayer``) over a plain decode step in one C++ call; None where a
-    copy its plan reads is missing (the caller takes the module path)."""
+    copy its plan reads is missing (the caller takes the module path). ``lora_slot``: the adapter slot
+    every row of the step runs on (each linear's low-rank term added as ``LoraSlots.add`` adds it)."""
     from rollout.layers import cpu_build
 
     attn, mlp = layer.self_attn, layer.mlp
@@ -358,6 +377,9 @@ def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta) -> Optional[
                          (mlp.down_proj, None)):
         if not _linear_tensors(linear, rows, bias, tensors, kinds):
             return None
+    if lora_slot is not None:
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            tensors += linear.lora.adapters.get(lora_slot, (_NONE, _NONE))
     return cpu_build.kernels().decode_layer(hidden, tensors, kinds, attn.num_heads, attn.num_kv_heads,
                                             float(layer.input_layernorm.eps), float(attn.attn.scale),
                                             int(meta.sliding_window or 0))
