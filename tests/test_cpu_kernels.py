@@ -752,49 +752,55 @@ def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, a
             assert outs[0] == outs[1] == outs[2], (dtype, kernel)
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_decode_layer_adds_the_low_rank_terms_of_one_adapter_on_every_row_with_the_module_paths_bits(
-        model_dir, arch, tmp_path, monkeypatch):
-    """One adapter serving every row of a decode step (on every linear; on q/v/down only, rank 4): each
-    layer's C++ call adds the linears' low-rank terms as ``LoraSlots.add`` does — tokens and logprobs the
-    module path's bit for bit, fp32 and bf16, with q/k/v biases (Qwen2) — and the call is really taken;
-    a batch mixing the adapter and the base weights takes the module path."""
+def test_a_decode_layer_adds_adapters_low_rank_terms_with_the_module_paths_bits(model_dir, arch, tmp_path, monkeypatch):
+    """Adapters each on one run of a decode step's rows (one adapter on every row; an adapter beside
+    base rows; two adapters; on every linear, or on q/v/down only at rank 4): each layer's C++ call adds
+    the linears' low-rank terms as ``LoraSlots.add`` does — tokens and logprobs the module path's bit
+    for bit, fp32 and bf16, with q/k/v biases (Qwen2) — and the call is really taken; an adapter whose
+    rows are scattered over the batch takes the module path."""
     from rollout.layers import cpu_layer
+    from rollout.layers.lora import LoraBatch
     from rollout.tools.tiny import make_tiny_adapter
+
+    assert LoraBatch([(2, None)]).runs(5) == ((2, 0, 5),)
+    assert LoraBatch([(0, slice(0, 2)), (1, slice(3, 5))]).runs(5) == ((0, 0, 2), (1, 3, 2))
+    assert LoraBatch([(0, slice(0, 2)), (1, torch.tensor([2, 4]))]).runs(5) is None  # scattered: the module path
 
     path = model_dir(f"{arch}-fused-layer", arch)
     adapters = {"all": make_tiny_adapter(path, str(tmp_path / "all"), r=8, seed=1),
                 "some": make_tiny_adapter(path, str(tmp_path / "some"), r=4, seed=2,
                                           target_modules=["q_proj", "v_proj", "down_proj"])}
-    slots_seen: list = []
+    seen: list = []
 
     def counted(*args, real=cpu_layer.decode_layer):
         out = real(*args)
-        slots_seen.append((args[5] if len(args) > 5 else None, out is not None))
+        seen.append((len(args[5]) if len(args) > 5 else 0, out is not None))
         return out
 
     monkeypatch.setattr(cpu_layer, "decode_layer", counted)
-    prompts = [[3, 5, 7, 9, 11], [4, 2]]
+    prompts = [[3, 5, 7, 9, 11], [4, 2], [8, 6, 4]]
+    cases = {"one": "all", "other": "some", "beside base": ["all", "all", None], "two": ["some", "all", "all"],
+             "scattered": ["all", None, "all"]}
     for dtype in ("float32", "bfloat16"):
         outs = {}
         for mode, kw in {"layer": {}, "module": dict(cpu_fused_layer=False)}.items():
-            slots_seen.clear()
+            got = {}
             with RolloutEngine(path, dtype=dtype, kv_cache_tokens=1024, **kw) as e:
                 for name, folder in adapters.items():
                     assert e.load_lora_adapter(name, folder).success
-                got = [e.generate(input_ids=prompts, sampling_params=sp, lora_path=name)
-                       for sp in SP for name in adapters]
-                layered = list(slots_seen)
-                slots_seen.clear()
-                mixed = e.generate(input_ids=prompts, sampling_params=SP[0], lora_path=["all", None])
-                assert not any(slot is not None for slot, _ in slots_seen), (dtype, mode)  # mixed: module path
-            outs[mode] = [[(o.output_token_ids, o.output_logprobs) for o in g] for g in got] + \
-                [[(o.output_token_ids, o.output_logprobs) for o in mixed]]
-            if mode == "layer":
-                assert layered and all(ok for _, ok in layered) and all(slot is not None for slot, _ in layered), dtype
-            else:
-                assert not layered, dtype
+                for case, lora_path in cases.items():
+                    for i, sp in enumerate(SP):
+                        seen.clear()
+                        outs_ = e.generate(input_ids=prompts, sampling_params=sp, lora_path=lora_path)
+                        got[case, i] = [(o.output_token_ids, o.output_logprobs) for o in outs_]
+                        with_lora = [ok for n, ok in seen if n]
+                        if mode == "module":
+                            assert not seen, (dtype, case)
+                        elif case != "scattered":  # (the scheduler's row order decides whether these are)
+                            assert with_lora and all(with_lora), (dtype, case, i)
+            outs[mode] = got
         assert outs["layer"] == outs["module"], dtype
-        assert outs["layer"][0] != outs["layer"][1]  # the two adapters say different things
+        assert outs["layer"]["one", 0] != outs["layer"]["other", 0]  # the two adapters say different things
 
 
 def _layer_weights(g, dtype, h, hq, hkv, d, inter, biases):
@@ -845,7 +851,7 @@ def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_
                         for (n1, n2, _, _, wq, bq, wo, bo, wg, bg, wd, bd), (kc, vc) in zip(weights, ref_caches):
                             t = [n1, n2, cos, sin, kc, vc, slots, tables, lens, bo, bd,
                                  wq, bq, none, none, wo, none, none, none, wg, bg, none, none, wd, none, none, none]
-                            ref = k.decode_layer(ref, t, [0, 0, 0, 0], hq, hkv, 1e-5, d ** -0.5, window)
+                            ref = k.decode_layer(ref, t, [0, 0, 0, 0], hq, hkv, 1e-5, d ** -0.5, window, [])
                         got_caches = [(kc.clone(), vc.clone()) for kc, vc in caches]
                         flat = [x for wts, kv in zip(weights, got_caches) for x in (wts[:2] + list(kv) + wts[4:])]
                         got = k.decode_stack(hidden, flat, cos, sin, slots, tables, lens, hq, hkv, 1e-5, d ** -0.5, window,

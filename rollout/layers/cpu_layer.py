@@ -23,9 +23,9 @@ bits are ``decode_layer``'s (tested on every ISA variant, 1 and 2 threads).
 
 It serves a plain decode step only: every row a decode token, the paged kernel and the fused
 rotary/cache write on, no q/k norms, one TP rank, and no adapter rows in the batch — except, layer by
-layer (not the stack), one adapter on every row with the torch LoRA backend, whose low-rank terms it adds
-with the ops ``LoraSlots.add`` runs; anything else takes the module path (``LlamaModel.forward`` decides per
-forward).
+layer (not the stack), adapters each on one run of rows with the torch LoRA backend, whose low-rank terms
+it adds with the ops ``LoraSlots.add`` runs; anything else takes the module path (``LlamaModel.forward``
+decides per forward).
 """
 
 from __future__ import annotations
@@ -76,14 +76,17 @@ at::Tensor layer_linear(const at::Tensor& x, int64_t kind, const at::Tensor* t) 
   }
 }
 
-// a linear's low-rank term where one adapter serves every row of the step, op for op as
-// rollout.layers.lora.LoraSlots.add computes it (its all-rows group): t = linear(x in fp32, a), then
-// y + t b^T in fp32, rounded once to y's dtype; a and b empty: the linear has no adapter
-at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0) return y;
-  const at::Tensor t = aten_linear(x.to(at::kFloat), a, c10::nullopt);
-  if (y.scalar_type() == at::kFloat) return y.addmm_(t, b.t());
-  return y.copy_(y.to(at::kFloat).addmm(t, b.t()));
+// a linear's low-rank term for an adapter serving rows [start, start + n) of the step, op for op as
+// rollout.layers.lora.LoraSlots.add computes it for a run of rows: t = linear(x in fp32, a), then
+// y + t b^T in fp32, rounded once to y's dtype, in place; a and b empty: the linear has no adapter
+void add_lora(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, int64_t start, int64_t n) {
+  if (a.numel() == 0) return;
+  at::Tensor ys = y.narrow(0, start, n);
+  const at::Tensor t = aten_linear(x.narrow(0, start, n).to(at::kFloat), a, c10::nullopt);
+  if (ys.scalar_type() == at::kFloat)
+    ys.addmm_(t, b.t());
+  else
+    ys.copy_(ys.to(at::kFloat).addmm(t, b.t()));
 }
 
 }  // namespace
@@ -91,15 +94,22 @@ at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const at::Tensor& a, cons
 // hidden [T, H] -> the layer's output [T, H] for a plain decode step. t: input and post-attention norm
 // weights, rotary cos and signed sin [T, 1, D], the layer's K and V caches, slots [T], block tables, context
 // lengths, o_proj's and down_proj's biases (empty: none; added after the GEMM, as a row-parallel bias), then
-// four tensors per linear (qkv, o, gate_up, down; see layer_linear), and optionally an adapter's a and b per
-// linear (empty: none; add_lora) where one adapter serves every row; kinds: the plan's kernel per linear.
+// four tensors per linear (qkv, o, gate_up, down; see layer_linear), then per adapter of the step its a and b
+// per linear (empty: none; add_lora); kinds: the plan's kernel per linear; lora_rows: each adapter's first
+// row and its number of rows (one run each).
 at::Tensor decode_layer(at::Tensor hidden, std::vector<at::Tensor> t, std::vector<int64_t> kinds, int64_t num_heads,
-                        int64_t num_kv_heads, double eps, double scale, int64_t window) {
-  TORCH_CHECK((t.size() == 27 || t.size() == 35) && kinds.size() == 4,
-              "decode_layer: 11 tensors, 4 per linear (then 2 per linear: an adapter) and 4 kernel kinds");
+                        int64_t num_kv_heads, double eps, double scale, int64_t window, std::vector<int64_t> lora_rows) {
+  const int64_t adapters = static_cast<int64_t>(lora_rows.size()) / 2;
+  TORCH_CHECK(lora_rows.size() % 2 == 0 && static_cast<int64_t>(t.size()) == 27 + 8 * adapters && kinds.size() == 4,
+              "decode_layer: 11 tensors, 4 per linear, 8 per adapter and 4 kernel kinds");
+  for (int64_t g = 0; g < adapters; ++g)
+    TORCH_CHECK(lora_rows[2 * g] >= 0 && lora_rows[2 * g + 1] >= 0 &&
+                lora_rows[2 * g] + lora_rows[2 * g + 1] <= hidden.size(0), "decode_layer: adapter rows outside the step");
   const at::Tensor* lin = t.data() + 11;
-  auto lora = [&](const at::Tensor& y, const at::Tensor& x, int64_t i) {
-    return t.size() == 35 ? add_lora(y, x, t[27 + 2 * i], t[28 + 2 * i]) : y;
+  auto lora = [&](at::Tensor y, const at::Tensor& x, int64_t i) {
+    for (int64_t g = 0; g < adapters; ++g)
+      add_lora(y, x, t[27 + 8 * g + 2 * i], t[28 + 8 * g + 2 * i], lora_rows[2 * g], lora_rows[2 * g + 1]);
+    return y;
   };
   const int64_t T = hidden.size(0);
   auto x = rms_norm(hidden, t[0], eps);
@@ -359,11 +369,11 @@ def _linear_tensors(linear, rows: int, bias: Optional[torch.Tensor], out: list, 
     return True
 
 
-def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta, lora_slot: Optional[int] = None
-                 ) -> Optional[torch.Tensor]:
+def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta, lora_runs: tuple = ()) -> Optional[torch.Tensor]:
     """``layer`` (a ``LlamaDecoderLayer``) over a plain decode step in one C++ call; None where a
-    copy its plan reads is missing (the caller takes the module path). ``lora_slot``: the adapter slot
-    every row of the step runs on (each linear's low-rank term added as ``LoraSlots.add`` adds it)."""
+    copy its plan reads is missing (the caller takes the module path). ``lora_runs``: (slot, first row,
+    rows) of each adapter of the step, each on one run of rows (every linear's low-rank terms added as
+    ``LoraSlots.add`` adds them)."""
     from rollout.layers import cpu_build
 
     attn, mlp = layer.self_attn, layer.mlp
@@ -377,12 +387,14 @@ def decode_layer(layer, rope, hidden: torch.Tensor, kv_cache, meta, lora_slot: O
                          (mlp.down_proj, None)):
         if not _linear_tensors(linear, rows, bias, tensors, kinds):
             return None
-    if lora_slot is not None:
+    rows = []
+    for slot, first, n in lora_runs:
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            tensors += linear.lora.adapters.get(lora_slot, (_NONE, _NONE))
+            tensors += linear.lora.adapters.get(slot, (_NONE, _NONE))
+        rows += (first, n)
     return cpu_build.kernels().decode_layer(hidden, tensors, kinds, attn.num_heads, attn.num_kv_heads,
                                             float(layer.input_layernorm.eps), float(attn.attn.scale),
-                                            int(meta.sliding_window or 0))
+                                            int(meta.sliding_window or 0), rows)
 
 
 LIBGOMP_SPINS = 300_000  # libgomp's spin count where neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY says otherwise

@@ -61,6 +61,19 @@ class LoraBatch:
             self._segments = (torch.cat(parts).to(device), meta[0], meta[1], meta[2], max(lens, default=0))
         return self._segments
 
+    def runs(self, num_rows: int) -> Optional[tuple[tuple[int, int, int], ...]]:
+        """(slot, first row, rows) of each group when every group is one run of rows (the C++ decode
+        layer's form, ``rollout.layers.cpu_layer``); None when a group's rows are scattered."""
+        out = []
+        for slot, rows in self.groups:
+            if rows is None:
+                out.append((slot, 0, num_rows))
+            elif isinstance(rows, slice) and rows.step in (None, 1):
+                out.append((slot, rows.start, rows.stop - rows.start))
+            else:
+                return None
+        return tuple(out)
+
     @staticmethod
     def from_sequences(slots: Optional[list[int]], q_lens: list[int], device: torch.device) -> Optional[LoraBatch]:
         """Per sequence its adapter slot (-1: none) and its rows this forward -> the groups; None

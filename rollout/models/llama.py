@@ -101,18 +101,17 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, hidden.dtype)
         lora = self.layers[0].self_attn.qkv_proj.lora.context
-        lora_batch = None if lora is None else lora.batch
-        # one adapter on every row (torch backend): each layer's C++ call adds its linears' low-rank terms
-        lora_slot = None if lora_batch is None else lora_batch.groups[0][0] if (
-            lora.backend == "torch" and len(lora_batch.groups) == 1 and lora_batch.groups[0][1] is None) else -1
+        # adapters each on one run of rows (torch backend): each layer's C++ call adds their low-rank terms
+        runs = () if lora is None or lora.batch is None else \
+            lora.batch.runs(hidden.shape[0]) if lora.backend == "torch" else None
         # a plain CPU decode step: each layer in one C++ call (rollout.layers.cpu_layer), the same bits
-        fused = self.fused_decode and meta.all_decode and meta.use_paged_kernel and lora_slot != -1
+        fused = self.fused_decode and meta.all_decode and meta.use_paged_kernel and runs is not None
         out = cpu_layer.decode_stack(self, rope, hidden, kv_caches, meta) if fused and self.fused_stack and \
-            lora_slot is None else None
+            not runs else None
         if out is not None:
             return self.norm(out)
         for layer, kv in zip(self.layers, kv_caches):
-            out = cpu_layer.decode_layer(layer, rope, hidden, kv, meta, lora_slot) if fused else None
+            out = cpu_layer.decode_layer(layer, rope, hidden, kv, meta, runs) if fused else None
             hidden = layer(rope, hidden, kv, meta) if out is None else out
         return self.norm(hidden)
 
