@@ -623,7 +623,7 @@ def test_the_lora_benchmark_writes_its_numbers_and_plot(tmp_path):
     dist = res["distributed_push"]
     assert dist["adapter_bytes"] == res["push"]["adapter_bytes"]
     assert all(dist[f]["push_s"] > 0 and dist[f]["bare_broadcast_s"] > 0 for f in ("direct", "rollout_bucket"))
-    assert set(res["decode"]) == {"batch1_adapters1", "batch4_adapters1", "batch4_adapters4"}
+    assert set(res["decode"]) == {"batch1_adapters1", "batch4_adapters1", "batch4_adapters4", "batch4_adapters4_grouped"}
     assert all(v["lora_step_s"] > 0 and v["base_step_s"] > 0 for v in res["decode"].values())
     assert (tmp_path / "lora.png").exists() and res["machine"]["cpu"]
 

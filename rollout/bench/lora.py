@@ -8,7 +8,8 @@
   buckets and in miles' one-broadcast-per-tensor layout, against bare broadcasts of the same bytes;
 - push to first token: from the start of an adapter push to the first token served on it;
 - decode: the decode step with adapters against the same batch on the base weights — one adapter
-  at batch 1, 8 and 64, four adapters mixed at batch 64 (32-token prompts, 32 new tokens, greedy).
+  at batch 1, 8 and 64, four adapters mixed at batch 64, alternating request by request and grouped
+  (each adapter a run of requests) (32-token prompts, 32 new tokens, greedy).
 
 Writes JSON and a PNG to ``--out-dir``.
 """
@@ -160,11 +161,16 @@ def _bench_decode(engine: RolloutEngine, adapters: list, config: dict, vocab: in
         assert engine.load_lora_adapter_from_tensors(f"a{i}", a, config).success
     g = torch.Generator().manual_seed(0)
     out = {}
-    for batch, mix in [(b, 1) for b in batches] + [(max(batches), len(adapters))]:
+    top, many = max(batches), len(adapters)
+    for batch, mix, grouped in [(b, 1, False) for b in batches] + [(top, many, False), (top, many, True)]:
         prompts = torch.randint(3, vocab, (batch, 32), generator=g).tolist()
         base = _decode_step_s(engine, prompts, None, new_tokens)
-        lora = _decode_step_s(engine, prompts, [f"a{i % mix}" for i in range(batch)], new_tokens)
-        out[f"batch{batch}_adapters{mix}"] = {"base_step_s": base, "lora_step_s": lora, "lora_over_base": lora / base}
+        # mixed: the adapters alternate request by request, or (grouped) each takes a run of requests, as a
+        # trainer's prompts of one run (or one policy version) come together
+        loras = [f"a{i * mix // batch if grouped else i % mix}" for i in range(batch)]
+        lora = _decode_step_s(engine, prompts, loras, new_tokens)
+        out[f"batch{batch}_adapters{mix}{'_grouped' if grouped else ''}"] = {
+            "base_step_s": base, "lora_step_s": lora, "lora_over_base": lora / base}
     return out
 
 
