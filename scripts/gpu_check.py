@@ -20,7 +20,9 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
   Qwen2-0.5B-shaped random model; ``generate`` on the same GPU), and the engine again with CUDA graphs
   captured up to 512 rows;
 - ``limits``: ``rollout bench limits`` on the device (the decode step against its GEMM-only step), and again
-  with ``sync_step_timing`` (the step split by what the device spent in forward and in sampling).
+  with ``sync_step_timing`` (the step split by what the device spent in forward and in sampling);
+- ``lora_bench``: ``rollout bench lora``'s in-process parts on the device (adapter push vs full push and a
+  bare copy, push to first token, decode with adapters vs without).
 ``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
 """
 
@@ -374,6 +376,34 @@ def check_limits(device, workdir, quick):
             "ratios": res["ratios"], "engine_synced": timed["engine"]}
 
 
+def check_lora_bench(device, workdir, quick):
+    """``rollout bench lora``'s parts on the device (Qwen2-0.5B shape, bf16, rank 16 on every linear):
+    an adapter push in process against a full push and a bare copy, push to first token, and decode with
+    one adapter (batch 1 / 8 / 64) and four (alternating and grouped) against the base — each part on its
+    own, so one failing leaves the others' numbers."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    from rollout.bench import lora as bench
+    from rollout.bench.common import build_model
+
+    path = build_model("qwen2-0.5b-random", workdir)
+    adapters = [bench._adapter(path, os.path.join(workdir, f"lora-q05-r16-{i}"), 16, i) for i in range(4)]
+    config = adapters[0][1]
+    out, errors = {}, {}
+    with RolloutEngine(path, dtype="bfloat16", device="cuda", kv_cache_tokens=64 * 64 + 256,
+                       use_generation_config=False) as e:
+        parts = {"push": lambda: bench._bench_push(e, path, adapters[0][0], config, 5),
+                 "push_to_first_token_s": lambda: bench._push_to_first_token(e, adapters[0][0], config, [5] * 32, 5),
+                 "decode": lambda: bench._bench_decode(e, [a for a, _ in adapters], config, e.model_config.vocab_size,
+                                                       32, [1, 8, 64])}
+        for name, part in parts.items():
+            try:
+                out[name] = part()
+            except Exception:  # noqa: BLE001 - the other parts still run
+                errors[name] = traceback.format_exc()[-1500:]
+    return {"ok": not errors, **out, **({"errors": errors} if errors else {})}
+
+
 CHECKS = {
     "paged_decode_kernel": check_paged_decode_kernel,
     "graph_vs_eager": check_graph_vs_eager,
@@ -387,6 +417,7 @@ CHECKS = {
     "cuda_graph_speedup": check_cuda_graph_speedup,
     "throughput_vs_hf": check_throughput_vs_hf,
     "limits": check_limits,
+    "lora_bench": check_lora_bench,
 }
 
 
