@@ -12,6 +12,11 @@ from rollout.layers.cpu_plan import KERNELS as _GEMM_KERNELS
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def auto_device() -> torch.device:
+    """``device="auto"``: CUDA when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass
 class EngineConfig:
     model_path: str
@@ -181,7 +186,7 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return auto_device()
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available; use device='cpu'")
         return torch.device(self.device)

@@ -41,6 +41,7 @@ from rollout.bench.common import (
     save_figure,
     write_result,
 )
+from rollout.config import auto_device
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
@@ -126,12 +127,6 @@ def useful_lengths(seqs: torch.Tensor, eos_ids: set[int], ignore_eos: bool) -> l
     return out
 
 
-def hf_device() -> torch.device:
-    """Where the ``transformers`` baseline runs: where the engine's ``device="auto"`` puts the engine (CUDA
-    when there is one, else the CPU), so that a ratio never sets a GPU engine against a CPU ``generate``."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -140,7 +135,7 @@ def _sync(device: torch.device) -> None:
 def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dict:
     from transformers import AutoModelForCausalLM
 
-    dev = hf_device()
+    dev = auto_device()  # where the engine runs: never a GPU engine against a CPU baseline
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else next(iter(eos_ids))
@@ -171,7 +166,7 @@ def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
     """Logprob of every completion token: one forward per micro-batch (right padding), fp32 log-softmax."""
     from transformers import AutoModelForCausalLM
 
-    dev = hf_device()
+    dev = auto_device()  # where the engine runs: never a GPU engine against a CPU baseline
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     total, t0 = 0, time.perf_counter()
     for i in range(0, len(pairs), hf_batch):
