@@ -710,6 +710,44 @@ def test_scatter_scaled_streams_aligned_fp32_rows_with_the_same_bits_and_counts(
         torch.testing.assert_close(buffer, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_scatter_scaled_splits_a_large_bucket_between_threads_with_the_same_bits_and_count():
+    """A bucket past 2^17 values a thread is cut into runs of whole pieces, one per thread torch allows (the last
+    bucket of an adapter push, nothing left on the wire, takes every core): each piece is written by one
+    thread, so one thread and two write the same bits, and the non-finite values each thread met add
+    up (NaNs in the first piece, the middle and the last)."""
+    from rollout.layers import cpu_build
+    from rollout.layers.cpu_copy import scatter_plan
+
+    g = torch.Generator().manual_seed(7)
+    rows, cols, n = 128, 16, 160  # B pieces of a fused linear: 16 of every 48 columns, 2.5 * 2^17 values
+    slot = torch.randn(n * rows * cols, generator=g).view(torch.uint8)
+    srcs = [slot.view(torch.float32)[i * rows * cols:(i + 1) * rows * cols].view(rows, cols) for i in range(n)]
+    for i in (0, n // 2, n // 2 + 1, n - 1):
+        srcs[i][i % rows, i % cols] = float("nan")
+    buffer = torch.full((n * rows * 48,), -1.0)
+    blocks = buffer.view(n, rows, 48)
+    pieces = [(s, blocks[i][:, 16 * (i % 3):16 * (i % 3) + 16], 0.5 + i / n) for i, s in enumerate(srcs)]
+    plan, scales = scatter_plan(slot, buffer, pieces)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for isa in cpu_capability().runnable_isas:
+                buffer.fill_(-1.0)
+                assert int(cpu_build.kernels_for(isa).scatter_scaled(slot, buffer, plan, scales)) == 4, (t, isa)
+                outs.append(buffer.clone())
+    finally:
+        torch.set_num_threads(threads)
+    want = torch.full_like(buffer, -1.0)
+    for (s, d, sc) in pieces:
+        w = want[d.storage_offset():].as_strided(d.shape, d.stride())
+        w.copy_(s)
+        w.mul_(sc)
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, arch, monkeypatch):
     """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, and the

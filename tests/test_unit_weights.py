@@ -96,6 +96,53 @@ def test_buckets_cover_wire_order_within_their_limits():
     assert [len(b) for b in bucket_specs(big, 1024)] == [1, 1]  # a tensor larger than a bucket goes alone
 
 
+def test_an_adapters_buckets_break_where_its_a_tensors_end():
+    """A LoRA call in ``rollout.weights.lora.wire_order`` (every A, then every B): no bucket holds both, so
+    the A buckets can land in place in the engine's adapter buffer; the first bucket is not held to
+    ``FIRST_BUCKET_BYTES`` (an adapter is sent from the one buffer its trainer holds it in)."""
+    from rollout.weights.lora import wire_order as lora_order
+
+    big = FIRST_BUCKET_BYTES // 4  # fp32 values: two A tensors already pass the first-bucket limit
+    names = [f"base_model.model.model.layers.{i}.self_attn.{m}_proj.lora_{ab}.weight"
+             for i in range(3) for m in "qv" for ab in "AB"]
+    specs = [(n, torch.float32, (big // 4, 4) if ".lora_A." in n else (64, 16)) for n in names]
+    specs = [specs[i] for i in lora_order(names)]
+    n_a = sum(".lora_A." in n for n in names)
+    buckets = list(bucket_specs(specs, 64 << 20))
+    assert [len(b) for b in buckets] == [n_a, len(names) - n_a]  # A (past FIRST_BUCKET_BYTES), then B
+    for bucket_bytes in (3 * big * 4 // 2, 4096):  # smaller buckets: never an A beside a B
+        buckets = list(bucket_specs(specs, bucket_bytes))
+        assert [s for b in buckets for s in b] == specs
+        assert all(len({".lora_A." in s[0] for s in b}) == 1 for b in buckets), [[s[0][-15:] for s in b] for b in buckets]
+    # a full model's call keeps its small first bucket
+    full = [(f"model.layers.{i}.mlp.up_proj.weight", torch.float32, (big // 4, 4)) for i in range(3)]
+    assert [len(b) for b in bucket_specs(full, 64 << 20)] == [1, 2]
+
+
+def test_call_specs_reuse_the_last_calls_tuples_only_while_the_lists_are_equal():
+    """``RolloutEngine``'s distributed calls convert names / dtypes / shapes once per distinct list: equal
+    lists give the very same tuples (the ranks then skip parsing them), a list changed in place does not."""
+    import numpy as np
+
+    from rollout.engine.engine import CallSpecs
+
+    calls = CallSpecs()
+    names, dtypes, shapes = ["a.weight", "b.weight"], ["float32", "bfloat16"], [[2, 3], torch.Size([4])]
+    first = calls(names, dtypes, shapes)
+    assert first == (("a.weight", "b.weight"), ("float32", "bfloat16"), ((2, 3), (4,)))
+    assert calls(list(names), list(dtypes), [[2, 3], torch.Size([4])]) is first  # equal lists: the same tuples
+    assert calls(tuple(names), tuple(dtypes), tuple(shapes)) is first
+    shapes[0][1] = 5  # changed in place: converted again
+    assert calls(names, dtypes, shapes)[2] == ((2, 5), (4,))
+    dtypes[1] = "float16"
+    assert calls(names, dtypes, shapes)[1] == ("float32", "float16")
+    arr = calls(np.array(names), dtypes, [np.array([2, 5]), np.array([4])])  # arrays: converted, never kept
+    assert arr == (("a.weight", "b.weight"), ("float32", "float16"), ((2, 5), (4,)))
+    assert calls(np.array(names), dtypes, [np.array([2, 5]), np.array([4])]) == arr
+    with pytest.raises(ValueError, match="lists of ints"):
+        calls(names, dtypes, [[2, "x"], [4]])
+
+
 def test_layout_offsets_are_aligned_and_disjoint():
     metas, total = layout([("a", torch.bfloat16, (3,)), ("b", torch.float32, (17, 2)), ("c", torch.int8, (1,))])
     assert [m.offset % ALIGN for m in metas] == [0, 0, 0]

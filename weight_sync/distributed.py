@@ -20,12 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weight_sync.layout import bucket_layouts, contiguous_run, dtype_name, pack, views
+from weight_sync.layout import bucket_layouts, contiguous_run, dtype_name, pack, spec_tuple, views
 from weight_sync.process_group import new_process_group
 
 DEFAULT_BUCKET_BYTES = 128 << 20
-# a LoRA adapter's buckets: small enough that a receiver copies one out while the next is on the wire
-ADAPTER_BUCKET_BYTES = 4 << 20
+# a LoRA adapter's buckets (cut where its A tensors end, ``layout.bucket_specs``): a rank-16 SmolLM2 adapter
+# goes as two messages, its A (9.6 MB, received in place) and its B (9.9 MB, copied out while nothing else
+# waits). 4 MiB buckets, to copy one out while the next travels, were ~10% slower on two cores (Zen 4,
+# gloo: each message costs ~0.1 ms, and the copy slows the transfer it overlaps by as much as it takes)
+ADAPTER_BUCKET_BYTES = 32 << 20
 # load_format of a distributed update: how the sender's broadcasts lay out the tensors of one call
 DIRECT = "direct"  # SGLang's default: one broadcast per tensor, in the call's order, exactly its bytes
 FLATTENED = "flattened_bucket"  # SGLang's flattened bucket: one broadcast, the tensors' bytes in order
@@ -105,9 +108,10 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     up front, and the (name, view) pairs are returned.
     Every wait has the group's timeout; a failure raises ``WeightGroupError`` naming the bucket.
     ``posted_first()``: work to do once the first receives are posted, while the first bytes travel.
-    ``on_raw(i, slot, metas)`` instead of ``on_bucket``: bucket ``i``'s bytes and its tensors' metas,
-    no views made (the same specs give the very same ``metas`` objects each call)."""
-    buckets = _bucket_layouts(tuple(specs), bucket_bytes)
+    ``on_raw(i, slot, metas, more)`` instead of ``on_bucket``: bucket ``i``'s bytes and its tensors' metas,
+    no views made (the same specs give the very same ``metas`` objects each call), and whether later
+    buckets are still to come (on the wire: copy beside the transfer's threads, or with every core)."""
+    buckets = _bucket_layouts(spec_tuple(specs), bucket_bytes)
     placed = [None] * len(buckets)
     kept = on_bucket is None and on_raw is None
     if kept:  # every bucket kept: its own buffer, all posted at once
@@ -119,9 +123,9 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         window = max(2, min(window, len(buckets)))
         if len(pool) < window or pool[0].numel() < need or pool[0].device != device:
             pool[:] = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(window)]
-        slots = [pool[i % window][:total] for i, (_, total) in enumerate(buckets)]
-        placed = [None if place is None else place(metas, total) for metas, total in buckets]
-        slots = [p if p is not None else slot for p, slot in zip(placed, slots)]
+        if place is not None:
+            placed = [place(metas, total) for metas, total in buckets]
+        slots = [p if p is not None else pool[i % window][:total] for i, (p, (_, total)) in enumerate(zip(placed, buckets))]
     opts = dist.BroadcastOptions()
     opts.rootRank = group.src
     posted, staged = {}, []
@@ -144,7 +148,7 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
         if on_raw is not None:
-            on_raw(i, slots[i], metas)  # overlaps the next bucket's transfer
+            on_raw(i, slots[i], metas, i + 1 < len(buckets))  # overlaps the next bucket's transfer
         elif kept:
             staged.extend(views(slots[i], metas))
         else:

@@ -4,7 +4,7 @@
   holds it, fp32) against ``update_weights_from_tensor`` of the whole model in the engine's dtype and
   against a bare ``copy_`` of the adapter's bytes (each the best of ``--repeats``);
 - distributed push: ``load_lora_adapter_from_distributed`` from a trainer process over gloo (the
-  adapter held in one buffer, as ``trainer_bridge.lora.adapter_tensors`` holds it) in our 4 MiB
+  adapter held in one buffer, as ``trainer_bridge.lora.adapter_tensors`` holds it) in our
   buckets and in miles' one-broadcast-per-tensor layout, against bare broadcasts of the same bytes;
 - push to first token: from the start of an adapter push to the first token served on it;
 - decode: the decode step with adapters against the same batch on the base weights — one adapter
@@ -56,7 +56,7 @@ def _bench_push(engine: RolloutEngine, path: str, adapter: list, config: dict, r
             "adapter_vs_full": full_s / adapter_s, "fraction_of_raw": copy_s / adapter_s}
 
 
-ADAPTER_LAYOUTS = ("direct", "rollout_bucket")  # miles' one broadcast per tensor; ours, in 4 MiB buckets
+ADAPTER_LAYOUTS = ("direct", "rollout_bucket")  # miles' one broadcast per tensor; ours (its A, then its B)
 
 
 def _adapter_sender(port: int, adapter: list, repeats: int) -> None:

@@ -102,25 +102,43 @@ at::Tensor scatter_scaled(at::Tensor src, at::Tensor dst, at::Tensor plan, at::T
     TORCH_CHECK(q[0] % item[q[1]] == 0 && q[0] + ((q[2] - 1) * q[4] + q[3]) * item[q[1]] <= src_bytes &&
                 q[5] + (q[2] - 1) * q[6] + q[3] <= dst_len, "scatter_scaled: plan row ", i, " lies outside a buffer");
   }
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t* q = p + i * 7;
-    const uint8_t* s = sb + q[0];
-    float* d = db + q[5];
-    if (q[1] == 0 && static_cast<const void*>(s) == static_cast<const void*>(d) && q[4] == q[6] && sc[i] == 1.0f)
-      bad += count_piece(d, q[2], q[3], q[6]);  // received in place: already what a copy would write
-    else if (q[1] == 0)
-      bad += scatter_piece_f32(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
-    else if (q[1] == 1)
-      bad += scatter_piece(reinterpret_cast<const at::BFloat16*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
-    else
-      bad += scatter_piece(reinterpret_cast<const at::Half*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+  // pieces split between the threads torch allows (one while a transfer still runs: the caller's choice), as
+  // runs of whole pieces of about equal bytes; each piece is written by one thread, so the bits never depend on it
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += p[i * 7 + 2] * p[i * 7 + 3];
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total >> 17));
+  std::vector<int64_t> cut(parts + 1, n), bad(parts, 0);
+  cut[0] = 0;
+  for (int64_t i = 0, k = 1, acc = 0; i < n && k < parts; ++i) {
+    acc += p[i * 7 + 2] * p[i * 7 + 3];
+    if (acc * parts >= total * k) cut[k++] = i + 1;
   }
+  at::parallel_for(0, parts, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      int64_t b = 0;
+      for (int64_t i = cut[k]; i < cut[k + 1]; ++i) {
+        const int64_t* q = p + i * 7;
+        const uint8_t* s = sb + q[0];
+        float* d = db + q[5];
+        if (q[1] == 0 && static_cast<const void*>(s) == static_cast<const void*>(d) && q[4] == q[6] && sc[i] == 1.0f)
+          b += count_piece(d, q[2], q[3], q[6]);  // received in place: already what a copy would write
+        else if (q[1] == 0)
+          b += scatter_piece_f32(reinterpret_cast<const float*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+        else if (q[1] == 1)
+          b += scatter_piece(reinterpret_cast<const at::BFloat16*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+        else
+          b += scatter_piece(reinterpret_cast<const at::Half*>(s), d, q[2], q[3], q[4], q[6], sc[i]);
+      }
+      bad[k] = b;
+    }
 #if ROLLOUT_LANES >= 8
-  _mm_sfence();  // the streamed rows are visible before anyone reads the buffer
+    _mm_sfence();  // this thread's streamed rows are visible before anyone reads the buffer
 #endif
+  });
   auto out = plan.new_empty({});
-  *out.data_ptr<int64_t>() = bad;
+  int64_t sum = 0;
+  for (int64_t b : bad) sum += b;
+  *out.data_ptr<int64_t>() = sum;
   return out;
 }
 """

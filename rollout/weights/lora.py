@@ -31,7 +31,7 @@ from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LORA_DTYPE, LoraSlots
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
-from weight_sync.layout import contiguous_run, views
+from weight_sync.layout import contiguous_run, spec_tuple, views
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -312,7 +312,7 @@ class AdapterLayout:
 
     def __init__(self, model: nn.Module, name_map: dict, config: AdapterConfig, specs, max_rank: int,
                  device: torch.device, max_bytes: Optional[int] = None, spare: Optional[AdapterPlan] = None):
-        specs = tuple((name, dtype, tuple(shape)) for name, dtype, shape in specs)
+        specs = spec_tuple(specs)  # as the rank's call gave it (hashed once): no new tuple, no new hash
         key = (specs, config.r, config.lora_alpha, config.use_rslora, tuple(sorted(config.alpha_pattern.items())),
                max_rank)
         cache = _RECIPES.setdefault(model, {})
@@ -477,14 +477,16 @@ def lora_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def install(model: nn.Module, slot: int, plan: AdapterPlan) -> None:
-    """Put a planned adapter in ``slot`` (whatever the slot held before is dropped first)."""
-    remove(model, slot)
+def install(model: nn.Module, slot: int, plan: AdapterPlan, held: Optional[AdapterPlan] = None) -> None:
+    """Put a planned adapter in ``slot``; ``held``: what the slot holds now (dropped first), or None for
+    an empty slot — then no linear is visited twice (a push installs into a slot ``remove`` emptied)."""
+    if held is not None:
+        remove(model, slot, held)
     for layer, weights in plan.items:
         layer.lora.adapters[slot] = weights
 
 
-def remove(model: nn.Module, slot: int) -> None:
-    """Empty ``slot`` in every linear."""
-    for layer in lora_layers(model):
+def remove(model: nn.Module, slot: int, held: Optional[AdapterPlan] = None) -> None:
+    """Empty ``slot`` in the linears of ``held`` (the adapter in it), or in every linear when not given."""
+    for layer in lora_layers(model) if held is None else [layer for layer, _ in held.items]:
         layer.lora.adapters.pop(slot, None)

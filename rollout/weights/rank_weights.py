@@ -17,6 +17,7 @@ midway; a multi-call transaction holds what it staged until commit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -70,7 +71,7 @@ from weight_sync.distributed import (
     receive_buckets,
     receive_exact,
 )
-from weight_sync.layout import contiguous_run, dtype_from_name
+from weight_sync.layout import SpecTuple, contiguous_run, dtype_from_name
 from weight_sync.shm import open_bucket
 
 # What a rank reports when another rank's vote rejected the update.
@@ -93,12 +94,12 @@ class Transaction:
 @functools.lru_cache(maxsize=8)
 def _parse_specs(names: tuple, dtypes: tuple, shapes: tuple) -> tuple:
     """((name, dtype, shape), ...) of a distributed call (kept: a trainer sends the same lists every step)."""
-    return tuple((n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
-                 for n, d, s in zip(names, dtypes, shapes))
+    return SpecTuple((n, dtype_from_name(d) if isinstance(d, str) else d, tuple(int(x) for x in s))
+                     for n, d, s in zip(names, dtypes, shapes))
 
 
-# an adapter's receives posted ahead, in bytes: the sender never waits for a buffer (a rank-16 SmolLM2
-# adapter, 20 MB: all of it)
+# an adapter's receives posted ahead, in bytes (at least two buckets): the sender never waits for a buffer
+# (a rank-16 SmolLM2 adapter, 20 MB: all of it)
 LORA_RECEIVE_BYTES = 32 << 20
 
 
@@ -113,6 +114,7 @@ class RankWeights:
         self.probe_buffer: Optional[torch.Tensor] = None
         self.lora_plans: dict[int, lora.AdapterPlan] = {}  # slot -> its adapter (views of one buffer)
         self.lora_spare: Optional[lora.AdapterPlan] = None  # a collected adapter, lent to the load that follows
+        self.last_specs: Optional[tuple] = None  # (names, dtypes, shapes, specs) of the last distributed call
         self.lora_pool: list[torch.Tensor] = []  # adapters' two receive buffers (their copy programs view them)
 
     def handle(self, msg) -> WeightResult:
@@ -180,8 +182,8 @@ class RankWeights:
             case ReceiveLora():
                 return self._receive_lora(msg)
             case UnloadLora():
-                lora.remove(self.runner.model, msg.slot)
                 plan = self.lora_plans.pop(msg.slot, None)
+                lora.remove(self.runner.model, msg.slot, plan)
                 freed = 0 if plan is None else plan.nbytes()
                 if msg.keep_spare:
                     self.lora_spare = plan
@@ -209,7 +211,7 @@ class RankWeights:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE, **detail)
         assert plan is not None
-        lora.install(self.runner.model, msg.slot, plan)
+        lora.install(self.runner.model, msg.slot, plan, self.lora_plans.get(msg.slot))
         self.lora_plans[msg.slot] = plan
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
                                f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,
@@ -244,9 +246,9 @@ class RankWeights:
                 with one_cpu_thread(self.device):  # the transfer's own threads keep the cores busy
                     layout.write(named)
 
-        def write_bucket(i: int, slot: torch.Tensor, metas) -> None:
-            if layout is not None:
-                with one_cpu_thread(self.device):
+        def write_bucket(i: int, slot: torch.Tensor, metas, more: bool) -> None:
+            if layout is not None:  # the last bucket: nothing travels any more, every core copies
+                with one_cpu_thread(self.device) if more else contextlib.nullcontext():
                     layout.write_bucket((msg.bucket_bytes, i, slot.data_ptr(), slot.numel()), slot, metas)
 
         in_place = 0
@@ -452,10 +454,18 @@ class RankWeights:
             return f"no weight update group {msg.group_name!r}: call init_weights_update_group first", []
         if not (len(msg.names) == len(msg.dtypes) == len(msg.shapes)):
             return "names, dtypes and shapes must have the same length", []
+        last = self.last_specs  # the same call as the last one (a trainer's every step): its very tuples, or
+        # equal ones from another process (compared element by element: microseconds, not a parse)
+        if last is not None and msg.names == last[0] and msg.dtypes == last[1] and msg.shapes == last[2]:
+            return None, last[3]
         try:
-            return None, _parse_specs(tuple(msg.names), tuple(msg.dtypes), tuple(tuple(s) for s in msg.shapes))
+            specs = _parse_specs(tuple(msg.names), tuple(msg.dtypes), tuple(tuple(s) for s in msg.shapes))
         except (ValueError, TypeError) as exc:
             return str(exc), []
+        if type(msg.names) is tuple and type(msg.dtypes) is tuple and type(msg.shapes) is tuple and \
+                all(type(s) is tuple for s in msg.shapes):  # immutable: safe to compare against later
+            self.last_specs = (msg.names, msg.dtypes, msg.shapes, specs)
+        return None, specs
 
     def _group_kind(self, group_name: str) -> Optional[str]:
         """``WeightResult.GROUP`` when this rank has no such group (never joined, or torn down after a
