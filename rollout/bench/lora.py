@@ -59,10 +59,17 @@ def _bench_push(engine: RolloutEngine, path: str, adapter: list, config: dict, r
 ADAPTER_LAYOUTS = ("direct", "rollout_bucket")  # miles' one broadcast per tensor; ours (its A, then its B)
 
 
+# a broadcast that starts each timed transfer, received by the engine just before it: without it the
+# sender runs ahead into the next transfer while the engine still finishes the last one, and the loopback
+# socket buffers (4 MiB to send, up to 32 MiB to receive) hold megabytes of it before the receive is posted
+# — a bare broadcast timed from its post then times only what was not already there
+GO_BYTES = 64
+
+
 def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
     """The trainer's side (its own process): per layout and repeat, a bare broadcast of the adapter's
     bytes as one message, then the adapter as that layout sends it, held as our trainer holds it (in
-    one buffer, ``trainer_bridge.lora.adapter_tensors``)."""
+    one buffer, ``trainer_bridge.lora.adapter_tensors``); each after a ``GO_BYTES`` start signal."""
     torch.set_num_threads(1)  # the engine's process computes beside it on the same cores
     import torch.distributed as dist
 
@@ -72,8 +79,10 @@ def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
     sender = WeightUpdateSender("127.0.0.1", port, 2, "bench-lora", timeout_s=120)
     held = FlattenedTensorBucket(adapter)
     flat, adapter = held.buffer, held.named_tensors()
+    go = torch.zeros(GO_BYTES, dtype=torch.uint8)
     for load_format in ADAPTER_LAYOUTS:
         for _ in range(repeats + 1):
+            broadcast(sender.group, go)
             if load_format == "direct":  # bare: every tensor's own broadcast, posted at once
                 opts = dist.BroadcastOptions()
                 opts.rootRank = 0
@@ -81,6 +90,7 @@ def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
                     sender.group.wait(work)
             else:
                 broadcast(sender.group, flat)
+            broadcast(sender.group, go)
             sender.send(adapter, bucket_bytes=ADAPTER_BUCKET_BYTES, load_format=load_format)
     sender.close()
 
@@ -88,7 +98,9 @@ def _adapter_sender(port: int, adapter: list, repeats: int) -> None:
 def _bench_distributed_push(engine: RolloutEngine, adapter: list, config: dict, repeats: int) -> dict:
     """``load_lora_adapter_from_distributed`` from a sender process over gloo, against bare broadcasts
     of the same bytes on the same group — one message for our buckets, one per tensor for miles'
-    ``direct`` — each the best of ``repeats`` (at least 40), after one warm-up."""
+    ``direct`` — each the best of ``repeats`` (at least 40), after one warm-up. Both sides start each
+    transfer together (``GO_BYTES``); the push is timed by its caller, the bare broadcast from its post
+    on the rank (the engine's call around it not counted)."""
     import multiprocessing as mp
 
     from weight_sync.process_group import free_port
@@ -103,11 +115,14 @@ def _bench_distributed_push(engine: RolloutEngine, adapter: list, config: dict, 
     names, dtypes, shapes = WeightUpdateSender.describe(adapter)
     sizes = [t.numel() * t.element_size() for _, t in adapter]
     nbytes = sum(sizes)
-    res = {"adapter_bytes": nbytes, "tensors": len(adapter)}
+    res = {"adapter_bytes": nbytes, "tensors": len(adapter),
+           "start": f"each transfer after a {GO_BYTES}-byte broadcast both sides wait for"}
     for load_format in ADAPTER_LAYOUTS:
         raw, push = [], []
         for _ in range(repeats + 1):
+            engine.probe_weights_update_group("bench-lora", GO_BYTES)  # both sides start together
             raw.append(engine.probe_weights_update_group("bench-lora", nbytes, sizes if load_format == "direct" else None))
+            engine.probe_weights_update_group("bench-lora", GO_BYTES)
             t0 = time.perf_counter()
             out = engine.load_lora_adapter_from_distributed("dist", config, names, dtypes, shapes, "bench-lora",
                                                             load_format=load_format, bucket_bytes=ADAPTER_BUCKET_BYTES)

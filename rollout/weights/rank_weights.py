@@ -589,18 +589,20 @@ class RankWeights:
         if group is None:
             return WeightResult.fail(f"no weight update group {msg.group_name!r}")
         need = max(msg.nbytes, sum(msg.sizes))
-        if self.probe_buffer is None or self.probe_buffer.numel() != need:  # reused, like receive buffers
+        if self.probe_buffer is None or self.probe_buffer.numel() < need:  # reused, like receive buffers (a
+            # smaller probe between two large ones — a benchmark's start signal — takes its first bytes)
             self.probe_buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
+        buffer = self.probe_buffer[:need]
         t0 = time.perf_counter()
         if msg.sizes:  # one bare broadcast per tensor, all posted at once
             opts = dist.BroadcastOptions()
             opts.rootRank = group.src
             offsets = [0, *itertools.accumulate(msg.sizes)]
-            works = [group.pg.broadcast([self.probe_buffer[a:b]], opts) for a, b in zip(offsets, offsets[1:])]
+            works = [group.pg.broadcast([buffer[a:b]], opts) for a, b in zip(offsets, offsets[1:])]
             for work in works:
                 group.wait(work)
         else:
-            broadcast(group, self.probe_buffer, group.src)
+            broadcast(group, buffer, group.src)
         return WeightResult.ok("probe received", num_bytes=msg.nbytes, value=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ reading weights back
