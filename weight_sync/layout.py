@@ -144,15 +144,16 @@ def bucket_specs(specs: Iterable[Spec], bucket_bytes: int) -> Iterator[list[Spec
     specs = list(specs)
     specs = [specs[i] for i in wire_order([s[0] for s in specs])]
     lora = bool(specs) and _LORA_A.search(specs[0][0]) is not None
-    bucket, size, limit = [], 0, bucket_bytes if lora else min(bucket_bytes, FIRST_BUCKET_BYTES)
+    bucket, size, limit, in_a = [], 0, bucket_bytes if lora else min(bucket_bytes, FIRST_BUCKET_BYTES), lora
     for spec in specs:
         n = aligned_nbytes(spec[1], spec[2])
-        if bucket and (size + n > limit or (lora and _LORA_A.search(bucket[-1][0]) is not None and
-                                            _LORA_A.search(spec[0]) is None)):
+        is_a = lora and _LORA_A.search(spec[0]) is not None
+        if bucket and (size + n > limit or (in_a and not is_a)):  # past the limit, or the first B
             yield bucket
             bucket, size, limit = [], 0, bucket_bytes
         bucket.append(spec)
         size += n
+        in_a = is_a
     if bucket:
         yield bucket
 
