@@ -672,6 +672,20 @@ def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_fi
     for isa in cpu_capability().runnable_isas:
         assert int(cpu_build.kernels_for(isa).scatter_scaled(place.view(torch.uint8), buffer, plan, scales)) == 2
         torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
+    # counted a vector at a time, then the rest one by one: rows back to back (185 values as one run) and rows
+    # apart (20 of every 24), a non-finite value in a vector and in a row's last values; the largest finite
+    # float is finite
+    run, apart = buffer[2000:2185], buffer[3000:3096].as_strided((4, 20), (24, 1))
+    run.copy_(torch.randn(185, generator=g))
+    apart.copy_(torch.randn(4, 20, generator=g))
+    run[3], run[180], run[184], run[100] = float("nan"), float("inf"), float("-inf"), 3.4028234663852886e38
+    apart[0, 0], apart[3, 19], apart[1, 17], apart[2, 5] = float("-inf"), float("nan"), float("inf"), -3.4028234663852886e38
+    before = buffer.clone()
+    plan, scales = scatter_plan(buffer.view(torch.uint8), buffer, [(run.view(5, 37), run.view(5, 37), None),
+                                                                  (apart, apart, None)])
+    for isa in cpu_capability().runnable_isas:
+        assert int(cpu_build.kernels_for(isa).scatter_scaled(buffer.view(torch.uint8), buffer, plan, scales)) == 6
+        torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
 
 
 def test_scatter_scaled_streams_aligned_fp32_rows_with_the_same_bits_and_counts():
