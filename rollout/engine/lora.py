@@ -86,8 +86,9 @@ class EngineLora:
         else:
             error = None
 
-        def message(slot: Optional[int], left: Optional[int]) -> ReceiveLora:
-            load = LoadLora(-1 if slot is None else slot, name, dict(config), max_rank=self.max_rank, max_bytes=left)
+        def message(slot: Optional[int], left: Optional[int], collect: tuple[int, ...]) -> ReceiveLora:
+            load = LoadLora(-1 if slot is None else slot, name, dict(config), max_rank=self.max_rank, max_bytes=left,
+                            collect=collect)
             return ReceiveLora(load, *spec)
 
         return self._run(name, message, "distributed", pinned, t0, weight_version, refused=error, drain=True)
@@ -97,12 +98,13 @@ class EngineLora:
         if not all(isinstance(t, torch.Tensor) for _, t in named):
             return WeightResult.fail(f"adapter {name!r}: every value must be a tensor")
 
-        def message(slot: Optional[int], left: Optional[int]) -> LoadLora:
+        def message(slot: Optional[int], left: Optional[int], collect: tuple[int, ...]) -> LoadLora:
             assert slot is not None
             if self.weights.ranks_in_other_processes:
                 return LoadLora(slot, name, config, handle=self.weights.write_bucket(named), max_rank=self.max_rank,
-                                max_bytes=left)
-            return LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left)
+                                max_bytes=left, collect=collect)
+            return LoadLora(slot, name, config, named_tensors=tuple(named), max_rank=self.max_rank, max_bytes=left,
+                            collect=collect)
 
         return self._run(name, message, source, pinned, t0, weight_version)
 
@@ -113,9 +115,14 @@ class EngineLora:
         drop), so that the sender's broadcasts complete; its answer is then the refusal."""
 
         def on_loop() -> WeightResult:
-            self._collect(keep_spare=True)  # a retired version's memory, reused by this load
             reg = self.registry
-            slot = reg.free_slot()
+            # retired versions no request uses are emptied by the ranks as this load's first step (no round
+            # trip of their own); the last one's memory is lent to it, and its slot taken: a new version of
+            # the same adapter then lands in the views the collected one had, with nothing to install
+            collected = tuple(av.slot for av in reg.collectable(self.scheduler.requests.values()))
+            for slot in collected:
+                reg.drop(reg.resident[slot])
+            slot = collected[-1] if collected else reg.free_slot()
             error = refused
             if error is None and slot is None:
                 names = sorted({av.name for av in reg.resident.values()})
@@ -123,11 +130,13 @@ class EngineLora:
                          f"resident ({', '.join(names)}); unload one or raise max_loaded_loras")
             if error is not None:
                 if drain:
-                    self.worker.run_weight_op(message(None, None))
+                    self.worker.run_weight_op(message(None, None, collected))
+                else:
+                    self._empty(collected)
                 return WeightResult.fail(error).published(self.scheduler.weight_version, time.perf_counter() - t0)
             left = None if self.max_memory_bytes is None else \
                 max(0, self.max_memory_bytes - sum(av.nbytes for av in reg.resident.values()))
-            msg = message(slot, left)
+            msg = message(slot, left, collected)
             result = self.worker.run_weight_op(msg)
             if result.success:
                 av = reg.add(name, slot, nbytes=result.num_bytes, max_rank=result.detail.get("max_rank", 0),
@@ -162,15 +171,21 @@ class EngineLora:
 
         return self.loop.call(on_loop)
 
-    def _collect(self, keep_spare: bool = False) -> int:
-        """Empty the slots of retired versions no running request uses (on the loop); ``keep_spare``:
-        the ranks keep the last one's memory for the load that follows."""
+    def _collect(self) -> int:
+        """Empty the slots of retired versions no running request uses (on the loop)."""
+        collected = [av.slot for av in self.registry.collectable(self.scheduler.requests.values())]
+        for slot in collected:
+            self.registry.drop(self.registry.resident[slot])
+        return self._empty(collected)
+
+    def _empty(self, slots) -> int:
+        """The ranks free ``slots`` (dropped from the registry already); the bytes freed."""
         freed = 0
-        for av in self.registry.collectable(self.scheduler.requests.values()):
-            result = self.worker.run_weight_op(UnloadLora(av.slot, keep_spare))
-            if result.success:
-                freed += int(result.detail.get("freed_bytes", 0))
-                self.registry.drop(av)
+        for slot in slots:
+            result = self.worker.run_weight_op(UnloadLora(slot))
+            if not result.success:
+                raise RuntimeError(f"emptying adapter slot {slot} failed: {result.message}")
+            freed += int(result.detail.get("freed_bytes", 0))
         return freed
 
     def names(self) -> list[str]:

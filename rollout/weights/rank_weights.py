@@ -114,6 +114,9 @@ class RankWeights:
         self.probe_buffer: Optional[torch.Tensor] = None
         self.lora_plans: dict[int, lora.AdapterPlan] = {}  # slot -> its adapter (views of one buffer)
         self.lora_spare: Optional[lora.AdapterPlan] = None  # a collected adapter, lent to the load that follows
+        # (slot, plan) of that collected adapter while its entries are still in the linears: a load into the
+        # same slot over the same views (every push of a training run) then has nothing to install
+        self.lora_lingering: Optional[tuple[int, lora.AdapterPlan]] = None
         self.last_specs: Optional[tuple] = None  # (names, dtypes, shapes, specs) of the last distributed call
         self.lora_pool: list[torch.Tensor] = []  # adapters' two receive buffers (their copy programs view them)
 
@@ -176,19 +179,42 @@ class RankWeights:
             case WeightsChecksum():
                 return self._checksum()
             case LoadLora():
-                if msg.handle is not None:
-                    return self._with_bucket(msg.handle, lambda named: self._load_lora(msg, named), vote=True)
-                return self._load_lora(msg, msg.named_tensors)
+                with self._collecting(msg.collect):
+                    if msg.handle is not None:
+                        return self._with_bucket(msg.handle, lambda named: self._load_lora(msg, named), vote=True)
+                    return self._load_lora(msg, msg.named_tensors)
             case ReceiveLora():
-                return self._receive_lora(msg)
+                with self._collecting(msg.load.collect):
+                    return self._receive_lora(msg)
             case UnloadLora():
                 plan = self.lora_plans.pop(msg.slot, None)
                 lora.remove(self.runner.model, msg.slot, plan)
-                freed = 0 if plan is None else plan.nbytes()
-                if msg.keep_spare:
-                    self.lora_spare = plan
-                return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=freed)
+                return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=0 if plan is None else plan.nbytes())
         raise TypeError(f"not a weight message: {type(msg).__name__}")
+
+    @contextlib.contextmanager
+    def _collecting(self, slots: tuple[int, ...]):
+        """Around a load: empty ``slots`` (retired versions the engine collected with it) first, the last
+        one's memory lent to the load (``lora_spare``) with its entries left in the linears; once the load
+        is settled, whatever entries are left of it go."""
+        self.lora_spare = None
+        for i, slot in enumerate(slots):
+            plan = self.lora_plans.pop(slot, None)
+            if i == len(slots) - 1 and plan is not None:
+                self.lora_spare, self.lora_lingering = plan, (slot, plan)
+            else:
+                lora.remove(self.runner.model, slot, plan)
+        try:
+            yield
+        finally:
+            self._drop_lingering()
+            self.lora_spare = None
+
+    def _drop_lingering(self) -> None:
+        if self.lora_lingering is not None:
+            slot, plan = self.lora_lingering
+            self.lora_lingering = None
+            lora.remove(self.runner.model, slot, plan)
 
     def _take_spare(self) -> Optional[lora.AdapterPlan]:
         spare, self.lora_spare = self.lora_spare, None  # used by this load, or dropped
@@ -211,7 +237,13 @@ class RankWeights:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE, **detail)
         assert plan is not None
-        lora.install(self.runner.model, msg.slot, plan, self.lora_plans.get(msg.slot))
+        lingering, self.lora_lingering = self.lora_lingering, None
+        if lingering is not None and lingering[0] == msg.slot and lingering[1].items is plan.items:
+            pass  # the collected version's entries in this slot are these very views, now holding this version
+        else:
+            if lingering is not None:
+                lora.remove(self.runner.model, *lingering)
+            lora.install(self.runner.model, msg.slot, plan, self.lora_plans.get(msg.slot))
         self.lora_plans[msg.slot] = plan
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
                                f"rank <= {plan.max_rank})", num_bytes=plan.nbytes(), modules=plan.modules,

@@ -205,7 +205,9 @@ class WeightsChecksum:
 class LoadLora:
     """A LoRA adapter (peft's config and tensors) into ``slot`` of every linear it targets, all or
     nothing (``rollout.weights.lora``): the tensors themselves in this process, else a shared-memory
-    or CUDA-IPC bucket's handle. The base weights are not touched."""
+    or CUDA-IPC bucket's handle. The base weights are not touched. ``collect``: slots of retired versions
+    the engine collects with this load, emptied first; the last one's memory is lent to it (reused when
+    its adapter has the same size: a new version of the same adapter)."""
 
     slot: int
     name: str
@@ -214,6 +216,7 @@ class LoadLora:
     handle: Optional[dict] = None
     max_rank: int = 64
     max_bytes: Optional[int] = None  # what the memory budget leaves for it on a rank (None: no budget)
+    collect: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -236,11 +239,9 @@ class ReceiveLora:
 
 @dataclass(frozen=True)
 class UnloadLora:
-    """Empty an adapter slot (its memory freed; with ``keep_spare``, kept for the load that follows,
-    which reuses it when its adapter has the same size: a new version of the same adapter)."""
+    """Empty an adapter slot (its memory freed)."""
 
     slot: int
-    keep_spare: bool = False
 
 
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
