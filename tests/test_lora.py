@@ -137,6 +137,15 @@ def test_the_prefix_cache_is_keyed_by_adapter_version_and_adapter_loads_flush_no
     assert engine.load_lora_adapter("a", path_b).success
     v2 = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
     assert v2.num_cached_tokens == 0
+    assert v2.output_token_ids == hf_lora_greedy(base, path_b, long_prompt, NEW)[0]
+    # version 3 takes the slot of version 1 (retired by version 2's load, collected by this one), and none of
+    # version 1's modules it does not target is left there (version 1: every linear; 2 and 3: q and v only)
+    slot_1 = {a["version"]: a["slot"] for a in engine.list_lora_adapters()}[1]
+    assert engine.load_lora_adapter("a", path_b).success
+    assert [(a["version"], a["slot"]) for a in engine.list_lora_adapters() if a["version"] == 3] == [(3, slot_1)]
+    assert {a["version"] for a in engine.list_lora_adapters()} == {2, 3}
+    v3 = engine.generate(input_ids=long_prompt, sampling_params=GREEDY, lora_path="a")[0]
+    assert v3.num_cached_tokens == 0 and v3.output_token_ids == v2.output_token_ids
 
 
 def test_a_request_finishes_on_the_version_it_started_with(make_engine, adapters):
