@@ -119,9 +119,7 @@ class EngineLora:
             # retired versions no request uses are emptied by the ranks as this load's first step (no round
             # trip of their own); the last one's memory is lent to it, and its slot taken: a new version of
             # the same adapter then lands in the views the collected one had, with nothing to install
-            collected = tuple(av.slot for av in reg.collectable(self.scheduler.requests.values()))
-            for slot in collected:
-                reg.drop(reg.resident[slot])
+            collected = reg.collect(self.scheduler.requests.values())
             slot = collected[-1] if collected else reg.free_slot()
             error = refused
             if error is None and slot is None:
@@ -164,21 +162,14 @@ class EngineLora:
                 return WeightResult.fail(f"LoRA adapter {name!r} is in use by {busy} running request(s); abort them or "
                                          f"unload it once they finish")
             reg.retire(name)
-            freed = self._collect()
+            freed = self._empty(reg.collect(self.scheduler.requests.values()))
             return WeightResult.ok(f"adapter {name!r} unloaded", freed_bytes=freed,
                                    loaded_adapters=reg.describe(self.scheduler.requests.values())).published(
                 self.scheduler.weight_version, time.perf_counter() - t0)
 
         return self.loop.call(on_loop)
 
-    def _collect(self) -> int:
-        """Empty the slots of retired versions no running request uses (on the loop)."""
-        collected = [av.slot for av in self.registry.collectable(self.scheduler.requests.values())]
-        for slot in collected:
-            self.registry.drop(self.registry.resident[slot])
-        return self._empty(collected)
-
-    def _empty(self, slots) -> int:
+    def _empty(self, slots: tuple[int, ...]) -> int:
         """The ranks free ``slots`` (dropped from the registry already); the bytes freed."""
         freed = 0
         for slot in slots:

@@ -75,10 +75,13 @@ class LoraRegistry:
                 counts[req.lora.slot] = counts.get(req.lora.slot, 0) + 1
         return counts
 
-    def collectable(self, requests: Iterable) -> list[AdapterVersion]:
-        """Retired versions no request in flight uses: their slots can be emptied."""
+    def collect(self, requests: Iterable) -> tuple[int, ...]:
+        """Drop the retired versions no request in flight uses; their slots, for the ranks to empty."""
         used = self.users(requests)
-        return [av for av in self.resident.values() if av.retired and not used.get(av.slot)]
+        slots = tuple(av.slot for av in self.resident.values() if av.retired and not used.get(av.slot))
+        for slot in slots:
+            del self.resident[slot]
+        return slots
 
     def free_slot(self) -> Optional[int]:
         return next((s for s in range(self.max_loaded) if s not in self.resident), None)
@@ -116,9 +119,6 @@ class LoraRegistry:
         av.retired = True
         self.aliases = {alias: target for alias, target in self.aliases.items() if target != name}
         return av
-
-    def drop(self, av: AdapterVersion) -> None:
-        self.resident.pop(av.slot, None)
 
     def versions_of(self, name: str) -> list[AdapterVersion]:
         return [av for av in self.resident.values() if av.name == name]

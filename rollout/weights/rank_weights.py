@@ -113,10 +113,10 @@ class RankWeights:
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
         self.lora_plans: dict[int, lora.AdapterPlan] = {}  # slot -> its adapter (views of one buffer)
-        self.lora_spare: Optional[lora.AdapterPlan] = None  # a collected adapter, lent to the load that follows
-        # (slot, plan) of that collected adapter while its entries are still in the linears: a load into the
-        # same slot over the same views (every push of a training run) then has nothing to install
-        self.lora_lingering: Optional[tuple[int, lora.AdapterPlan]] = None
+        # (slot, plan) of a collected adapter during the load that collected it: its memory lent to that load,
+        # its entries still in the linears, so that a load into the same slot over the same views (every push
+        # of a training run) has nothing to install
+        self.lora_collected: Optional[tuple[int, lora.AdapterPlan]] = None
         self.last_specs: Optional[tuple] = None  # (names, dtypes, shapes, specs) of the last distributed call
         self.lora_pool: list[torch.Tensor] = []  # adapters' two receive buffers (their copy programs view them)
 
@@ -195,35 +195,33 @@ class RankWeights:
     @contextlib.contextmanager
     def _collecting(self, slots: tuple[int, ...]):
         """Around a load: empty ``slots`` (retired versions the engine collected with it) first, the last
-        one's memory lent to the load (``lora_spare``) with its entries left in the linears; once the load
-        is settled, whatever entries are left of it go."""
-        self.lora_spare = None
+        one's memory lent to the load (``lora_collected``) with its entries left in the linears; once the
+        load is settled, whatever entries are left of it go."""
         for i, slot in enumerate(slots):
             plan = self.lora_plans.pop(slot, None)
             if i == len(slots) - 1 and plan is not None:
-                self.lora_spare, self.lora_lingering = plan, (slot, plan)
+                self.lora_collected = (slot, plan)
             else:
                 lora.remove(self.runner.model, slot, plan)
         try:
             yield
         finally:
-            self._drop_lingering()
-            self.lora_spare = None
+            self._drop_collected()
 
-    def _drop_lingering(self) -> None:
-        if self.lora_lingering is not None:
-            slot, plan = self.lora_lingering
-            self.lora_lingering = None
+    def _drop_collected(self) -> None:
+        if self.lora_collected is not None:
+            slot, plan = self.lora_collected
+            self.lora_collected = None
             lora.remove(self.runner.model, slot, plan)
 
-    def _take_spare(self) -> Optional[lora.AdapterPlan]:
-        spare, self.lora_spare = self.lora_spare, None  # used by this load, or dropped
-        return spare
+    def _spare(self) -> Optional[lora.AdapterPlan]:
+        """The memory a load may reuse: the collected adapter's (None outside a load that collected one)."""
+        return None if self.lora_collected is None else self.lora_collected[1]
 
     def _load_lora(self, msg: LoadLora, named) -> WeightResult:
         """Plan the whole adapter on this rank (names, shapes, finiteness, rank), vote, then install:
         every rank holds it, or none does. Base weights and their CPU copies are untouched."""
-        spare = self._take_spare()
+        spare = self._spare()
         error, plan = None, None
         try:
             plan = lora.plan_adapter(self.runner.model, self.runner.name_map, lora.AdapterConfig.from_peft(msg.config),
@@ -237,12 +235,11 @@ class RankWeights:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE, **detail)
         assert plan is not None
-        lingering, self.lora_lingering = self.lora_lingering, None
-        if lingering is not None and lingering[0] == msg.slot and lingering[1].items is plan.items:
-            pass  # the collected version's entries in this slot are these very views, now holding this version
+        collected = self.lora_collected
+        if collected is not None and collected[0] == msg.slot and collected[1].items is plan.items:
+            self.lora_collected = None  # its entries in this slot are these very views, now holding this version
         else:
-            if lingering is not None:
-                lora.remove(self.runner.model, *lingering)
+            self._drop_collected()
             lora.install(self.runner.model, msg.slot, plan, self.lora_plans.get(msg.slot))
         self.lora_plans[msg.slot] = plan
         return WeightResult.ok(f"adapter {msg.name!r} loaded into slot {msg.slot} ({len(plan.modules)} modules, "
@@ -260,7 +257,7 @@ class RankWeights:
                 self._vote(False)
             return WeightResult.fail(error, kind=self._group_kind(msg.group_name))
         layout = None
-        spare = self._take_spare()
+        spare = self._spare()
 
         def lay_out() -> None:  # runs while the first buckets are on the wire (or before, see below)
             nonlocal layout, error
