@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -117,16 +118,40 @@ def _cmd_serve(args) -> int:
                           stream_max_pending_bytes=int(args.stream_max_pending_mb * 2**20),
                           incremental_streaming_output=args.incremental_streaming_output,
                           enable_memory_saver=args.enable_memory_saver, host=args.host,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          render_timeout_s=args.render_timeout_s)
     adapters = _adapter_flags(args.lora_paths or []) + _adapter_flags(args.lora_modules or [])
-    with RolloutEngine(options.pop("model_path"), **options) as engine:
-        for name, path in adapters:  # the operator's adapters: links followed as for the model itself
-            result = engine.load_lora_adapter(name, path)
-            if not result.success:
-                raise SystemExit(f"--lora-paths {name}={path}: {result.message}")
-        uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
+    # uvicorn ends its graceful shutdown by raising the signal it caught again, under the handler that was
+    # in place before it started: ours, which unwinds through the engine's ``with`` (its orderly stop: the
+    # loop, the TP ranks, the buckets) instead of the default handler ending the process there
+    previous = {sig: signal.signal(sig, _stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with RolloutEngine(options.pop("model_path"), **options) as engine:
+            for name, path in adapters:  # the operator's adapters: links followed as for the model itself
+                result = engine.load_lora_adapter(name, path)
+                if not result.success:
+                    raise SystemExit(f"--lora-paths {name}={path}: {result.message}")
+            uvicorn.run(create_app(engine, server), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                        timeout_keep_alive=30, http=read_deadline_protocol(args.request_read_timeout_s))
+    except _Stopped as stop:
+        logging.getLogger("rollout.serve").info("stopped by %s: the engine is shut down", stop.name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT reached ``rollout serve`` outside uvicorn's own handling."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+
+
+def _stop_signal(signum, frame) -> None:
+    raise _Stopped(signum)
 
 
 def _adapter_flags(values: list[str]) -> list[tuple[str, str]]:
@@ -217,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how /v1/chat/completions reads tool calls out of a reply (auto: from the chat template)")
     s.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "think"],
                    help="split <think>...</think> into reasoning_content (auto: when the chat template has it)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat template text a request sends (chat_template; vLLM's flag). Off: such requests "
+                        "are refused (400) and only the model's template renders")
+    s.add_argument("--render-timeout-s", type=float, default=5.0,
+                   help="one chat rendering's time limit (a request whose conversation takes longer answers 400)")
     s.add_argument("--stream-max-pending-mb", type=float, default=8.0,
                    help="the most bytes of a stream's events that wait in the server for a reader that falls behind "
                         "(an event is sent in pieces within it)")

@@ -146,3 +146,16 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--fuzz-long"):
         os.environ["ROLLOUT_FUZZ_EXAMPLES"] = os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """After every test body (its servers, groups and routers still up): nothing of ours listens on
+    every interface (``helpers.wildcard_listeners``)."""
+    from helpers import wildcard_listeners
+
+    result = yield
+    wild = wildcard_listeners()
+    if wild:
+        raise AssertionError(f"listening on every interface (bind one address): {wild}")
+    return result

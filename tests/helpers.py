@@ -139,3 +139,24 @@ def restartable_port(avoid=()) -> int:
                 continue
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def wildcard_listeners() -> list[str]:
+    """Every TCP socket this process or any process it started listens on at a wildcard address
+    (0.0.0.0 or ::), as "pid name address:port". Nothing of ours ever should."""
+    import ipaddress
+
+    import psutil
+
+    me = psutil.Process()
+    found = []
+    for proc in [me] + me.children(recursive=True):
+        try:
+            conns = proc.net_connections(kind="tcp")
+            name = proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN and c.laddr and ipaddress.ip_address(c.laddr.ip).is_unspecified:
+                found.append(f"{proc.pid} {name} {c.laddr.ip}:{c.laddr.port}")
+    return found

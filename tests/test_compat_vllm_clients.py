@@ -257,10 +257,11 @@ def _torch_trainer(url: str, compat_model_b: str, port: int, plan: dict, q) -> N
                 out["update"] = (box["update"].status_code, box["update"].json())
                 out["continue"] = http.post("/areal_continue_generation").json()
             elif plan["kind"] == "trl":
-                r = http.post("/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2,
-                                                           "client_device_uuid": "cpu"})
+                r = http.post("/init_communicator/", json={"host": plan.get("host", "0.0.0.0"), "port": port,
+                                                           "world_size": 2, "client_device_uuid": "cpu"})
                 out["init"] = r.json()
                 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+                out["rendezvous_on"] = _listening_on(port)
                 for name, v in tensors:
                     dtype = "torch.float32" if name != plan.get("wrong") else "torch.float32"
                     http.post("/update_named_param/", json={"name": name, "dtype": dtype, "shape": list(v.shape)})
@@ -398,10 +399,20 @@ def test_trl_vllm_serve_routes_and_push(compat_srv, compat_model, compat_model_b
     assert _greedy(compat_srv) == pushed
     _restore(compat_srv, compat_model)
     # a parameter broadcast in another dtype than announced: the publish fails naming it, nothing changes
-    out = _push(url, compat_model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight")
+    # the wildcard spelled otherwise ("0x0" resolves to 0.0.0.0): the rendezvous still binds loopback only
+    out = _push(url, compat_model_b, kind="trl", wrong="model.layers.0.mlp.up_proj.weight", host="0x0")
+    assert out["rendezvous_on"] == ["127.0.0.1"], out["rendezvous_on"]
     status, answer = out["reset"]
     assert status == 400 and "model.layers.0.mlp.up_proj.weight" in answer["detail"], answer
     assert _greedy(compat_srv) == before
+
+
+def _listening_on(port: int) -> list[str]:
+    """The addresses something on this host listens on at ``port``."""
+    import psutil
+
+    return sorted({c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
 
 
 def test_packed_chunks_follow_vllms_rule():

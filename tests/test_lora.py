@@ -650,3 +650,50 @@ def test_the_weight_sync_benchmark_reports_an_adapter_push(tmp_path):
     assert lora["adapter_push_s"] > 0 and lora["distributed"]["adapter_bytes"] == lora["adapter_bytes"]
     assert all(lora["distributed"][f]["fraction_of_raw"] > 0 for f in ("direct", "rollout_bucket"))
     assert (tmp_path / "weight_sync.png").exists()
+
+
+def test_a_rank_zero_adapter_or_a_bad_pattern_is_refused_and_the_group_keeps_working(make_engine, adapters, tmp_path):
+    """A rank-0 adapter (``lora_A`` [0, in], ``lora_B`` [out, 0], a valid config) and an ``alpha_pattern``
+    key that is no regular expression: refused naming the cause, by folder, by tensors and over a real
+    gloo group — where the refusal drains the trainer's broadcasts, so its send completes and the next
+    good push on the same group lands. ``allowed_dirs`` as one string (read character by character, "/"
+    would allow every folder) is refused."""
+    from trainer_bridge.distributed_target import _Call
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    base, path, prompts, refs = adapters["llama-r8-all"]
+    tensors, config = _trainer_side(path)
+    rank0 = [(n, torch.zeros((0, t.shape[1]) if "lora_A" in n else (t.shape[0], 0))) for n, t in tensors]
+    engine = make_engine(base, dtype="float32", kv_cache_tokens=1024)
+    r = engine.load_lora_adapter_from_tensors("zero", rank0, config)
+    assert not r.success and "rank 0" in r.message, r.message
+    bad_pattern = {**config, "alpha_pattern": {"(": 2.0}}
+    r = engine.load_lora_adapter_from_tensors("pattern", tensors, bad_pattern)
+    assert not r.success and "alpha_pattern" in r.message, r.message
+    folder = _edited(path, str(tmp_path / "pattern"), config_edit=lambda c: c.update(alpha_pattern={"(": 2.0}))
+    r = engine.load_lora_adapter("pattern", folder)
+    assert not r.success and "alpha_pattern" in r.message, r.message
+    with pytest.raises(ValueError, match="allowed_dirs"):
+        engine.load_lora_adapter("strung", path, allowed_dirs="/")
+    port = free_port()
+    join = _Call("join", engine.init_weights_update_group, "127.0.0.1", port, 1, 2, "zero-g", "gloo", 30)
+    sender = WeightUpdateSender("127.0.0.1", port, 2, "zero-g", timeout_s=30)
+    assert join.get(40).success
+
+    def push(named, cfg):
+        call = _Call("load", engine.load_lora_adapter_from_distributed, "policy", cfg, [n for n, _ in named],
+                     [str(t.dtype).replace("torch.", "") for _, t in named], [list(t.shape) for _, t in named],
+                     "zero-g")
+        sender.send(named, load_format="direct")  # completes: the refusal drains what was announced
+        return call.get(60)
+
+    for named, cfg, says in ((rank0, config, "rank 0"), (tensors, bad_pattern, "alpha_pattern")):
+        r = push(named, cfg)
+        assert not r.success and says in r.message, r.message
+    r = push(tensors, config)
+    assert r.success, r.message
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path="policy")
+    assert [o.output_token_ids for o in outs] == refs
+    engine.destroy_weights_update_group("zero-g")
+    sender.close()

@@ -387,3 +387,55 @@ def test_speculation_is_exact_with_adapters_in_the_batch_and_across_session_turn
             got[name] = (runs, turns)
         assert got["spec"] == got["plain"]
         assert spec.get_stats()["spec_accept_token_num"] >= 10
+
+
+def test_a_turn_that_stops_on_a_rejected_guess_keeps_no_kv_of_that_guess(llama_path, monkeypatch):
+    """A verify chunk whose draw at the stop position rejects a guess, with guesses after it: the turn ends
+    mid-chunk. The session keeps KV only up to the stop token's input (the rejected guess's KV at the stop
+    position is never kept, cached or handed to the next turn): the next turn and a later request over the
+    same history (no session, no speculation: served from the prefix cache) give plain decoding's tokens
+    and logprobs, and the accepted count counts returned tokens only."""
+    from rollout import RolloutEngine
+    from rollout.speculative.drafter import Proposal, SuffixDrafter
+
+    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False)
+    prompt, follow = [5, 9, 23, 41, 7, 60, 61, 62, 63, 64], [6, 7, 8]
+    greedy = dict(temperature=0.0, max_new_tokens=14)
+    with RolloutEngine(llama_path, **kw) as plain, \
+            RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_policy="always", **kw) as spec:
+        free = plain.generate(input_ids=[prompt], sampling_params=SamplingParams(**greedy))[0].output_token_ids
+        stop_at = next(k for k in range(4, len(free)) if free[k] not in free[:k])  # a token seen once, not first
+        stop = free[stop_at]
+        wrong = (stop + 1) % 50 + 3
+
+        def oracle(self, key, context, k):
+            """Plain decoding's tokens, but a wrong guess at the stop position (and guesses after it)."""
+            at = len(context) - len(prompt)
+            if at < 0 or at > stop_at or context[:len(prompt)] != prompt:
+                return Proposal()
+            guesses = [free[j] if j != stop_at else wrong for j in range(at, min(at + k, stop_at + 3))]
+            return Proposal(guesses, [1.0] * len(guesses))
+
+        monkeypatch.setattr(SuffixDrafter, "propose", oracle)
+        sp = SamplingParams(stop_token_ids=[stop], **greedy)
+        got = {}
+        for name, engine in (("plain", plain), ("spec", spec)):
+            before = engine.get_stats().get("spec_accept_token_num", 0)
+            sid = engine.open_session()
+            turns = [engine.generate(input_ids=[p], sampling_params=sp, session_id=sid, return_logprob=True)[0]
+                     for p in (prompt, follow)]
+            engine.close_session(sid)
+            history = prompt + turns[0].output_token_ids + follow
+            assert turns[1].prompt_token_ids == history
+            later = engine.generate(input_ids=[history], return_logprob=True, sampling_params=SamplingParams(
+                speculative=False, **greedy))[0]
+            accepted = engine.get_stats().get("spec_accept_token_num", 0) - before
+            got[name] = [(o.output_token_ids, o.output_logprobs) for o in turns + [later]]
+            # the later request reads the history's KV from the prefix cache, past the stop position
+            assert later.num_cached_tokens > len(prompt) + stop_at
+        assert got["spec"][0][0] == free[:stop_at + 1]  # the first turn ended on the stop token
+        for (t1, lp1), (t2, lp2) in zip(got["plain"], got["spec"]):
+            assert t1 == t2
+            assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-4
+        # every guess before the stop position was accepted and returned; none after it counts
+        assert 0 < accepted <= stop_at - 1

@@ -50,12 +50,45 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def resolved_addresses(host: str) -> list[str]:
+    """Every address ``host`` resolves to (IPv4 and IPv6; brackets and an IPv6 zone dropped); [] if none."""
+    name = host.strip()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError, ValueError):
+        return []
+    return sorted({str(info[4][0]).split("%")[0] for info in infos})
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` names every interface, however it is spelled (``""``, ``"0"``, ``"0x0"``,
+    ``"000.0.0.0"``, ``"::"``, ``"[0::0]"``...): compared by what it resolves to, never by its text."""
+    if not host.strip():
+        return True
+    return any(ipaddress.ip_address(a).is_unspecified for a in resolved_addresses(host))
+
+
+def concrete_host(host: str) -> str:
+    """``host`` as one concrete IPv4 address to bind; ``ValueError`` for a wildcard or a name that does
+    not resolve (nothing of ours ever listens on every interface)."""
+    if is_wildcard(host):
+        raise ValueError(f"host {host!r} names every interface: bind one address (127.0.0.1 for this host)")
+    try:
+        return socket.gethostbyname(host.strip())
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"host {host!r} does not resolve to an IPv4 address: {exc}") from None
+
+
 def listen_socket(host: str, port: int = 0) -> socket.socket:
-    """A listening TCP socket bound to ``host`` only (port 0: a free one, read back from it)."""
+    """A listening TCP socket bound to ``host`` only (port 0: a free one, read back from it); never a
+    wildcard (``concrete_host``)."""
+    address = concrete_host(host)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((socket.gethostbyname(host), int(port)))
+        sock.bind((address, int(port)))
         sock.listen(256)
     except BaseException:
         sock.close()

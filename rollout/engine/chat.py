@@ -27,12 +27,15 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from rollout.engine.templates import RenderLimits, render, template_variables
+from rollout.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 _SENTINEL = "\u2063rollout-assistant-sentinel\u2063"  # a stand-in assistant reply no model writes
 
 
-class RenderError(ValueError):
+class RenderError(InputError):
     """The template cannot continue this conversation append-only."""
 
 
@@ -46,16 +49,17 @@ class Appended:
 class ChatRenderer:
     """The model's chat template, used so that a conversation only ever grows at its end.
 
-    ``template_kwargs`` reach the template (``enable_thinking``...), ``tools`` its tool list."""
+    ``template_kwargs`` are template variables (``enable_thinking``...; ``InputError`` for anything
+    else, ``rollout.engine.templates``), ``tools`` its tool list; every rendering runs under ``limits``."""
 
     def __init__(self, tokenizer, template_kwargs: Optional[dict] = None, tools: Optional[list] = None,
-                 stop_token_ids: Optional[list[int]] = None):
+                 stop_token_ids: Optional[list[int]] = None, limits: RenderLimits = RenderLimits()):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template")
+            raise InputError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
-        self.kwargs = dict(template_kwargs or {})
-        if tools:
-            self.kwargs["tools"] = tools
+        self.variables, _ = template_variables(tokenizer, template_kwargs)
+        self.tools = tools or None
+        self.limits = limits
         stops = set(stop_token_ids or [])
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
@@ -63,8 +67,8 @@ class ChatRenderer:
         self._warned = False
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.kwargs)
+        return render(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                      tools=self.tools, variables=self.variables, limits=self.limits)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -26,6 +26,7 @@ from rollout.engine.loop import EngineDeadError, EngineLoop
 from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
 from rollout.engine.weights import EngineWeights, check_memory_tags
+from rollout.errors import InputError
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
@@ -669,6 +670,10 @@ class RolloutEngine:
         every other prefix in the cache are untouched. ``pinned`` is recorded (SGLang's flag).
         ``weight_version``: the label the tokens generated on this version carry (a trainer's step;
         default: the base weights' version). External launch: every rank calls this alike."""
+        if isinstance(allowed_dirs, (str, bytes, os.PathLike)) or not all(
+                isinstance(d, (str, os.PathLike)) for d in allowed_dirs):
+            raise InputError(f"allowed_dirs={allowed_dirs!r}: a list of folders (a single path would be read "
+                             "character by character)")
         return self._lora.load_from_folder(lora_name, os.fspath(lora_path), pinned, allowed_dirs, weight_version)
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict, pinned: bool = False,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from rollout.engine.templates import render, template_variables
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -20,20 +22,13 @@ def load_tokenizer(path: str):
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         **template_kwargs) -> list[int]:
-    """The conversation rendered by the model's chat template and tokenized; ``template_kwargs``
-    reach the template (e.g. ``enable_thinking``, the ``chat_template_kwargs`` of vLLM and SGLang)."""
-    if tokenizer is None:
-        raise ValueError("this model folder has no tokenizer: pass input_ids instead of chat messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; tokenize the conversation yourself")
-    reserved = {"tokenize", "add_generation_prompt", "conversation", "messages", "return_dict"} & set(template_kwargs)
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **template_kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    """The conversation rendered by the model's chat template and tokenized; ``template_kwargs`` are
+    template variables (e.g. ``enable_thinking``, the ``chat_template_kwargs`` of vLLM and SGLang), a
+    ``chat_template`` text among them used instead of the model's (the caller's own, trusted).
+    Rendered under ``rollout.engine.templates``' limits; bad input raises ``InputError``."""
+    variables, template = template_variables(tokenizer, template_kwargs, trust_request_template=True)
+    return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, variables=variables,
+                  chat_template=template)
 
 
 def make_detokenizer(tokenizer):

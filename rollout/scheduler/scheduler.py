@@ -703,12 +703,18 @@ class Scheduler:
                 n = self.speculator.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
                 seq.spec_verify_ct += 1
                 seq.spec_draft_token_num += len(guesses)
-                seq.spec_accept_token_num += n
+                kept = 0  # accepted guesses returned: none past a stop
                 for j in range(n + 1):
-                    if not append(seq, first + j):
+                    # the KV is valid up to the input of row j (every guess before it accepted); the KV of
+                    # the token row j draws is computed next step, and a rejected guess's is never kept —
+                    # set before the append, whose stop or length check may end the turn and keep the KV
+                    seq.num_computed_tokens = len(seq.token_ids)
+                    going = append(seq, first + j)
+                    kept += j < n
+                    if not going:
                         break
-                else:  # the KV of the last kept token is computed next step; rejected positions' is not kept
-                    seq.num_computed_tokens = len(seq.token_ids) - 1
+                seq.spec_accept_token_num += kept
+                self.speculator.count_returned(kept)
         for seq, _ in scheduled:
             req = seq.req
             if (not seq.is_finished and req.params.max_new_tokens == 0

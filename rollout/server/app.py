@@ -13,7 +13,10 @@ there (403); ``update_weights_from_disk`` reads only under ``allowed_weight_dirs
 opened once and checked where it lies, then read through that descriptor); tensor handles come
 only from clients on this host, as JSON (never a pickle); bodies past ``max_body_bytes`` are
 refused (413); ``/docs``, ``/redoc`` and ``/openapi.json`` are off when a key is set.
-Bad bodies answer 400 naming the field (SGLang's status), never 422 or 500.
+Bad bodies answer 400 naming the field (SGLang's status), never 422 or 500; so does bad input found
+later, in any route family (``rollout.errors.InputError``). A request's ``chat_template_kwargs`` are
+template variables only, and template text it sends renders only with ``trust_request_chat_template``
+(``rollout.engine.templates``).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.engine import RolloutEngine
+from rollout.errors import InputError
 from rollout.server import control_routes, lora_routes, openai_routes, sglang_routes, trl_routes, vllm_routes
 from rollout.server.auth import BodyLimit, user
 from rollout.server.encoding import JSONResponse
@@ -72,6 +77,15 @@ async def _invalid(request: Request, exc: RequestValidationError):
     return _error(request, 400, detail, {"errors": errors}, param=errors[0]["field"] if errors else None)
 
 
+async def _bad_input(request: Request, exc: Exception):
+    """Bad input however it surfaced in a handler (``InputError``; a pydantic model built there): 400."""
+    if isinstance(exc, ValidationError):
+        errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid")} for e in exc.errors()]
+        detail = "invalid request: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        return _error(request, 400, detail, {"errors": errors}, param=errors[0]["field"] if errors else None)
+    return _error(request, 400, str(exc))
+
+
 def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> FastAPI:
     service = EngineService(engine, config)
     keyed = service.config.api_key is not None  # the docs routes cannot send a key: off behind one
@@ -82,6 +96,8 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
     app.add_middleware(BodyLimit)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(InputError, _bad_input)
+    app.add_exception_handler(ValidationError, _bad_input)
     for module in (sglang_routes, openai_routes, control_routes, lora_routes, vllm_routes, trl_routes):
         app.include_router(module.router)
     return app

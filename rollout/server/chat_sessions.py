@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rollout.engine.chat import ChatRenderer
+from rollout.engine.templates import RenderLimits
 from rollout.outputs import RolloutOutput
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ def _same(a: dict, b: dict) -> bool:
 class ChatSessions:
     """The server's chat sessions by key; one turn at a time each (the engine refuses a second)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, limits: RenderLimits = RenderLimits()):
         self.engine = engine
+        self.limits = limits
         self.sessions: dict[str, ChatSession] = {}
         self._lock = threading.Lock()
 
@@ -74,11 +76,14 @@ class ChatSessions:
                     return s, TurnInput(appended.token_ids, False, appended.mode)
                 except ValueError as exc:  # RenderError included
                     logger.warning("chat session %s starts over: %s", key, exc)
-            self._close(key)
-        renderer = ChatRenderer(self.engine.tokenizer, template_kwargs, tools, list(self.engine.eos_token_ids))
+        # rendered before anything is opened or closed: a conversation the template refuses changes nothing
+        renderer = ChatRenderer(self.engine.tokenizer, template_kwargs, tools, list(self.engine.eos_token_ids),
+                                self.limits)
+        prompt = renderer.prompt(messages)
+        self._close(key)
         s = ChatSession(key, self.engine.open_session(), renderer)
         self.sessions[key] = s
-        return s, TurnInput(renderer.prompt(messages), existed, "first")
+        return s, TurnInput(prompt, existed, "first")
 
     def record(self, s: ChatSession, messages: list[dict], out: RolloutOutput) -> None:
         """After a turn: what the next request's messages continue from."""

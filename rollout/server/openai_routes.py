@@ -218,7 +218,10 @@ def _messages(body: P.ChatCompletionRequest) -> list[dict]:
 
 
 def _template_call(call: dict) -> dict:
-    fn = dict(call.get("function") or call)
+    fn = call.get("function") or call
+    if not isinstance(fn, dict):
+        raise HTTPException(400, "a tool call's function must be an object with a name and arguments")
+    fn = dict(fn)
     if isinstance(fn.get("arguments"), str):
         try:
             fn["arguments"] = json.loads(fn["arguments"])
@@ -227,18 +230,9 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": fn} if "function" in call else fn
 
 
-def _template_kwargs(body: P.ChatCompletionRequest) -> dict:
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.tools:
-        kwargs["tools"] = body.tools
-    return kwargs
-
-
-def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
-    try:
-        return svc.engine.apply_chat_template(_messages(body), True, **_template_kwargs(body))
-    except (ValueError, TypeError) as exc:
-        raise HTTPException(400, str(exc)) from None
+async def _chat_ids(svc: EngineService, body: P.ChatCompletionRequest) -> list[int]:
+    return await svc.render(svc.render_chat, _messages(body), True, body.tools, body.chat_template_kwargs,
+                            body.chat_template)
 
 
 def _parsers(svc: EngineService, body: P.ChatCompletionRequest) -> tuple[Optional[str], bool]:
@@ -288,7 +282,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request, svc:
     session_key = request.headers.get("x-session-id") or body.session_id
     if session_key is not None:
         return await _session_turn(svc, body, request, session_key, max_tokens)
-    ids = _chat_ids(svc, body)
+    ids = await _chat_ids(svc, body)
     kwargs = dict(input_ids=[ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
                   top_logprobs_num=body.top_logprobs or 0, cache_salt=body.cache_salt,
                   lora_path=_adapter(svc, body.model))
@@ -339,13 +333,12 @@ async def _session_turn(svc: EngineService, body: P.ChatCompletionRequest, reque
     rendered and appended; ``prompt_token_ids`` is the whole conversation as the engine holds it."""
     if body.n != 1 or body.stream:
         raise HTTPException(400, "a chat session turn takes n=1 and no stream")
+    if body.chat_template is not None:
+        raise HTTPException(400, "a chat session renders with the model's chat template: send no chat_template")
     messages = _messages(body)
     parser, reasoning = _parsers(svc, body)
-    try:
-        session, turn = await svc.read(svc.chat_sessions.turn_input, key, messages, body.chat_template_kwargs or {},
-                                       body.tools)
-    except ValueError as exc:
-        raise HTTPException(400, str(exc)) from None
+    session, turn = await svc.render(svc.chat_sessions.turn_input, key, messages, body.chat_template_kwargs or {},
+                                     body.tools)
     kwargs = dict(input_ids=[turn.token_ids], sampling_params=_sampling(body, max_tokens), return_logprob=body.logprobs,
                   top_logprobs_num=body.top_logprobs or 0, session_id=session.engine_session,
                   lora_path=_adapter(svc, body.model))

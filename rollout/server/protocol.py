@@ -251,7 +251,8 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # reach the template (enable_thinking, ...)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables (enable_thinking, ...)
+    chat_template: Optional[str] = None  # vLLM's: rendered only with --trust-request-chat-template
     tools: Optional[list[dict[str, Any]]] = None  # rendered by the chat template
     tool_choice: Optional[Union[str, dict[str, Any]]] = None  # "auto" / "none"; forcing a call is refused
     # a chat session (also SkyRL's X-Session-ID header): token-exact turns, the history's KV kept

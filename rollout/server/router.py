@@ -1,6 +1,8 @@
 """The field's router in front of ``rollout serve`` replicas: ``sglang-router`` or SMG (PyPI ``smg``),
 both the same Rust gateway, started as a child process on a loopback port (the test extra installs
 both; ``pip install sglang-router`` or ``pip install smg`` elsewhere). We never route ourselves here.
+Every port the router opens is on loopback: its HTTP port and its Prometheus metrics (``metrics_url``;
+the routers' own default is every interface, port 29000).
 
     router = launch_router([a.url, b.url], kind="sglang-router", api_key="KEY")
     httpx.post(router.url + "/generate", json=...)   # SGLang's routes, cache-aware by default
@@ -31,17 +33,22 @@ def router_available(kind: str) -> bool:
 class RouterProcess:
     def __init__(self, worker_urls: list[str], kind: str = "sglang-router", port: Optional[int] = None,
                  api_key: Optional[str] = None, policy: str = "cache_aware", log_path: Optional[str] = None,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), metrics_port: Optional[int] = None):
         from weight_sync.process_group import free_port
 
         if kind not in MODULES:
             raise ValueError(f"kind={kind!r}: use one of {sorted(MODULES)}")
         self.kind = kind
         self.port = port if port is not None else free_port()
+        # the routers' Prometheus endpoint listens on 0.0.0.0:29000 by default, unauthenticated: here on
+        # loopback, on a port of its own (two routers on one host must not collide)
+        self.metrics_port = metrics_port if metrics_port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.api_key = api_key
         cmd = [sys.executable, "-c", f"import sys; from {MODULES[kind]} import main; sys.exit(main())", "launch",
                "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls, "--policy", policy,
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                "--log-level", "warn", *(("--api-key", api_key) if api_key else ()), *extra_args]
         self._log: Optional[IO[str]] = open(log_path or "/dev/null", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)

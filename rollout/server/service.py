@@ -24,6 +24,7 @@ from typing import Optional
 from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from rollout.engine.templates import RenderLimits, render, template_variables
 from rollout.outputs import RolloutOutput
 from rollout.server.chat_sessions import ChatSessions
 from rollout.server.encoding import JSONResponse, sse
@@ -36,6 +37,7 @@ from rollout.worker.messages import WeightResult
 logger = logging.getLogger(__name__)
 CONTROL_THREADS = 8  # weight and control calls at once (each may wait for a quiet point)
 READ_THREADS = 4  # stats and metrics reads at once
+RENDER_THREADS = 2  # chat renderings at once (each bounded in time: rollout.engine.templates)
 MIN_PENDING_BYTES = 4096  # the smallest --stream-max-pending-mb (a piece and its framing must fit)
 
 
@@ -64,6 +66,12 @@ class ServerConfig:
     # and <think> reasoning ("auto": when the template has it; "none"; "think") parsed out of replies
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
+    # chat template text sent in a request (``chat_template``, in ``chat_template_kwargs`` or beside them) is
+    # rendered only with this on (vLLM's --trust-request-chat-template); otherwise refused with a 400
+    trust_request_chat_template: bool = False
+    # one chat rendering's bounds (rollout.engine.templates.RenderLimits)
+    render_timeout_s: float = 5.0
+    render_max_chars: int = 8 << 20
 
 
 def result_json(result: WeightResult, **extra) -> JSONResponse:
@@ -215,7 +223,7 @@ class EngineService:
         # closed while vLLM's /pause?mode=wait lets the requests in flight finish: new ones wait here
         self.admission = asyncio.Event()
         self.admission.set()
-        self.chat_sessions = ChatSessions(engine)  # /v1/chat/completions turns named by a session id
+        # /v1/chat/completions turns named by a session id: ``self.chat_sessions``, made below
         self.weights_snapshot: Optional[str] = None  # /weights_checker's snapshot (a checksum)
         self.areal_meta = None  # AReaL's /areal_set_update_weight_meta, read by /areal_update_weights_xccl
         self.areal_lora_meta = None  # /areal_set_update_weight_meta_lora, read by /areal_update_weights_lora_xccl
@@ -224,6 +232,9 @@ class EngineService:
         # behind each other.
         self._control = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="rollout-control")
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="rollout-reads")
+        self._renders = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="rollout-render")
+        self.render_limits = RenderLimits(self.config.render_timeout_s, self.config.render_max_chars)
+        self.chat_sessions = ChatSessions(engine, self.render_limits)
 
     # ------------------------------------------------------------------ generation
 
@@ -309,6 +320,29 @@ class EngineService:
         """A read any key may ask for (stats, metrics): off the event loop, on threads of its own, so
         that reads piling up behind a waiting update never hold a thread a control call needs."""
         return await self._run(self._reads, fn, *args, **kwargs)
+
+    async def render(self, fn, *args, **kwargs):
+        """A chat rendering (``fn``: one that renders under ``render_limits``, such as ``render_chat``)
+        off the event loop, on threads of its own; every failure a 400 naming what failed. A rendering
+        that outlives its limit's check points is answered 400 at twice its limit (its thread ends at
+        its next check)."""
+        fut = asyncio.get_running_loop().run_in_executor(self._renders, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wait_for(fut, 2 * self.render_limits.max_seconds + 1.0)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise HTTPException(400, "rendering the chat template took longer than its limit") from None
+        except ValueError as exc:  # InputError (RenderError, template refusals, limits) included
+            raise HTTPException(400, str(exc)) from None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
+                    template_kwargs: Optional[dict] = None, chat_template: Optional[str] = None) -> list[int]:
+        """A request's conversation as token ids: its ``chat_template_kwargs`` as template variables only,
+        template text only with ``--trust-request-chat-template`` (``rollout.engine.templates``)."""
+        tokenizer = self.engine.tokenizer
+        variables, template = template_variables(tokenizer, template_kwargs, self.config.trust_request_chat_template,
+                                                 chat_template)
+        return render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                      variables=variables, chat_template=template, limits=self.render_limits)
 
     @staticmethod
     async def _run(pool: ThreadPoolExecutor, fn, *args, **kwargs):

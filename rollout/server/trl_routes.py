@@ -40,13 +40,13 @@ from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, service_of
 from rollout.server.vllm_routes import VllmSampling, rollout_outputs_by_prompt
 from rollout.worker.messages import WeightResult
+from weight_sync.process_group import concrete_host, is_wildcard
 
 router = APIRouter()
 ADMIN = [Depends(admin)]
 USER = [Depends(user)]
 Svc = Depends(service_of)
 TRL_GROUP = "trl-communicator"
-WILDCARDS = ("0.0.0.0", "::", "")
 
 
 class TrlChannel:
@@ -200,10 +200,7 @@ async def chat(body: TrlChatRequest, request: Request, svc: EngineService = Svc)
     for conversation in body.messages:
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(
             p.text or "" for p in (m.content or []) if p.type == "text")} for m in conversation]
-        try:
-            ids.append(svc.engine.apply_chat_template(messages, True, **body.chat_template_kwargs))
-        except (ValueError, TypeError) as exc:
-            raise HTTPException(400, str(exc)) from None
+        ids.append(await svc.render(svc.render_chat, messages, True, None, body.chat_template_kwargs))
     return await _generate(svc, request, ids, body)
 
 
@@ -293,11 +290,15 @@ async def init_communicator(body: InitCommunicatorRequest, request: Request, svc
         raise HTTPException(400, f"world_size={body.world_size}: this server has {tp} rank(s), so the group is "
                                  f"{tp + 1} (the client is the last rank)")
     host = body.host
-    if host in WILDCARDS:  # the address the client reached us at, never every interface
-        host = request.scope.get("server", (svc.config.host,))[0] or svc.config.host
-        if host in WILDCARDS:
+    if is_wildcard(host):  # however it is spelled: the address the client reached us at, never every interface
+        host = (request.scope.get("server") or (svc.config.host,))[0] or svc.config.host
+        if is_wildcard(host):
             raise HTTPException(400, "the server listens on every interface and the client named none: start the "
                                      "server with --host set to one address")
+    try:
+        host = concrete_host(host)
+    except ValueError as exc:
+        raise HTTPException(400, f"host: {exc}") from None
     ch = channel(request)
     ch.errors.clear()
 

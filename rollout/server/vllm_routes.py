@@ -462,6 +462,7 @@ class TokenizeRequest(P.Lenient):
     continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None  # rendered only with --trust-request-chat-template
     tools: Optional[list[Any]] = None
 
 
@@ -483,11 +484,8 @@ async def tokenize(body: TokenizeRequest, svc: EngineService = Svc):
             raise HTTPException(400, "continue_final_message is not supported by this server")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(
             p.text or "" for p in (m.content or []) if p.type == "text")} for m in body.messages]
-        try:
-            ids = await svc.read(svc.engine.apply_chat_template, messages, body.add_generation_prompt,
-                                 **(body.chat_template_kwargs or {}))
-        except (ValueError, TypeError) as exc:
-            raise HTTPException(400, str(exc)) from None
+        ids = await svc.render(svc.render_chat, messages, body.add_generation_prompt, None, body.chat_template_kwargs,
+                               body.chat_template)
     return {"count": len(ids), "max_model_len": svc.context_len, "tokens": list(ids),
             "token_strs": tokenizer.convert_ids_to_tokens(list(ids)) if body.return_token_strs else None}
 

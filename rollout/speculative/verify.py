@@ -245,8 +245,11 @@ class Speculator:
             self._rest[seq_id] = (0, 1)
         self.num_verify_steps += 1
         self.num_draft_tokens += len(guesses)
-        self.num_accepted_tokens += n
         return n
+
+    def count_returned(self, n: int) -> None:
+        """``n`` accepted guesses went out as tokens (the scheduler's count: none after a stop)."""
+        self.num_accepted_tokens += n
 
     def finished(self, seq, version: Optional[str]) -> None:
         """``seq`` ended: its text kept as a rollout of its prompt unless it was aborted or failed."""

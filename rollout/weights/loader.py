@@ -19,6 +19,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from rollout.errors import InputError
 from rollout.layers.linear import LoadSlice, copy_slices
 
 # Checkpoint entries that are derived state, never weights.
@@ -28,7 +29,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 _TIED_ALIAS = "lm_head.weight"
 
 
-class WeightLoadError(ValueError):
+class WeightLoadError(InputError):
     """A set of named tensors that cannot be loaded; nothing was copied."""
 
 

@@ -125,8 +125,15 @@ class AdapterConfig:
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
             raise LoraError(f"lora_alpha={alpha!r}: must be a finite number")
         pattern = cfg.get("alpha_pattern") or {}
-        if not isinstance(pattern, dict) or not all(isinstance(v, (int, float)) for v in pattern.values()):
-            raise LoraError("alpha_pattern must map module name patterns to numbers")
+        if not isinstance(pattern, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for k, v in pattern.items()):
+            raise LoraError("alpha_pattern must map module name patterns to finite numbers")
+        for key in pattern:
+            try:
+                re.compile(rf"(.*\.)?({key})$")
+            except re.error as exc:
+                raise LoraError(f"alpha_pattern key {key!r} is not a regular expression: {exc}") from None
         return AdapterConfig(r=r, lora_alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)),
                              alpha_pattern=dict(pattern), target_modules=cfg.get("target_modules"))
 
@@ -273,6 +280,8 @@ class _Recipe:
             if a[1] != in_features or b[0] != out_features:
                 raise LoraError(f"{module}: lora_A {a} / lora_B {b} do not fit the base weight "
                                 f"[{out_features}, {in_features}] (an adapter trained on another model?)")
+            if a[0] < 1:
+                raise LoraError(f"{module}: lora_A {a} and lora_B {b} have rank 0: an adapter's rank must be >= 1")
             if a[0] > max_rank:
                 raise LoraError(f"{module}: rank {a[0]} exceeds the engine's max_lora_rank={max_rank}; raise it")
             per_layer.setdefault(route.layer, {})[route.piece] = (module, route, a[0])

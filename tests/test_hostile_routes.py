@@ -1,0 +1,195 @@
+"""What hostile and unlucky clients sent to the newer routes (chat templates, sessions, TRL's routes,
+adapters), over a real server socket: template text from a request is never rendered unless the
+operator opts in, ``chat_template_kwargs`` carry template variables only, every rendering is bounded
+and off the event loop, every rendering failure is a 400 naming what failed and leaves no session
+behind; and a property test: any JSON body to the chat routes and ``/tokenize`` answers 2xx or 4xx,
+never 5xx, and the server's greedy tokens are the same afterwards."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+KEY = "hostile-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HI = [{"role": "user", "content": "hi"}]
+INJECTED = "X{{ 6*7 }}"
+
+
+@pytest.fixture(scope="module")
+def srv(compat_model, module_servers):
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def trusting(compat_model, module_servers):
+    """A server whose operator allows request templates, with a one-second rendering limit."""
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "1024", "--api-key", KEY,
+                            "--trust-request-chat-template", "--render-timeout-s", "1")
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        yield http
+
+
+def _chat(http, kwargs=None, session=None, **extra):
+    body = {"messages": HI, "max_tokens": 3, "temperature": 0, **extra}
+    if kwargs is not None:
+        body["chat_template_kwargs"] = kwargs
+    headers = {"X-Session-ID": session} if session else {}
+    return http.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def _every_chat_route(http, kwargs=None, **extra):
+    """The answers of /tokenize, /v1/chat/completions, TRL's /chat/ and a chat-session turn."""
+    yield "tokenize", http.post("/tokenize", json={"messages": HI, "chat_template_kwargs": kwargs, **extra})
+    yield "chat", _chat(http, kwargs, **extra)
+    yield "trl", http.post("/chat/", json={"messages": [HI], "max_tokens": 3, "temperature": 0,
+                                           "chat_template_kwargs": kwargs or {}, **extra})
+    yield "session", _chat(http, kwargs, session="hostile-session", **extra)
+
+
+@pytest.mark.parametrize("kwargs, extra, says", [
+    ({"chat_template": INJECTED}, {}, "--trust-request-chat-template"),
+    (None, {"chat_template": INJECTED}, "chat_template"),
+    ({"padding": "max_length", "max_length": 200000}, {}, "max_length"),
+    ({"return_tensors": "pt"}, {}, "return_tensors"),
+    ({"tokenize": False}, {}, "tokenize"),
+    ({"eos_token": "<|im_start|>"}, {}, "eos_token"),
+    ({"add_generation_prompt": False}, {}, "add_generation_prompt"),
+], ids=["template-in-kwargs", "template-beside", "padding", "return-tensors", "tokenize", "special-token",
+        "generation-prompt"])
+def test_request_templates_and_tokenizer_controls_are_refused_on_every_chat_route(srv, kwargs, extra, says):
+    for route, r in _every_chat_route(srv, kwargs, **extra):
+        if route == "trl" and "chat_template" in extra:
+            continue  # TRL's body has no such field (ignored, as unknown fields are)
+        assert r.status_code == 400, (route, r.status_code, r.text[:300])
+        assert says in r.text and "42" not in r.text, (route, r.text[:300])
+    # nothing was opened by the refused session turn
+    assert srv.post("/finish_session", json={"session_id": "hostile-session"}).json()["success"] is False
+    # template variables still reach the template
+    assert _chat(srv, {"enable_thinking": False}).status_code == 200
+
+
+def test_a_trusted_request_template_renders_within_its_limits(trusting):
+    r = trusting.post("/tokenize", json={"messages": HI, "chat_template_kwargs": {"chat_template": INJECTED},
+                                         "add_generation_prompt": False})
+    assert r.status_code == 200
+    assert r.json()["tokens"] == trusting.post("/tokenize", json={"prompt": "X42", "add_special_tokens": False}).json()[
+        "tokens"]
+    bad = trusting.post("/tokenize", json={"messages": HI, "chat_template": "{{ x"})
+    assert bad.status_code == 400 and "does not compile" in bad.text
+    # a template that would run for minutes: refused within its limit, /health answering meanwhile
+    slow = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endfor %}")
+    huge = "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}"
+    for template, says in ((slow, "longer than"), (huge, "characters")):
+        box: dict = {}
+        t = threading.Thread(target=lambda t=template: box.setdefault("r", trusting.post(
+            "/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "chat_template": t})))
+        t0 = time.monotonic()
+        t.start()
+        health = []
+        while t.is_alive():
+            h0 = time.monotonic()
+            assert trusting.get("/health").status_code == 200
+            health.append(time.monotonic() - h0)
+            time.sleep(0.05)
+        t.join()
+        assert box["r"].status_code == 400 and says in box["r"].text, box["r"].text[:300]
+        assert time.monotonic() - t0 < 10 and max(health) < 1.0
+
+
+def test_a_template_that_refuses_a_conversation_is_a_400_naming_the_message(model_dir, make_server):
+    """Llama 3.1's template raises on two tool calls in one message: 400 on both chat paths naming the
+    message, no session left; a tool call whose function is not an object: 400."""
+    from rollout.tools.tiny import build_chat_tokenizer
+
+    path = model_dir("llama31-chat", "llama", tokenizer=build_chat_tokenizer("llama3_1"), seed=3)
+    server = make_server(path, "--dtype", "float32", "--kv-cache-tokens", "1024")
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                {"role": "user", "content": "and?"}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for headers in ({}, {"X-Session-ID": "s1"}):
+            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=headers)
+            assert r.status_code == 400, r.text[:300]
+            assert "message 1" in r.text and "assistant" in r.text, r.text[:300]
+        assert http.post("/finish_session", json={"session_id": "s1"}).json()["success"] is False
+        odd = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                                                   "tool_calls": [{"type": "function", "function": 5}]},
+               {"role": "user", "content": "x"}]
+        for headers in ({}, {"X-Session-ID": "s2"}):
+            r = http.post("/v1/chat/completions", json={"messages": odd, "max_tokens": 2}, headers=headers)
+            assert r.status_code == 400 and "function" in r.text, r.text[:300]
+        assert http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------------ any JSON body: 2xx or 4xx
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False, width=32),
+                     st.text(max_size=12))
+_json = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                     max_leaves=12)
+_keys = st.sampled_from(["chat_template", "tokenize", "padding", "max_length", "return_tensors", "enable_thinking",
+                         "add_generation_prompt", "continue_final_message", "eos_token", "tools", "documents",
+                         "return_dict", "x"])
+_message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), _json)},
+                                 optional={"content": st.one_of(st.text(max_size=20), _json),
+                                           "tool_calls": _json, "name": _json, "tool_call_id": _json})
+_body = st.fixed_dictionaries({}, optional={
+    "messages": st.one_of(st.lists(_message, max_size=4), _json),
+    "chat_template_kwargs": st.one_of(st.dictionaries(_keys, _json, max_size=3), _json),
+    "chat_template": st.one_of(st.sampled_from([INJECTED, "{{ x", "{% for %}"]), _json),
+    "tools": _json, "max_tokens": st.one_of(st.integers(0, 4), _json), "n": _json, "temperature": _json,
+    "add_generation_prompt": _json, "prompt": _json, "logprobs": _json,
+})
+_ROUTES = st.sampled_from(["/tokenize", "/v1/chat/completions", "/chat/", "session"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=_ROUTES, body=_body)
+def test_any_json_body_to_the_chat_routes_is_answered_2xx_or_4xx(srv, route, body):
+    if route == "/chat/" and isinstance(body.get("messages"), list):
+        body = {**body, "messages": [body["messages"]]}
+    headers = {"X-Session-ID": "fuzz"} if route == "session" else {}
+    path = "/v1/chat/completions" if route == "session" else route
+    if isinstance(body.get("max_tokens"), int) or "max_tokens" not in body:
+        body = {**body, "max_tokens": min(body.get("max_tokens", 2), 2)}
+    r = srv.post(path, content=json.dumps(body), headers={**headers, "Content-Type": "application/json"})
+    assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+    assert "X42" not in r.text
+
+
+def test_the_server_serves_the_same_tokens_after_the_fuzzing(srv, compat_model):
+    from helpers import hf_greedy
+
+    prompt = [5, 9, 23, 41, 7]
+    out = srv.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6,
+                                                                                "temperature": 0}}).json()
+    assert out["output_ids"] == hf_greedy(compat_model, prompt, 6)[0]
+
+
+@pytest.mark.parametrize("sig, tp", [("SIGTERM", 2), ("SIGINT", 1)])
+def test_rollout_serve_shuts_its_engine_down_on_sigterm_and_sigint(compat_model, make_server, sig, tp):
+    """uvicorn re-raises the signal after its graceful shutdown; the engine's orderly stop still runs (its
+    TP rank reaped) and the process exits 0."""
+    import signal
+
+    import psutil
+
+    server = make_server(compat_model, "--dtype", "float32", "--kv-cache-tokens", "512", "--tp-size", str(tp),
+                         log_level="INFO")
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    server.proc.send_signal(getattr(signal, sig))
+    assert server.proc.wait(60) == 0, server.log_tail()
+    assert f"stopped by {sig}: the engine is shut down" in server.log_tail()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, alive
