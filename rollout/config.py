@@ -1,4 +1,11 @@
-"""``EngineConfig``: every engine option, validated at construction (unknown keys are errors)."""
+"""``EngineConfig``: every engine option, validated at construction (unknown keys are errors); and
+``InputError``, the one exception type for bad input anywhere in the engine.
+
+``InputError``: validation anywhere (a sampling field, a chat template's variables, an adapter's rank or
+pattern, an announced tensor size, a session id) raises it with a message naming what to fix. The server
+maps it to 400 in every route family, whatever it stands for (a ``re.error``, a template that refuses a
+conversation...): one type, so no route's list of caught classes can miss one. It is a ``ValueError``, so
+callers that caught ``ValueError`` for bad input still do."""
 
 from __future__ import annotations
 
@@ -8,6 +15,11 @@ from typing import Optional
 import torch
 
 from rollout.layers.cpu_plan import KERNELS as _GEMM_KERNELS
+
+
+class InputError(ValueError):
+    """Bad input, named in the message; nothing was changed by the call that raised it."""
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,6 +115,7 @@ class EngineConfig:
     tp_timeout_s: float = 30.0  # rendezvous and every TP collective: a dead or hung rank fails within this
     # a session (multi-turn history and its KV) idle this long is closed; None: never
     session_timeout_s: Optional[float] = 600.0
+    max_sessions: int = 4096  # open sessions at most (each holds a history); one more is refused
     # LoRA (SGLang's names): adapter versions resident at most (one slot each; a version replaced by a
     # newer one stays resident while requests that started on it run), the largest rank accepted, and
     # a budget for the adapters' bytes on each rank (None: no budget beyond the slots)
@@ -168,7 +181,7 @@ class EngineConfig:
             bad("speculative_policy", "must be cost or always")
         if self.lora_backend not in ("auto", "torch", "triton"):
             bad("lora_backend", "must be auto, torch or triton")
-        for name in ("max_loaded_loras", "max_lora_rank"):
+        for name in ("max_loaded_loras", "max_lora_rank", "max_sessions"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) or \
                     getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")

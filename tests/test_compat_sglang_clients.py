@@ -498,3 +498,59 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+def test_a_transaction_left_open_never_swallows_a_later_push(compat_srv, compat_model, compat_model_b):
+    """A vLLM-style /start_weight_update whose client gave up, then slime's sequence (pause, bucket calls with
+    their broadcasts, continue): slime's push is published (model B, its version) — the stale transaction was
+    aborted by its first bucket call, and its owner's late /finish_weight_update is a 400, not a publish.
+    A miles bracket left open (/begin_weight_update, same protocol family): slime's calls stage into it, and
+    /continue_generation answers 400 naming it instead of success (nothing published), until it is aborted."""
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
+    assert _post(compat_srv, "/start_weight_update", {"is_checkpoint_format": True}).status_code == 200
+    out = _push(url, compat_model_b, "stale-1", pause=True, body={"flush_cache": False, "weight_version": "s1"})
+    assert all(status == 200 for status, _ in out["buckets"]), out["buckets"]
+    assert out["continue"][0] == 200 and out["continue"][1]["weight_version"] == "s1", out["continue"]
+    pushed = _greedy(compat_srv)
+    assert pushed != before and compat_srv.get("/get_weight_version").json()["weight_version"] == "s1"
+    late = compat_srv.post("/finish_weight_update", json={"weight_version": "stale"})
+    assert late.status_code == 400 and "no weight update to finish" in late.text
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    assert _post(compat_srv, "/begin_weight_update", {"selector": "all"}).status_code == 200
+    out = _push(url, compat_model_b, "stale-2", pause=True, body={"flush_cache": False, "weight_version": "s2"})
+    status, answer = out["continue"]
+    assert status == 400 and "begin_weight_update" in answer["message"] and "still open" in answer["message"], answer
+    assert _greedy(compat_srv) == before  # nothing published, generation continued
+    assert compat_srv.get("/get_weight_version").json()["weight_version"] == "default"
+    assert _post(compat_srv, "/abort_weight_update", {}).status_code == 200
+    ok = compat_srv.post("/continue_generation", json={})
+    assert ok.status_code == 200 and ok.json()["success"] is True
+
+
+def test_transaction_calls_run_in_the_order_they_arrive(compat_srv, compat_model):
+    """A /start_weight_update queued in the engine behind an update waiting for its quiet point (a long
+    generation running), and a /finish_weight_update sent after it: the finish runs after the start (200,
+    published), not before it (it used to answer "nothing to finish" and leave the transaction open)."""
+    import threading
+
+    box: dict = {}
+    long = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1500, "temperature": 1.0,
+                                                          "ignore_eos": True}}
+    calls = [("gen", "/generate", long),
+             ("disk", "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"}),
+             ("start", "/start_weight_update", {"is_checkpoint_format": True})]
+    threads = []
+    for key, path, body in calls:
+        threads.append(threading.Thread(target=lambda k=key, p=path, b=body: box.setdefault(k, compat_srv.post(
+            p, json=b))))
+        threads[-1].start()
+        time.sleep(0.3)
+    finish = compat_srv.post("/finish_weight_update", json={"weight_version": "ordered"})
+    for t in threads:
+        t.join()
+    assert all(box[k].status_code == 200 for k in box), {k: r.text[:200] for k, r in box.items()}
+    assert finish.status_code == 200, finish.text
+    assert compat_srv.get("/get_weight_version").json()["weight_version"] == "ordered"
+    assert compat_srv.post("/finish_weight_update", json={}).status_code == 400  # nothing left open
+    _post(compat_srv, "/update_weight_version", {"new_version": "default", "abort_all_requests": False})

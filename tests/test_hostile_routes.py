@@ -193,3 +193,131 @@ def test_rollout_serve_shuts_its_engine_down_on_sigterm_and_sigint(compat_model,
     assert f"stopped by {sig}: the engine is shut down" in server.log_tail()
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, alive
+
+
+# ------------------------------------------------------------------ control states, tables, input errors
+
+ADMIN_KEY = "hostile-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def ctl(compat_model, module_servers):
+    """A server with an admin key, a 3-second request timeout, 2-second sessions and at most 3 of them."""
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY,
+                            "--admin-api-key", ADMIN_KEY, "--request-timeout-s", "3", "--session-timeout-s", "2",
+                            "--max-sessions", "3")
+    with httpx.Client(base_url=server.url, headers=ADMIN, timeout=60) as http:
+        yield http
+
+
+def _long_generation(http, box, key="gen"):
+    body = {"input_ids": [5, 9, 23], "sampling_params": {"max_new_tokens": 3000, "temperature": 1.0,
+                                                          "ignore_eos": True}}
+    t = threading.Thread(target=lambda: box.setdefault(key, http.post("/generate", json=body)))
+    t.start()
+    time.sleep(0.3)
+    return t
+
+
+def test_control_transitions_validate_before_they_act(ctl):
+    """/sleep with a bad tag: 400 and nothing paused or aborted. /pause?mode=keep then /pause?mode=wait: 409 at
+    once (what is kept would never finish), and after /resume the kept request finishes."""
+    box: dict = {}
+    t = _long_generation(ctl, box)
+    r = ctl.post("/sleep?level=1&tags=evil")
+    assert r.status_code == 400 and "evil" in r.text
+    assert ctl.get("/is_paused").json()["is_paused"] is False
+    t.join()
+    assert box["gen"].status_code == 200 and box["gen"].json()["meta_info"]["finish_reason"]["type"] == "length"
+    t = _long_generation(ctl, box, "kept")
+    assert ctl.post("/pause?mode=keep").status_code == 200
+    t0 = time.monotonic()
+    r = ctl.post("/pause?mode=wait")
+    assert r.status_code == 409 and "resume" in r.text and time.monotonic() - t0 < 5
+    assert ctl.post("/resume").status_code == 200
+    t.join()
+    assert box["kept"].status_code == 200
+
+
+def test_a_request_waiting_at_a_closed_door_honours_its_timeout(ctl):
+    """While /pause?mode=wait lets a long request finish, a new /generate waits at the door: it is answered 504
+    at the server's request timeout instead of waiting forever."""
+    box: dict = {}
+    t = _long_generation(ctl, box)
+    waiting = threading.Thread(target=lambda: box.setdefault("pause", ctl.post("/pause?mode=wait")))
+    waiting.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    r = ctl.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 504 and time.monotonic() - t0 < 10, r.text
+    t.join()
+    waiting.join()
+    assert ctl.post("/resume").status_code == 200
+
+
+def test_a_group_setup_obeys_its_timeout_end_to_end(ctl):
+    """AReaL's /areal_init_weights_update_group towards a port nobody listens on: 400 within its timeout (and
+    a body without one gets the documented 60 s; not waited for here)."""
+    from weight_sync.process_group import free_port
+
+    body = {"master_address": "127.0.0.1", "master_port": str(free_port()), "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "group_name": "areal-dead", "timeout_s": 2}
+    t0 = time.monotonic()
+    r = ctl.post("/areal_init_weights_update_group", json=body)
+    assert r.status_code == 400 and time.monotonic() - t0 < 4.5, (r.text, time.monotonic() - t0)
+
+
+def test_session_tables_are_bounded_and_expire_with_the_engine_s(ctl):
+    big = "s" * 900_000
+    r = ctl.post("/open_session", json={"session_id": big})
+    assert r.status_code == 400 and "printable characters" in r.text
+    r = _chat(ctl, session="x" * 300)
+    assert r.status_code == 400 and "session id" in r.text
+    opened = [ctl.post("/open_session", json={}).json() for _ in range(3)]
+    r = ctl.post("/open_session", json={})
+    assert r.status_code == 400 and "max_sessions" in r.text
+    for sid in opened:
+        assert ctl.post("/close_session", json={"session_id": sid}).status_code == 200
+    assert _chat(ctl, session="short-lived").status_code == 200
+    time.sleep(3.5)  # past the engine's session timeout: the chat session goes with its engine session
+    assert ctl.post("/finish_session", json={"session_id": "short-lived"}).json()["success"] is False
+    assert _chat(ctl, session="live").status_code == 200
+    assert ctl.post("/finish_session", json={"session_id": "live"}).json()["success"] is True
+
+
+def test_a_large_answer_is_shaped_off_the_event_loop(ctl):
+    """TRL's /get_sequence_logprobs/ in JSON, 1000 positions x top 1000 (a 5 KB request): /health answers
+    quickly all the while."""
+    seq = [(i * 7) % 300 + 3 for i in range(1001)]
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", ctl.post("/get_sequence_logprobs/", json={
+        "sequences": [seq], "prompt_lengths": [1], "top_logprobs": 1000, "response_format": "json"})))
+    t.start()
+    slowest = 0.0
+    while t.is_alive():
+        h0 = time.monotonic()
+        assert ctl.get("/health").status_code == 200
+        slowest = max(slowest, time.monotonic() - h0)
+        time.sleep(0.05)
+    t.join()
+    assert box["r"].status_code == 200 and len(box["r"].json()["logprobs"][0]) == 1000
+    assert slowest < 1.0, slowest
+
+
+def test_input_errors_answer_400_in_every_route_family_after_the_key(ctl):
+    bad = [("/collective_rpc", {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": [1]}}),
+           ("/collective_rpc", {"method": "skyrl_finish_weight_update", "kwargs": {"weight_version": 5}}),
+           ("/areal_update_weights_lora_xccl", {"names": ["x"]})]
+    for path, body in bad:
+        r = ctl.post(path, json=body)
+        assert r.status_code == 400, (path, r.status_code, r.text[:200])
+    deep = '{"x": ' * 950 + '{"a": 1}' + "}" * 950  # tools nested 950 deep (json.dumps itself would recurse)
+    r = ctl.post("/v1/chat/completions", content=f'{{"messages": {json.dumps(HI)}, "tools": [{deep}], "max_tokens": 2}}',
+                 headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "deeper than" in r.text
+    # a body that does not parse, to an admin route, without the key: the key is what is refused
+    for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+        r = httpx.post(str(ctl.base_url) + "/update_weights_from_disk", content=b"{bad", timeout=30,
+                       headers={"Content-Type": "application/json", **headers})
+        assert r.status_code in (401, 403), (headers, r.status_code, r.text[:200])

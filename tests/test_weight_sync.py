@@ -403,11 +403,56 @@ def test_distributed_rejections_drain_and_later_updates_land(weights, make_engin
 def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
     from weight_sync.process_group import free_port
 
+    """Nobody joins: the call fails within its timeout (it reaches torch's store connect, which alone took
+    ~2x), reporting the real time; the engine generates all the while (the join runs off its loop)."""
+    box: dict = {}
     start = time.monotonic()
-    out = engine_a.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "lonely", timeout_s=3)
-    assert not out["success"] and "'lonely'" in out["message"] and "rendezvous" in out["message"]
-    assert time.monotonic() - start < 15
-    assert engine_a.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0].finish_reason == "length"
+    t = threading.Thread(target=lambda: box.setdefault("out", engine_a.init_weights_update_group(
+        "127.0.0.1", free_port(), 1, 2, "lonely", timeout_s=3)))
+    t.start()
+    time.sleep(0.3)
+    for _ in range(3):  # generation goes on while the join waits
+        assert engine_a.generate(input_ids=PROMPTS[:1], sampling_params=SP)[0].finish_reason == "length"
+    assert t.is_alive() and time.monotonic() - start < 2.5
+    t.join()
+    out = box["out"]
+    assert not out.success and "'lonely'" in out.message and "rendezvous" in out.message
+    assert 3 <= out.seconds < 5 and time.monotonic() - start < 5
+
+
+def test_an_update_announcing_more_than_any_model_update_is_refused_unreceived(weights, make_engine):
+    """A call announcing a [1e6, 1e6] fp32 tensor over a live group (8 TB: a refused call is drained, and a
+    drain posts buffers of the announced size): refused at once, naming the bound, nothing allocated; the
+    group is torn down (it cannot stay in step with such a sender) and a new one carries the next push."""
+    from trainer_bridge.distributed_target import _Call
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    a, b, tensors_b = weights
+    engine = make_engine(a, kv_cache_tokens=512)
+    checksum_a = engine.get_weights_checksum()
+    for attempt in range(2):
+        port = free_port()
+        join = _Call("join", engine.init_weights_update_group, "127.0.0.1", port, 1, 2, "huge", "gloo", 30)
+        sender = WeightUpdateSender("127.0.0.1", port, 2, "huge", timeout_s=30)
+        assert join.get(40).success
+        if attempt == 0:
+            t0 = time.monotonic()
+            out = engine.update_weights_from_distributed(["model.embed_tokens.weight"], ["float32"],
+                                                         [[1_000_000, 1_000_000]], "huge")
+            assert not out.success and "announces" in out.message and "torn down" in out.message, out.message
+            assert time.monotonic() - t0 < 5 and engine.get_weights_checksum() == checksum_a
+            assert not engine.destroy_weights_update_group("huge").success  # already gone
+            sender.close()
+            continue
+        names, dtypes, shapes = WeightUpdateSender.describe(tensors_b)
+        call = _Call("push", engine.update_weights_from_distributed, names, dtypes, shapes, "huge",
+                     load_format="rollout_bucket")
+        sender.send(tensors_b)
+        assert call.get(60).success
+        assert engine.get_weights_checksum() == checksum_named_tensors(tensors_b, torch.float32)
+        engine.destroy_weights_update_group("huge")
+        sender.close()
 
 
 @pytest.mark.parametrize("tp", [1, 2])

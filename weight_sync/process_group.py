@@ -240,14 +240,22 @@ def new_process_group(host: str, port: int, rank: int, world_size: int, backend:
     trainer used — SGLang's recipe named ``group_name``, or plain ``init_process_group`` — found by
     waiting for the trainer's first key (``trainer_layouts``). Without it: SGLang's recipe."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s  # one deadline for every stage: connect, layout, the group
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(0.05, deadline - time.monotonic()))
+
     if rank == 0:  # the store listens on the address given, not on every interface
         fd = (listening or listen_socket(host, port)).detach()
         store = dist.TCPStore(host, int(port), world_size, True, timeout=timeout, master_listen_fd=fd)
     else:
-        store, _, _ = next(dist.rendezvous(f"tcp://{host}:{int(port)}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+        # torch's own connect retries with backoff past its timeout (5 s asked: ~10 s): wait for the
+        # listener ourselves, within the deadline, then connect to it at once
+        await_listener(host, int(port), deadline)
+        store, _, _ = next(dist.rendezvous(f"tcp://{host}:{int(port)}", rank, world_size, timeout=left()))
+    store.set_timeout(left())
     if backend == "gloo" and peer_rank is not None and peer_rank != rank:
-        prefix = _await_peer_layout(store, peer_rank, group_name, timeout_s)
+        prefix = _await_peer_layout(store, peer_rank, group_name, max(0.0, deadline - time.monotonic()))
     else:
         prefix = torch_store_prefix(group_name, "cuda" if backend == "nccl" else "cpu")
     prefixed = dist.PrefixStore(prefix, store)
@@ -259,4 +267,18 @@ def new_process_group(host: str, port: int, rank: int, world_size: int, backend:
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _gloo_options(timeout, is_loopback(host)))
     else:
         raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    store.set_timeout(timeout)  # the group's later store operations: the whole timeout each
     return GroupHandle(pg, store)
+
+
+def await_listener(host: str, port: int, deadline: float) -> None:
+    """Until something accepts connections at ``host:port``; ``TimeoutError`` naming it at ``deadline``."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing accepted a connection at {host}:{port} before the group's timeout (the "
+                                   f"trainer hosts the rendezvous there): {exc}") from None
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

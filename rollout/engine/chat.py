@@ -27,8 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from rollout.config import InputError
 from rollout.engine.templates import RenderLimits, render, template_variables
-from rollout.errors import InputError
 
 logger = logging.getLogger(__name__)
 

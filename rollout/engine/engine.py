@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -20,13 +21,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rollout.config import EngineConfig
+from rollout.config import EngineConfig, InputError
 from rollout.engine.admission import Admission, PromptIds
 from rollout.engine.loop import EngineDeadError, EngineLoop
 from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
 from rollout.engine.weights import EngineWeights, check_memory_tags
-from rollout.errors import InputError
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
@@ -38,6 +38,7 @@ from rollout.worker.messages import (
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
+    AwaitUpdateGroup,
     BarrierUpdateGroup,
     BeginTransaction,
     CommitTransaction,
@@ -558,8 +559,18 @@ class RolloutEngine:
         if not 0 <= int(trainer_rank) < int(world_size) or int(trainer_rank) in ranks:
             raise ValueError(f"trainer_rank={trainer_rank} must be a rank of the group (world_size={world_size}) "
                              f"other than the engine's ranks {list(ranks)}")
-        return self._weights.run(InitUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size),
-                                                 group_name, backend, float(timeout_s), int(trainer_rank)))
+        if not 0 < float(timeout_s) <= 3600:
+            raise InputError(f"timeout_s={timeout_s}: seconds in (0, 3600]")
+        # each rank joins on a thread of its own (generation goes on); collected here, polled from this thread
+        t0 = time.perf_counter()
+        result = self._weights.run(InitUpdateGroup(master_address, int(master_port), int(rank_offset), int(world_size),
+                                                   group_name, backend, float(timeout_s), int(trainer_rank)))
+        while result.success and result.detail.get("pending"):
+            time.sleep(0.02)
+            result = self._weights.run(AwaitUpdateGroup(group_name))
+        if not result.success:  # a rank that did join leaves again: all or none
+            self._weights.run(DestroyUpdateGroup(group_name))
+        return dataclasses.replace(result, seconds=time.perf_counter() - t0)
 
     def destroy_weights_update_group(self, group_name: str) -> WeightResult:
         return self._weights.run(DestroyUpdateGroup(group_name))
@@ -631,13 +642,15 @@ class RolloutEngine:
             self._loop.abort(None)
         return True
 
-    def begin_weight_update(self, weight_version: Optional[str] = None) -> WeightResult:
+    def begin_weight_update(self, weight_version: Optional[str] = None,
+                            owner: str = "begin_weight_update") -> WeightResult:
         """Open a transaction: the following update calls only stage (the engine keeps serving the old
-        weights); ``commit_weight_update`` applies everything on every rank, or nothing."""
+        weights); ``commit_weight_update`` applies everything on every rank, or nothing. ``owner`` names
+        who opened it (``weight_update_owner``): a server tells one protocol's transaction from another's."""
         self._weights.transaction_version = weight_version
         result = self._weights.run(BeginTransaction())
         if result.success:
-            self._weights.opened_by = "explicit"
+            self._weights.opened_by, self._weights.owner = "explicit", owner
         return result
 
     def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
@@ -646,7 +659,7 @@ class RolloutEngine:
         (else the version its calls named, else the next one)."""
         version, self._weights.transaction_version = self._weights.transaction_version, None
         version = weight_version if weight_version is not None else version
-        self._weights.opened_by = None
+        self._weights.opened_by = self._weights.owner = None
         return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
 
     def open_weight_update(self) -> Optional[str]:
@@ -654,9 +667,14 @@ class RolloutEngine:
         call while generation was paused), or None."""
         return self._weights.opened_by
 
+    def weight_update_owner(self) -> Optional[str]:
+        """The ``owner`` an explicit transaction was opened with; "implicit" or None as ``open_weight_update``."""
+        w = self._weights
+        return w.owner if w.opened_by == "explicit" else w.opened_by
+
     def abort_weight_update(self) -> WeightResult:
         self._weights.transaction_version = None
-        self._weights.opened_by = None
+        self._weights.opened_by = self._weights.owner = None
         return self._weights.run(AbortTransaction())
 
     # ------------------------------------------------------------------ LoRA adapters (SGLang's names)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rollout.errors import InputError
+from rollout.config import InputError
 
 logger = logging.getLogger(__name__)
 

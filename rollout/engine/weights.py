@@ -50,6 +50,9 @@ class EngineWeights:
         # who opened the open transaction: "explicit" (begin_weight_update, miles' bracket) or
         # "implicit" (an update call while generation was paused; published at continue_generation)
         self.opened_by: Optional[str] = None
+        # an explicit transaction's opener, named by the caller of begin_weight_update (a protocol
+        # family: "begin_weight_update", vLLM's "start_weight_update", TRL's "trl")
+        self.owner: Optional[str] = None
 
     # ------------------------------------------------------------------ running messages
 

@@ -104,7 +104,7 @@ class Scheduler:
         # thread that runs forwards and delayed samplings in launch order.
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
-        self.sessions = SessionTable(config.session_timeout_s)
+        self.sessions = SessionTable(config.session_timeout_s, config.max_sessions)
         self.loras = LoraRegistry(config.max_loaded_loras, config.lora_versioned_names)
         self._sessions_checked = time.monotonic()
         self.speculator = Speculator(config.speculative_num_draft_tokens, config.speculative_max_batch,
@@ -698,23 +698,8 @@ class Scheduler:
                 append(seq, i)
             for seq, first, guesses in sb.verifies:
                 seq.spec_guesses = []
-                if seq.is_finished:
-                    continue
-                n = self.speculator.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
-                seq.spec_verify_ct += 1
-                seq.spec_draft_token_num += len(guesses)
-                kept = 0  # accepted guesses returned: none past a stop
-                for j in range(n + 1):
-                    # the KV is valid up to the input of row j (every guess before it accepted); the KV of
-                    # the token row j draws is computed next step, and a rejected guess's is never kept —
-                    # set before the append, whose stop or length check may end the turn and keep the KV
-                    seq.num_computed_tokens = len(seq.token_ids)
-                    going = append(seq, first + j)
-                    kept += j < n
-                    if not going:
-                        break
-                seq.spec_accept_token_num += kept
-                self.speculator.count_returned(kept)
+                if not seq.is_finished:
+                    self._take_verified(seq, first, guesses, tokens, append)
         for seq, _ in scheduled:
             req = seq.req
             if (not seq.is_finished and req.params.max_new_tokens == 0
@@ -725,6 +710,26 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.on_update is not None and not req.is_finished:
                 req.on_update(req, seqs)
+
+    def _take_verified(self, seq: Sequence, first: int, guesses: list[int], tokens: list[int], append) -> None:
+        """A verify chunk's rows (from sample row ``first``) onto ``seq``: each draw up to and including the
+        first that differs from its guess, stopping where the sequence ends; only the guesses returned
+        count as accepted."""
+        n = self.speculator.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
+        seq.spec_verify_ct += 1
+        seq.spec_draft_token_num += len(guesses)
+        kept = 0  # accepted guesses returned: none past a stop
+        for j in range(n + 1):
+            # the KV is valid up to the input of row j (every guess before it accepted); the KV of the token
+            # row j draws is computed next step, and a rejected guess's is never kept — set before the
+            # append, whose stop or length check may end the turn and hand its KV to the session
+            seq.num_computed_tokens = len(seq.token_ids)
+            going = append(seq, first + j)
+            kept += j < n
+            if not going:
+                break
+        seq.spec_accept_token_num += kept
+        self.speculator.count_returned(kept)
 
     @staticmethod
     def _masks_by_row(samplers: list[Sequence], result: GenerationBatchResult):

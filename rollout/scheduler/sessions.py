@@ -21,9 +21,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rollout.config import InputError
 
-class SessionError(ValueError):
+MAX_SESSION_ID_CHARS = 256
+
+
+class SessionError(InputError):
     """A session call that cannot be done (unknown or busy session, a turn that does not fit)."""
+
+
+def check_session_id(sid) -> None:
+    """A session id is a short printable string (a client names it; the tables keep it)."""
+    if not isinstance(sid, str) or not 0 < len(sid) <= MAX_SESSION_ID_CHARS or not sid.isprintable():
+        raise SessionError(f"a session id is 1-{MAX_SESSION_ID_CHARS} printable characters")
 
 
 @dataclass
@@ -46,14 +56,19 @@ class Session:
 class SessionTable:
     """Every open session; the scheduler holds one (touched on its thread only)."""
 
-    def __init__(self, default_timeout_s: Optional[float] = None):
+    def __init__(self, default_timeout_s: Optional[float] = None, max_sessions: int = 4096):
         self.default_timeout_s = default_timeout_s
+        self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
 
     def open(self, sid: Optional[str] = None, timeout_s: Optional[float] = None) -> Session:
         sid = sid or f"session-{uuid.uuid4().hex}"
+        check_session_id(sid)
         if sid in self.sessions:
             raise SessionError(f"session {sid!r} is already open")
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionError(f"{len(self.sessions)} sessions are open (the engine's max_sessions): close some, or "
+                               "let idle ones time out")
         s = self.sessions[sid] = Session(sid, timeout_s if timeout_s is not None else self.default_timeout_s)
         return s
 

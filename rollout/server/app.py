@@ -14,7 +14,7 @@ opened once and checked where it lies, then read through that descriptor); tenso
 only from clients on this host, as JSON (never a pickle); bodies past ``max_body_bytes`` are
 refused (413); ``/docs``, ``/redoc`` and ``/openapi.json`` are off when a key is set.
 Bad bodies answer 400 naming the field (SGLang's status), never 422 or 500; so does bad input found
-later, in any route family (``rollout.errors.InputError``). A request's ``chat_template_kwargs`` are
+later, in any route family (``rollout.config.InputError``). A request's ``chat_template_kwargs`` are
 template variables only, and template text it sends renders only with ``trust_request_chat_template``
 (``rollout.engine.templates``).
 """
@@ -28,10 +28,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout.config import InputError
 from rollout.engine.engine import RolloutEngine
-from rollout.errors import InputError
 from rollout.server import control_routes, lora_routes, openai_routes, sglang_routes, trl_routes, vllm_routes
-from rollout.server.auth import BodyLimit, user
+from rollout.server.auth import BodyLimit, admin, user
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, ServerConfig, result_json
 from rollout.server.sglang_routes import sglang_item
@@ -69,9 +69,26 @@ def _field(loc) -> str:
     return ".".join(str(part) for part in loc if part != "body") or "body"
 
 
+def _refused_key(request: Request) -> Optional[StarletteHTTPException]:
+    """The route's key check (``user`` / ``admin``), if it refuses this request: a body that fails to
+    parse is read before the route's dependencies run, and a caller without the key must learn only
+    that (401/403), never what its body got wrong."""
+    route = request.scope.get("route")
+    for dep in getattr(route, "dependencies", None) or []:
+        if dep.dependency in (user, admin):
+            try:
+                dep.dependency(request)
+            except StarletteHTTPException as denied:
+                return denied
+    return None
+
+
 async def _invalid(request: Request, exc: RequestValidationError):
     """A body that does not fit its route: SGLang's 400, naming every field and what it should be
-    (never echoing the value: it may be NaN, or a string that cannot be encoded)."""
+    (never echoing the value: it may be NaN, or a string that cannot be encoded) — after the key."""
+    denied = _refused_key(request)
+    if denied is not None:
+        return _error(request, denied.status_code, denied.detail, headers=denied.headers)
     errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid")} for e in exc.errors()]
     detail = "invalid request: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
     return _error(request, 400, detail, {"errors": errors}, param=errors[0]["field"] if errors else None)

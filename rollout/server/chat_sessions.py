@@ -11,15 +11,16 @@ over from its messages (``session_restarted`` in the answer). ``/finish_session`
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from rollout.engine.chat import ChatRenderer
 from rollout.engine.templates import RenderLimits
 from rollout.outputs import RolloutOutput
+from rollout.scheduler.sessions import check_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class ChatSession:
     messages: list[dict] = field(default_factory=list)  # what the last turn was prompted with
     completion_ids: list[int] = field(default_factory=list)  # the last turn's sampled tokens (the
     # history's end; the engine session holds the rest)
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -57,8 +59,19 @@ class ChatSessions:
     def turn_input(self, key: str, messages: list[dict], template_kwargs: dict, tools: Optional[list]) -> tuple[
             ChatSession, TurnInput]:
         """The tokens this request appends to session ``key`` (opened on its first request)."""
+        check_session_id(key)
         with self._lock:
+            self._prune()
             return self._turn_input(key, messages, template_kwargs, tools)
+
+    def _prune(self) -> None:
+        """Forget sessions idle past the engine's session timeout: the engine closes theirs then too."""
+        timeout = self.engine.config.session_timeout_s
+        if timeout is None:
+            return
+        now = time.monotonic()
+        for key in [k for k, s in self.sessions.items() if now - s.last_used > timeout]:
+            self._close(key)
 
     def _turn_input(self, key: str, messages: list[dict], template_kwargs: dict, tools: Optional[list]) -> tuple[
             ChatSession, TurnInput]:
@@ -90,15 +103,20 @@ class ChatSessions:
         if out.finish_reason not in ("stop", "length"):
             return  # an aborted turn left the session as it was
         s.messages, s.completion_ids = list(messages), list(out.output_token_ids)
+        s.last_used = time.monotonic()
 
     def close(self, key: str) -> bool:
+        """Whether session ``key`` was open (its engine session too) and is now closed."""
         with self._lock:
+            self._prune()
             return self._close(key)
 
     def _close(self, key: str) -> bool:
         s = self.sessions.pop(key, None)
         if s is None:
             return False
-        with contextlib.suppress(ValueError):  # closed in the engine already (its idle timeout)
+        try:
             self.engine.close_session(s.engine_session)
+        except ValueError:  # closed in the engine already (its idle timeout): nothing was open
+            return False
         return True

@@ -35,16 +35,21 @@ async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineSer
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
 async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
     handle = local_bucket_handle(request, body.serialized_named_tensors, "serialized_named_tensors")
-    return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
-                                   flush_cache=body.flush_cache, weight_version=body.weight_version,
-                                   abort_all_requests=body.abort_all_requests, partial=body.partial,
-                                   transaction=_staged(body, svc))
+    async with svc.in_order():
+        return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
+                                       flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                       abort_all_requests=body.abort_all_requests, partial=body.partial,
+                                       transaction=await _staged(body, svc))
 
 
-def _staged(body, svc: EngineService) -> bool:
+SGLANG = "begin_weight_update"  # the owner of transactions opened by this family's routes (miles' bracket)
+
+
+async def _staged(body, svc: EngineService) -> bool:
     """Over HTTP a call stages into an open ``/begin_weight_update`` transaction even without
-    ``transaction: true``: miles sends its bucket calls plain inside its bracket."""
-    return body.transaction or svc.engine.open_weight_update() == "explicit"
+    ``transaction: true``: miles sends its bucket calls plain inside its bracket. One another protocol
+    opened and left is aborted first (``EngineService.stages_for``)."""
+    return await svc.stages_for(SGLANG) or body.transaction
 
 
 @router.post("/init_weights_update_group", dependencies=ADMIN)
@@ -56,11 +61,12 @@ async def init_weights_update_group(body: P.InitGroupRequest, svc: EngineService
 
 @router.post("/update_weights_from_distributed", dependencies=ADMIN)
 async def update_weights_from_distributed(body: P.UpdateFromDistributedRequest, svc: EngineService = Svc):
-    return await svc.weight_update(svc.engine.update_weights_from_distributed, body.names, body.dtypes, body.shapes,
-                                   body.group_name, flush_cache=body.flush_cache, weight_version=body.weight_version,
-                                   load_format=body.load_format, bucket_bytes=body.bucket_bytes,
-                                   abort_all_requests=body.abort_all_requests, partial=body.partial,
-                                   transaction=_staged(body, svc))
+    async with svc.in_order():
+        return await svc.weight_update(svc.engine.update_weights_from_distributed, body.names, body.dtypes,
+                                       body.shapes, body.group_name, flush_cache=body.flush_cache,
+                                       weight_version=body.weight_version, load_format=body.load_format,
+                                       bucket_bytes=body.bucket_bytes, abort_all_requests=body.abort_all_requests,
+                                       partial=body.partial, transaction=await _staged(body, svc))
 
 
 @router.post("/destroy_weights_update_group", dependencies=ADMIN)
@@ -70,25 +76,30 @@ async def destroy_weights_update_group(body: P.GroupNameRequest, svc: EngineServ
 
 @router.post("/begin_weight_update", dependencies=ADMIN)
 async def begin_weight_update(body: P.BeginUpdateRequest, svc: EngineService = Svc):
-    return result_json(await svc.call(svc.engine.begin_weight_update, body.weight_version))
+    async with svc.in_order():
+        await svc.stages_for(SGLANG)  # another protocol's transaction left open: aborted
+        return result_json(await svc.call(svc.engine.begin_weight_update, body.weight_version, SGLANG))
 
 
 @router.post("/commit_weight_update", dependencies=ADMIN)
 async def commit_weight_update(body: P.CommitUpdateRequest, svc: EngineService = Svc):
-    return await svc.weight_update(svc.engine.commit_weight_update, flush_cache=body.flush_cache,
-                                   partial=body.partial, abort_all_requests=body.abort_all_requests)
+    async with svc.in_order():
+        return await svc.weight_update(svc.engine.commit_weight_update, flush_cache=body.flush_cache,
+                                       partial=body.partial, abort_all_requests=body.abort_all_requests)
 
 
 @router.post("/end_weight_update", dependencies=ADMIN)
 async def end_weight_update(svc: EngineService = Svc):
     """miles' bracket end (``/begin_weight_update`` ... ``/end_weight_update``): publishes what the
     calls in between staged, on every rank or none."""
-    return await svc.weight_update(svc.engine.commit_weight_update, partial=True)
+    async with svc.in_order():
+        return await svc.weight_update(svc.engine.commit_weight_update, partial=True)
 
 
 @router.post("/abort_weight_update", dependencies=ADMIN)
 async def abort_weight_update(svc: EngineService = Svc):
-    return result_json(await svc.call(svc.engine.abort_weight_update))
+    async with svc.in_order():
+        return result_json(await svc.call(svc.engine.abort_weight_update))
 
 
 @router.post("/get_weights_by_name", dependencies=ADMIN)
@@ -156,11 +167,12 @@ async def pause_generation(body: P.PauseRequest, svc: EngineService = Svc):
 async def continue_generation(svc: EngineService = Svc):
     """Resumes generation; update calls staged while paused are published first (a failed publish
     answers 400 with the reason: generation continues on the old weights)."""
-    result = await svc.resume()
+    async with svc.in_order():
+        result = await svc.resume()
     if result is not None:
         if not result.success:
-            return JSONResponse({"success": False, "message": f"generation continues on the old weights: the update "
-                                 f"staged while paused failed: {result.message}"}, status_code=400)
+            return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
+                                 f"{result.message}"}, status_code=400)
     return {"success": True, "message": "generation continues",
             **({"weight_version": result.weight_version} if result is not None else {})}
 

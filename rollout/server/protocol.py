@@ -17,27 +17,34 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 256  # samples per prompt over HTTP
 
 
-def _lone_surrogate(value: Any, path: str = "") -> Optional[str]:
-    """The path of the first string (or key) in ``value`` holding a lone surrogate, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(value, dict):
-        for k, v in value.items():
-            where = f"{path}.{k}" if path else str(k)
-            if isinstance(k, str) and _lone_surrogate(k) is not None:
-                return (path + "." if path else "") + "<a key>"
-            found = _lone_surrogate(v, where)
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _lone_surrogate(v, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
+MAX_DEPTH = 64  # nesting of lists and objects in a body (tool schemas nest a dozen levels)
+
+
+def _unusable(value: Any) -> Optional[str]:
+    """Why a body cannot be used — a string (or key) holding a lone surrogate, or nesting deeper than
+    ``MAX_DEPTH`` (renderers and encoders recurse) — naming where; None if it can. Walked without recursion."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path or 'body'} holds a lone UTF-16 surrogate (not text): send valid Unicode"
+            continue
+        if isinstance(v, (dict, list)) and depth >= MAX_DEPTH:
+            return f"{path or 'body'} nests deeper than {MAX_DEPTH} levels"
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return (f"{path + '.' if path else ''}<a key> holds a lone UTF-16 surrogate (not text): send "
+                                "valid Unicode")
+                stack.append((item, f"{path}.{k}" if path else str(k), depth + 1))
+        elif isinstance(v, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i), depth + 1) for i, item in enumerate(v))
     return None
 
 
@@ -47,9 +54,9 @@ class Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _encodable(cls, data: Any) -> Any:
-        where = _lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate (not text): send valid Unicode")
+        why = _unusable(data)
+        if why is not None:
+            raise ValueError(why)
         return data
 
 

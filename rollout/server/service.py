@@ -37,7 +37,7 @@ from rollout.worker.messages import WeightResult
 logger = logging.getLogger(__name__)
 CONTROL_THREADS = 8  # weight and control calls at once (each may wait for a quiet point)
 READ_THREADS = 4  # stats and metrics reads at once
-RENDER_THREADS = 2  # chat renderings at once (each bounded in time: rollout.engine.templates)
+RENDER_THREADS = 2  # chat renderings (each bounded in time: rollout.engine.templates) and shapings at once
 MIN_PENDING_BYTES = 4096  # the smallest --stream-max-pending-mb (a piece and its framing must fit)
 
 
@@ -223,6 +223,9 @@ class EngineService:
         # closed while vLLM's /pause?mode=wait lets the requests in flight finish: new ones wait here
         self.admission = asyncio.Event()
         self.admission.set()
+        # the calls that make up a weight transaction (open, stage, publish, abort, continue) run in the
+        # order they arrive (asyncio's lock wakes its waiters first come, first served)
+        self._order = asyncio.Lock()
         # /v1/chat/completions turns named by a session id: ``self.chat_sessions``, made below
         self.weights_snapshot: Optional[str] = None  # /weights_checker's snapshot (a checksum)
         self.areal_meta = None  # AReaL's /areal_set_update_weight_meta, read by /areal_update_weights_xccl
@@ -241,13 +244,13 @@ class EngineService:
     async def generate(self, request: Request, kwargs: dict) -> list[RolloutOutput]:
         """All samples of a request, aborted if the client leaves or the timeout passes."""
         t0 = time.perf_counter()
-        await self.admission.wait()
+        limit = self.config.request_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        await self.admitted(request, deadline)
         try:
             task = asyncio.ensure_future(self.engine.async_generate(**kwargs))
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        limit = self.config.request_timeout_s
-        deadline = None if limit is None else time.monotonic() + limit
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=1.0)
@@ -274,13 +277,27 @@ class EngineService:
                      shape: Callable[[RolloutOutput], Iterable[dict]]) -> StreamingResponse:
         """Server-sent events: ``shape(snapshot)`` per update, then ``[DONE]``; a client that
         leaves closes the iterator, which aborts its requests."""
-        await self.admission.wait()
+        limit = self.config.request_timeout_s
+        await self.admitted(request, None if limit is None else time.monotonic() + limit)
         try:
             events = await self.engine.async_generate(stream=True, **kwargs)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         return _ReaderBoundStream(self._events(request.url.path, events, shape), self.config, self.metrics,
                                   media_type="text/event-stream")
+
+    async def admitted(self, request: Request, deadline: Optional[float]) -> None:
+        """Past the door vLLM's ``/pause?mode=wait`` closes while what is in flight finishes; 499 if the
+        client leaves while it waits there, 504 past ``deadline`` (the request's timeout)."""
+        while not self.admission.is_set():
+            try:
+                await asyncio.wait_for(self.admission.wait(), 0.5)
+            except (TimeoutError, asyncio.TimeoutError):
+                if await request.is_disconnected():
+                    raise HTTPException(499, "client disconnected") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise HTTPException(504, f"the request waited {self.config.request_timeout_s}s for a pause "
+                                             "(mode=wait) to let it in; nothing ran") from None
 
     async def _events(self, route: str, events, shape) -> AsyncIterator[str]:
         t0 = time.perf_counter()
@@ -334,6 +351,10 @@ class EngineService:
         except ValueError as exc:  # InputError (RenderError, template refusals, limits) included
             raise HTTPException(400, str(exc)) from None
 
+    async def offload(self, fn, *args, **kwargs):
+        """CPU work of a route (shaping a large answer) off the event loop, on the rendering threads."""
+        return await self._run(self._renders, fn, *args, **kwargs)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
                     template_kwargs: Optional[dict] = None, chat_template: Optional[str] = None) -> list[int]:
         """A request's conversation as token ids: its ``chat_template_kwargs`` as template variables only,
@@ -358,12 +379,40 @@ class EngineService:
         """``apply_update``, answered as its result (SGLang's shape)."""
         return result_json(await self.apply_update(fn, *args, **kwargs))
 
+    def in_order(self) -> asyncio.Lock:
+        """``async with svc.in_order():`` around a route's transaction call, entered before its first
+        await: such calls run one at a time, in arrival order (a publish never overtakes the open it
+        follows, an update call never runs before the transaction it belongs to is open)."""
+        return self._order
+
+    async def stages_for(self, family: str) -> bool:
+        """Whether an update call of protocol ``family`` stages into the open explicit transaction: only
+        into one its own family opened. One another family opened and left (a client that gave up) is
+        stale: it is aborted here, logged, and this call's own sequence decides (its opener, asking to
+        publish later, is told there is nothing to publish)."""
+        owner = self.engine.weight_update_owner()
+        if owner is None or owner == "implicit":
+            return False
+        if owner == family:
+            return True
+        logger.warning("an update call of %s aborts the weight update %s opened and never finished", family, owner)
+        await self.call(self.engine.abort_weight_update)
+        return False
+
     async def resume(self) -> Optional[WeightResult]:
         """Continue generation; what was staged while paused is published first (its result, counted;
-        None if nothing was staged). On a failed publish generation continues on the old weights."""
+        None if nothing was staged). On a failed publish generation continues on the old weights. A
+        transaction opened explicitly and still open is not published by a continue: generation goes
+        on, and the answer is a failure naming it (never a success over work that was not applied)."""
         result = await self.call(self.engine.continue_generation)
         if result is not None:
             self.metrics.weight_update(result)
+            if not result.success:
+                result = dataclasses.replace(result, message=f"the update staged while paused failed: {result.message}")
+        owner = self.engine.weight_update_owner()
+        if owner is not None and owner != "implicit" and (result is None or result.success):
+            return WeightResult.fail(f"the weight update opened by {owner} is still open: nothing it staged is "
+                                     f"published; finish it (its own publish call) or /abort_weight_update it")
         return result
 
     async def update_from_disk(self, path: str, **kwargs) -> WeightResult:

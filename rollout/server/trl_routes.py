@@ -230,6 +230,17 @@ async def get_sequence_logprobs(body: SequenceLogprobsRequest, request: Request,
         return (await svc.generate(request, kwargs))[0]
 
     outs = await asyncio.gather(*(score(s, n) for s, n in zip(body.sequences, body.prompt_lengths)))
+    # a thousand positions by a thousand top logprobs take seconds to shape: never on the event loop
+    return await svc.offload(_sequence_logprobs_answer, body, outs)
+
+
+def _sequence_logprobs_answer(body: SequenceLogprobsRequest, outs) -> JSONResponse:
+    """The answer, serialized here (off the event loop) too."""
+    return JSONResponse(_sequence_logprobs(body, outs))
+
+
+def _sequence_logprobs(body: SequenceLogprobsRequest, outs) -> dict:
+    k = body.top_logprobs
     lps, ids, actual, actual_ids = [], [], [], []
     for o, seq, start in zip(outs, body.sequences, body.prompt_lengths):
         tops = o.input_top_logprobs[-(len(seq) - start):]
@@ -323,7 +334,7 @@ async def update_named_param(body: NamedParamRequest, request: Request, svc: Eng
         if not ch.staging:
             if svc.engine.open_weight_update() is not None:
                 await svc.call(svc.engine.abort_weight_update)
-            _failed(await svc.call(svc.engine.begin_weight_update), ch.errors, "opening the update")
+            _failed(await svc.call(svc.engine.begin_weight_update, None, "trl"), ch.errors, "opening the update")
             ch.staging = True
         try:
             result = await svc.call(svc.engine.update_weights_from_distributed, [body.name], [dtype], [body.shape],

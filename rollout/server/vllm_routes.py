@@ -18,12 +18,13 @@ folder like ``/update_weights_from_disk`` (same allowed directories).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field
 
 from rollout.outputs import RolloutOutput
 from rollout.server import protocol as P
@@ -40,6 +41,7 @@ ADMIN = [Depends(admin)]
 USER = [Depends(user)]
 Svc = Depends(service_of)
 VLLM_GROUP = "vllm-weight-transfer"  # the transfer group's name here (vLLM's has none)
+VLLM = "start_weight_update"  # the owner of transactions /start_weight_update opens
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -51,7 +53,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 @router.post("/pause", dependencies=ADMIN)
-async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True,
+async def pause(request: Request, mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True,
                 wait_for_inflight_requests: bool = False, svc: EngineService = Svc):
     """vLLM's modes: ``abort`` in-flight requests (partial outputs end with finish_reason "abort"),
     ``wait`` for them to finish, ``keep`` them frozen with their KV until ``/resume``. New requests
@@ -59,9 +61,14 @@ async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: b
     if wait_for_inflight_requests:
         mode = "wait"
     if mode == "wait":  # new requests wait at the server's door while those in flight finish
+        stats = await svc.read(svc.engine.get_stats)
+        if stats["num_running"] + stats["num_waiting"] and await svc.read(svc.engine.is_paused):
+            # what is in flight is frozen (an earlier pause kept it): it would never finish
+            raise HTTPException(409, "generation is already paused with its requests kept: /resume first, or "
+                                     "pause with mode=abort")
         svc.admission.clear()
         try:
-            await _drain(svc)
+            await _drain(svc, request)
             await svc.call(svc.engine.pause_generation, "abort")  # nothing runs: aborts nothing
         finally:
             svc.admission.set()  # what waited now queues in the paused engine until /resume
@@ -72,11 +79,19 @@ async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: b
     return {"status": "paused"}
 
 
-async def _drain(svc: EngineService, poll_s: float = 0.05) -> None:
+async def _drain(svc: EngineService, request: Request, poll_s: float = 0.05) -> None:
+    """Until nothing runs or waits; 499 if the caller leaves, 504 past the server's request timeout (the
+    door opens again either way)."""
+    limit = svc.config.request_timeout_s
+    deadline = None if limit is None else time.monotonic() + limit
     while True:
         stats = await svc.read(svc.engine.get_stats)
         if stats["num_running"] + stats["num_waiting"] == 0:
             return
+        if await request.is_disconnected():
+            raise HTTPException(499, "client disconnected")
+        if deadline is not None and time.monotonic() > deadline:
+            raise HTTPException(504, f"the requests in flight did not finish within {limit}s; nothing was paused")
         await asyncio.sleep(poll_s)
 
 
@@ -84,11 +99,11 @@ async def _drain(svc: EngineService, poll_s: float = 0.05) -> None:
 async def resume(svc: EngineService = Svc):
     """Resume; update calls staged while paused are published first (a failed publish answers 400:
     generation continues on the old weights)."""
-    result = await svc.resume()
+    async with svc.in_order():
+        result = await svc.resume()
     if result is not None:
         if not result.success:
-            return _error(400, f"generation resumed on the old weights: the update staged while paused failed: "
-                               f"{result.message}")
+            return _error(400, f"generation resumed on the old weights: {result.message}")
     return {"status": "resumed"}
 
 
@@ -172,9 +187,10 @@ async def start_weight_update(body: Optional[StartUpdateRequest] = None, svc: En
     if body is not None and not body.is_checkpoint_format:
         raise HTTPException(400, "is_checkpoint_format=false (vLLM's fused parameter names) is not supported: send "
                                  "checkpoint (Hugging Face) names")
-    if svc.engine.open_weight_update() == "explicit":
-        await svc.call(svc.engine.abort_weight_update)  # a trainer restarting its update: start over
-    result = await svc.call(svc.engine.begin_weight_update)
+    async with svc.in_order():
+        if svc.engine.open_weight_update() == "explicit":
+            await svc.call(svc.engine.abort_weight_update)  # a trainer restarting its update, or one left: start over
+        result = await svc.call(svc.engine.begin_weight_update, None, VLLM)
     return _answer(result, "Weight update started")
 
 
@@ -184,7 +200,8 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
         if body.weight_dir is None:
             raise HTTPException(400, "send update_info (vLLM's names, dtype_names, shapes, packed) or weight_dir "
                                      "(a checkpoint folder to read)")
-        result = await svc.update_from_disk(body.weight_dir)
+        async with svc.in_order():
+            result = await svc.update_from_disk(body.weight_dir)
         return {"status": "ok"} if result.success else _error(400, result.message)
     info = body.update_info
     if not info.is_checkpoint_format:
@@ -192,11 +209,12 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
     if not (len(info.names) == len(info.dtype_names) == len(info.shapes)):
         raise HTTPException(400, f"names ({len(info.names)}), dtype_names ({len(info.dtype_names)}) and shapes "
                                  f"({len(info.shapes)}) must have the same length")
-    staged = svc.engine.open_weight_update() == "explicit"
-    result = await svc.apply_update(
-        svc.engine.update_weights_from_distributed, info.names, [d.removeprefix("torch.") for d in info.dtype_names],
-        info.shapes, VLLM_GROUP, load_format=PACKED if info.packed else DIRECT,
-        bucket_bytes=info.packed_buffer_size_bytes if info.packed else None, partial=True, transaction=staged)
+    async with svc.in_order():
+        staged = await svc.stages_for(VLLM)
+        result = await svc.apply_update(
+            svc.engine.update_weights_from_distributed, info.names, [d.removeprefix("torch.") for d in info.dtype_names],
+            info.shapes, VLLM_GROUP, load_format=PACKED if info.packed else DIRECT,
+            bucket_bytes=info.packed_buffer_size_bytes if info.packed else None, partial=True, transaction=staged)
     return {"message": "Weights updated"} if result.success else _error(400, result.message)
 
 
@@ -204,10 +222,12 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
 async def finish_weight_update(body: Optional[FinishUpdateRequest] = None, svc: EngineService = Svc):
     """Publish what the calls since ``/start_weight_update`` staged, on every rank or none, under
     ``weight_version`` (else the server's next version)."""
-    if svc.engine.open_weight_update() != "explicit":
-        raise HTTPException(400, "no weight update to finish: call /start_weight_update first")
-    result = await svc.apply_update(svc.engine.commit_weight_update, partial=True,
-                                    weight_version=body.weight_version if body else None)
+    async with svc.in_order():
+        if svc.engine.weight_update_owner() != VLLM:
+            raise HTTPException(400, "no weight update to finish: call /start_weight_update first (one left open "
+                                     "is aborted by another protocol's update calls)")
+        result = await svc.apply_update(svc.engine.commit_weight_update, partial=True,
+                                        weight_version=body.weight_version if body else None)
     return _answer(result, "Weight update finished")
 
 
@@ -258,12 +278,13 @@ async def sleep(level: int = Query(1, ge=0, le=2), tags: Optional[list[str]] = Q
                 svc: EngineService = Svc):
     """vLLM's sleep: level 1 keeps a host copy of the weights (restored at wake-up) and drops the KV;
     level 2 drops both (the weights must be pushed again after wake-up); level 0 only pauses.
-    Generation is paused (aborting what runs) until ``/wake_up``."""
+    Generation is paused (aborting what runs) until ``/wake_up``; a bad ``tags`` is refused before
+    anything is paused or aborted."""
+    tags = _memory_tags(tags)
     await svc.call(svc.engine.pause_generation, "abort")
     if level == 0:
         svc.sleeping = {"paused"}
         return Response(status_code=200)
-    tags = _memory_tags(tags)
     result = await svc.call(svc.engine.release_memory_occupation, tags, level == 1)
     if not result.success:
         await svc.resume()
@@ -531,6 +552,7 @@ class ArealGroupRequest(P.Lenient):
     world_size: int = Field(ge=2)
     backend: Optional[Literal["gloo", "nccl"]] = None
     group_name: str = "update_weight_group"
+    timeout_s: float = Field(60.0, gt=0, le=3600)  # AReaL sends none: the documented 60 s, end to end
 
 
 class ArealMetaRequest(P.Lenient):
@@ -560,7 +582,8 @@ async def areal_pause_generation(svc: EngineService = Svc):
 
 @router.post("/areal_continue_generation", dependencies=ADMIN)
 async def areal_continue_generation(svc: EngineService = Svc):
-    result = await svc.resume()
+    async with svc.in_order():
+        result = await svc.resume()
     if result is not None and not result.success:
         return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
                              f"{result.message}"}, status_code=400)
@@ -570,7 +593,7 @@ async def areal_continue_generation(svc: EngineService = Svc):
 @router.post("/areal_init_weights_update_group", dependencies=ADMIN)
 async def areal_init_weights_update_group(body: ArealGroupRequest, svc: EngineService = Svc):
     return _areal(await svc.call(svc.engine.init_weights_update_group, body.master_address, body.master_port,
-                                 body.rank_offset, body.world_size, body.group_name, body.backend))
+                                 body.rank_offset, body.world_size, body.group_name, body.backend, body.timeout_s))
 
 
 @router.post("/areal_set_update_weight_meta", dependencies=ADMIN)
@@ -647,10 +670,7 @@ async def areal_update_weights_lora_xccl(body: Optional[dict[str, Any]] = Body(N
     on the version it started with."""
     meta = svc.areal_lora_meta
     if body and body.get("names"):
-        try:
-            meta = ArealLoraMetaRequest.model_validate(body)
-        except ValidationError as exc:
-            raise HTTPException(422, f"the LoRA update body: {exc}") from None
+        meta = ArealLoraMetaRequest.model_validate(body)  # a bad body: 400 naming the fields (the app's handler)
     if meta is None:
         raise HTTPException(400, "no LoRA metadata: call /areal_set_update_weight_meta_lora first")
     return _areal(await svc.call(svc.engine.load_lora_adapter_from_distributed, meta.lora_name, meta.peft_config(),

@@ -8,5 +8,5 @@
 
 May import: ``layers/``; ``rank_weights.py`` also the ``executor/``'s ``ModelRunner`` it writes into
 and ``worker/``'s messages it answers. ``loader.py`` and ``safetensors_io.py`` import nothing of the
-engine's but ``layers/``.
+engine's but ``layers/`` (and ``config``'s ``InputError``).
 """

@@ -19,7 +19,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from rollout.errors import InputError
+from rollout.config import InputError
 from rollout.layers.linear import LoadSlice, copy_slices
 
 # Checkpoint entries that are derived state, never weights.

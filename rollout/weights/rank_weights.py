@@ -21,6 +21,7 @@ import contextlib
 import functools
 import itertools
 import math
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from rollout.worker.messages import (
     ApplyDisk,
     ApplyHandle,
     ApplyTensors,
+    AwaitUpdateGroup,
     BarrierUpdateGroup,
     BeginTransaction,
     CommitTransaction,
@@ -74,6 +76,8 @@ from weight_sync.distributed import (
 from weight_sync.layout import SpecTuple, contiguous_run, dtype_from_name
 from weight_sync.shm import open_bucket
 
+MAX_UPDATE_GROUPS = 8  # weight update groups a rank keeps at once (each holds sockets and a store)
+ANNOUNCE_SLACK_BYTES = 256 << 20  # a call may announce 4x the model's bytes and this much more (adapters, odd dtypes)
 # What a rank reports when another rank's vote rejected the update.
 REJECTED_ELSEWHERE = "another TP rank rejected the update; nothing was loaded"
 # Errors of the input (not of the rank): answered as a failed result, the rank keeps serving.
@@ -103,12 +107,23 @@ def _parse_specs(names: tuple, dtypes: tuple, shapes: tuple) -> tuple:
 LORA_RECEIVE_BYTES = 32 << 20
 
 
+@dataclass
+class _JoiningGroup:
+    """A weight update group being joined on a thread of its own (``RankWeights._init_group``)."""
+
+    done: str  # the message once joined
+    thread: threading.Thread = field(default=None)  # type: ignore[assignment]
+    group: Optional[WeightGroup] = None
+    error: Optional[str] = None
+
+
 class RankWeights:
     def __init__(self, runner: ModelRunner, tp_state: TpState, device: torch.device):
         self.runner = runner
         self.tp_state = tp_state
         self.device = device
         self.update_groups: dict[str, WeightGroup] = {}
+        self.joining_groups: dict[str, _JoiningGroup] = {}  # groups whose join runs on a thread of its own
         self.receive_pool: list[torch.Tensor] = []  # the distributed path's two receive buffers
         self.transaction: Optional[Transaction] = None
         self.probe_buffer: Optional[torch.Tensor] = None
@@ -149,8 +164,11 @@ class RankWeights:
                 return WeightResult.ok("transaction discarded")
             case InitUpdateGroup():
                 return self._init_group(msg)
+            case AwaitUpdateGroup():
+                return self._await_group(msg.group_name)
             case DestroyUpdateGroup():
-                if self.update_groups.pop(msg.group_name, None) is None:
+                joining = self.joining_groups.pop(msg.group_name, None)  # its thread ends by its deadline; dropped
+                if self.update_groups.pop(msg.group_name, None) is None and joining is None:
                     return WeightResult.fail(f"no weight update group {msg.group_name!r}")
                 return WeightResult.ok(f"destroyed weight update group {msg.group_name!r}")
             case ProbeUpdateGroup():
@@ -466,16 +484,42 @@ class RankWeights:
     # ------------------------------------------------------------------ weight-update groups
 
     def _init_group(self, msg: InitUpdateGroup) -> WeightResult:
-        if msg.group_name in self.update_groups:
+        """Start joining the group on a thread of its own (the rendezvous waits for the trainer for up to
+        the group's timeout; the rank keeps serving steps meanwhile); ``AwaitUpdateGroup`` collects it."""
+        if msg.group_name in self.update_groups or msg.group_name in self.joining_groups:
             return WeightResult.fail(f"weight update group {msg.group_name!r} already exists; destroy it first")
+        if len(self.update_groups) + len(self.joining_groups) >= MAX_UPDATE_GROUPS:
+            return WeightResult.fail(f"{len(self.update_groups) + len(self.joining_groups)} weight update groups are "
+                                     f"open (at most {MAX_UPDATE_GROUPS}): destroy one first")
         backend = msg.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         rank = msg.rank_offset + self.tp_state.tp_rank
-        try:
-            self.update_groups[msg.group_name] = make_group(msg.master_address, msg.master_port, rank, msg.world_size,
-                                                            backend, msg.timeout_s, msg.group_name, msg.trainer_rank)
-        except WeightGroupError as exc:
-            return WeightResult.fail(str(exc))
-        return WeightResult.ok(f"joined weight update group {msg.group_name!r} as rank {rank}/{msg.world_size}")
+        joining = _JoiningGroup(f"joined weight update group {msg.group_name!r} as rank {rank}/{msg.world_size}")
+
+        def join() -> None:
+            try:
+                joining.group = make_group(msg.master_address, msg.master_port, rank, msg.world_size, backend,
+                                           msg.timeout_s, msg.group_name, msg.trainer_rank)
+            except WeightGroupError as exc:
+                joining.error = str(exc)
+
+        joining.thread = threading.Thread(target=join, name=f"join-{msg.group_name}", daemon=True)
+        joining.thread.start()
+        self.joining_groups[msg.group_name] = joining
+        return WeightResult.ok(f"joining weight update group {msg.group_name!r}", pending=True)
+
+    def _await_group(self, group_name: str) -> WeightResult:
+        joining = self.joining_groups.get(group_name)
+        if joining is None:
+            if group_name in self.update_groups:
+                return WeightResult.ok(f"weight update group {group_name!r} stands")
+            return WeightResult.fail(f"no weight update group {group_name!r} is being joined")
+        if joining.thread.is_alive():
+            return WeightResult.ok(f"joining weight update group {group_name!r}", pending=True)
+        del self.joining_groups[group_name]
+        if joining.group is None:
+            return WeightResult.fail(joining.error or f"weight update group {group_name!r}: the join failed")
+        self.update_groups[group_name] = joining.group
+        return WeightResult.ok(joining.done)
 
     def _specs(self, msg) -> tuple[Optional[str], list]:
         """(error, [(name, dtype, shape)]) of a distributed message."""
@@ -491,6 +535,15 @@ class RankWeights:
             specs = _parse_specs(tuple(msg.names), tuple(msg.dtypes), tuple(tuple(s) for s in msg.shapes))
         except (ValueError, TypeError) as exc:
             return str(exc), []
+        announced = sum(d.itemsize * math.prod(shape) for _, d, shape in specs)
+        limit = 4 * self.runner.params.nbytes() * self.tp_state.tp_size + ANNOUNCE_SLACK_BYTES
+        if announced > limit:
+            # a refused call is drained, and draining posts buffers of what was announced: this much could
+            # not be, so the group cannot be kept in step with the sender
+            self.update_groups.pop(msg.group_name, None)
+            return (f"the call announces {announced} bytes, more than any update of this model ({limit} bytes at "
+                    f"most): refused without receiving; group {msg.group_name!r} was torn down (its sender's "
+                    "broadcasts fail), re-initialise it"), []
         if type(msg.names) is tuple and type(msg.dtypes) is tuple and type(msg.shapes) is tuple and \
                 all(type(s) is tuple for s in msg.shapes):  # immutable: safe to compare against later
             self.last_specs = (msg.names, msg.dtypes, msg.shapes, specs)

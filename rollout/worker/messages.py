@@ -156,6 +156,14 @@ class InitUpdateGroup:
 
 
 @dataclass(frozen=True)
+class AwaitUpdateGroup:
+    """How the join ``InitUpdateGroup`` started (on a thread of its own: the rank keeps serving) stands:
+    joined (the group in place), failed, or still pending (``detail["pending"]``). Never waits."""
+
+    group_name: str
+
+
+@dataclass(frozen=True)
 class DestroyUpdateGroup:
     group_name: str
 
@@ -246,8 +254,8 @@ class UnloadLora:
 
 WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
                    StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
-                   DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory, ResumeMemory, ReadWeight,
-                   WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)
+                   AwaitUpdateGroup, DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory,
+                   ResumeMemory, ReadWeight, WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)
 LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe
 
 
@@ -296,11 +304,12 @@ class WeightResult:
 
     @staticmethod
     def merge(results: list[WeightResult]) -> WeightResult:
-        """One result for the TP group: rank 0's, or the first rank's failure (naming the rank)."""
+        """One result for the TP group: rank 0's, or the first rank's failure (naming the rank), or a
+        rank's that says its part is still pending (``detail["pending"]``)."""
         for rank, r in enumerate(results):
             if not r.success:
                 return r if rank == 0 else dataclasses.replace(r, message=f"TP rank {rank}: {r.message}")
-        return results[0]
+        return next((r for r in results if r.detail.get("pending")), results[0])
 
     def __getitem__(self, key: str) -> Any:
         warnings.warn(f"WeightResult[{key!r}] is deprecated: read the result's fields (.success, .message, "
