@@ -321,3 +321,23 @@ def test_input_errors_answer_400_in_every_route_family_after_the_key(ctl):
         r = httpx.post(str(ctl.base_url) + "/update_weights_from_disk", content=b"{bad", timeout=30,
                        headers={"Content-Type": "application/json", **headers})
         assert r.status_code in (401, 403), (headers, r.status_code, r.text[:200])
+
+
+def test_the_listener_check_sees_a_wildcard_listener_of_a_child():
+    """The check run after every test (conftest: nothing of ours listens on every interface) is not
+    vacuous: a child bound to 0.0.0.0 is found, and gone once the child is."""
+    import subprocess
+    import sys
+
+    from helpers import wildcard_listeners
+
+    code = ("import socket, sys, time; s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); "
+            "print(s.getsockname()[1], flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = child.stdout.readline().strip()
+        assert any(w.endswith(f"0.0.0.0:{port}") for w in wildcard_listeners()), wildcard_listeners()
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not wildcard_listeners()

@@ -439,3 +439,20 @@ def test_a_turn_that_stops_on_a_rejected_guess_keeps_no_kv_of_that_guess(llama_p
             assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-4
         # every guess before the stop position was accepted and returned; none after it counts
         assert 0 < accepted <= stop_at - 1
+
+        def right_past_the_stop(self, key, context, k):
+            """Plain decoding's tokens through the stop position and past it: all accepted, none after the
+            stop returned."""
+            at = len(context) - len(prompt)
+            if at < 0 or at >= len(free) or context[:len(prompt)] != prompt:
+                return Proposal()
+            guesses = free[at:at + k]
+            return Proposal(guesses, [1.0] * len(guesses))
+
+        monkeypatch.setattr(SuffixDrafter, "propose", right_past_the_stop)
+        # chunks of four guesses from output 1 (all accepted: outputs 1-5), then from output 6: a stop drawn at
+        # 6, 7 or 8 leaves accepted guesses after it in that chunk
+        stop2 = next(k for k in (6, 7, 8) if free[k] not in free[:k])
+        o = spec.generate(input_ids=[prompt], sampling_params=SamplingParams(stop_token_ids=[free[stop2]], **greedy))[0]
+        assert o.output_token_ids == free[:stop2 + 1] and o.spec_verify_ct == 2
+        assert 0 < o.spec_accept_token_num <= len(o.output_token_ids) - 1  # the first token is the prefill's

@@ -48,6 +48,8 @@ def _no_bool():
     raise TypeError("bool")
 
 
+MAX_RID_CHARS = 1024  # a request id is held while the request runs: bounded like every id a client names
+
 class Admission:
     """Turns API arguments into requests against this engine's limits and vocabulary."""
 
@@ -114,8 +116,10 @@ class Admission:
             raise ValueError("logprob_start_len must be -1 (no prompt logprobs) or a position >= 0")
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None:
-            if not isinstance(rids, (list, tuple)) or not all(isinstance(r, str) and r for r in rids):
-                raise ValueError("rid must be a non-empty string or a list of them (one per prompt)")
+            if not isinstance(rids, (list, tuple)) or not all(isinstance(r, str) and 0 < len(r) <= MAX_RID_CHARS
+                                                              for r in rids):
+                raise ValueError(f"rid must be a string of 1-{MAX_RID_CHARS} characters or a list of them (one per "
+                                 "prompt)")
             if len(rids) != len(ids_list):
                 raise ValueError(f"got {len(rids)} rids for {len(ids_list)} prompts")
             if len(set(rids)) != len(rids):
