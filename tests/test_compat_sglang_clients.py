@@ -278,12 +278,24 @@ def test_legacy_skyrl_batched_generate_is_a_list(compat_srv):
     assert all(isinstance(i["output_ids"], list) and i["meta_info"]["finish_reason"]["type"] for i in items)
 
 
-def test_legacy_skyrl_one_tensor_update_is_refused_saying_what_to_send(compat_srv):
-    """Legacy SkyRL's /update_weights_from_distributed {"name", "dtype", "shape"} (a schema SGLang removed): a
-    400 that names the list form, not a missing-field error."""
-    r = compat_srv.post("/update_weights_from_distributed", json={"name": "lm_head.weight", "dtype": "bfloat16",
-                                                           "shape": [320, 64]})
-    assert r.status_code == 400 and "names, dtypes and shapes" in r.text
+def test_legacy_skyrl_one_tensor_updates_apply(compat_srv, compat_model, compat_model_b):
+    """Legacy SkyRL's weight sync: /init_weights_update_group (override_existing), then one
+    /update_weights_from_distributed {"name", "dtype", "shape"} per tensor (SGLang's older schema, each applied
+    as it arrives) with its broadcast, then POST /flush_cache: model B serves. A malformed one-tensor body is a
+    400 naming the fields."""
+    url = str(compat_srv.base_url).rstrip("/")
+    before = _greedy(compat_srv)
+    out = _push(url, compat_model_b, "weight_update_group", one_tensor=True)
+    assert all(status == 200 and r["success"] for status, r in out["buckets"]), out["buckets"]
+    assert out["flush"] == 200
+    assert compat_srv.post("/destroy_weights_update_group").status_code == 200  # its teardown: no body
+    pushed = _greedy(compat_srv)
+    assert pushed != before
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model_b, "weight_version": "b"})
+    assert _greedy(compat_srv) == pushed
+    _post(compat_srv, "/update_weights_from_disk", {"model_path": compat_model, "weight_version": "default"})
+    r = compat_srv.post("/update_weights_from_distributed", json={"name": "lm_head.weight", "dtype": 5, "shape": 3})
+    assert r.status_code == 400 and "one-tensor body" in r.text
 
 
 def test_per_prompt_sampling_params_in_one_batch(compat_srv):
@@ -376,10 +388,14 @@ def _sglang_trainer(url: str, compat_model_b: str, port: int, group: str, plan: 
             if plan.get("miles"):  # miles' bracket (sglang-miles): begin, plain bucket calls, version, end
                 out["begin"] = http.post("/begin_weight_update", json={"selector": "all"}).json()
             buckets = [tensors[i::3] for i in range(3)]  # slime's buckets, each a part of the model
+            if plan.get("one_tensor"):  # legacy SkyRL: a request per tensor, SGLang's older one-tensor schema
+                buckets = [[t] for t in tensors]
             out["buckets"] = []
             for bucket in buckets:
                 body = {"names": [n for n, _ in bucket], "dtypes": ["float32"] * len(bucket),
                         "shapes": [list(v.shape) for _, v in bucket], "group_name": group, **plan.get("body", {})}
+                if plan.get("one_tensor"):  # no group name: SGLang's default group
+                    body = {"name": bucket[0][0], "dtype": "float32", "shape": list(bucket[0][1].shape)}
                 box: dict = {}
                 call = th.Thread(target=lambda b=body: box.setdefault("r", http.post(
                     "/update_weights_from_distributed", json=b)))
@@ -396,6 +412,8 @@ def _sglang_trainer(url: str, compat_model_b: str, port: int, group: str, plan: 
             if plan.get("pause"):
                 r = http.post("/continue_generation", json={})
                 out["continue"] = (r.status_code, r.json())
+            if plan.get("one_tensor"):
+                out["flush"] = http.post("/flush_cache").status_code
         dist.destroy_process_group(pg)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["error"] = repr(exc)

@@ -198,6 +198,19 @@ def test_prime_rl_weight_dir_update_between_pause_and_resume(compat_srv, compat_
     assert compat_srv.post("/update_weights", json={"weight_dir": "/nonexistent/dir"}).status_code in (400, 403)
 
 
+def test_prime_rl_reload_weights_resets_to_the_base_model(compat_srv, compat_model_b):
+    """An older prime-rl's from-scratch start: /update_weights {"weight_dir"} without pause (the server resets
+    the prefix cache itself), then POST /reload_weights {} -> the weights the server started from serve again,
+    under the starting version label."""
+    base = _greedy(compat_srv)
+    assert _ok(compat_srv.post("/update_weights", json={"weight_dir": compat_model_b})).json() == {"status": "ok"}
+    _ok(compat_srv.post("/update_weight_version", json={"new_version": "pushed", "abort_all_requests": False}))
+    assert _greedy(compat_srv) != base and compat_srv.get("/weight_info").json()["weight_version"] == "pushed"
+    r = _ok(compat_srv.post("/reload_weights", json={}))
+    assert r.json() == {"status": "ok", "weight_version": "default"}
+    assert _greedy(compat_srv) == base and compat_srv.get("/weight_info").json()["weight_version"] == "default"
+
+
 # ---------------------------------------------------------------------------------------------- weight pushes
 
 

@@ -420,6 +420,26 @@ def test_rendezvous_nobody_joins_fails_within_timeout(engine_a):
     assert 3 <= out.seconds < 5 and time.monotonic() - start < 5
 
 
+def test_reload_weights_reads_the_start_folder_as_the_first_load_did(weights, make_engine, tmp_path):
+    """An engine started from a folder whose files link elsewhere (a Hugging Face cache snapshot): after a push
+    of other weights, ``reload_weights`` reads that folder again (links followed, as at the start, while a
+    disk update refuses them), restoring the starting weights and version label."""
+    a, b, tensors_b = weights
+    linked = tmp_path / "snapshot"
+    linked.mkdir()
+    for name in os.listdir(a):
+        os.symlink(os.path.join(a, name), linked / name)
+    engine = make_engine(str(linked), kv_cache_tokens=512, weight_version="base")
+    checksum_a = engine.get_weights_checksum()
+    assert engine.update_weights_from_tensor(tensors_b, weight_version="pushed").success
+    assert engine.get_weights_checksum() != checksum_a
+    refused = engine.update_weights_from_disk(str(linked))
+    assert not refused.success and "symbolic link" in refused.message
+    result = engine.reload_weights()
+    assert result.success and result.weight_version == "base", result.message
+    assert engine.get_weights_checksum() == checksum_a and engine.get_weight_version() == "base"
+
+
 def test_an_update_announcing_more_than_any_model_update_is_refused_unreceived(weights, make_engine):
     """A call announcing a [1e6, 1e6] fp32 tensor over a live group (8 TB: a refused call is drained, and a
     drain posts buffers of the announced size): refused at once, naming the bound, nothing allocated; the

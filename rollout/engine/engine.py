@@ -547,6 +547,19 @@ class RolloutEngine:
             return self._weights.update(ApplyDisk(folder.path, check_finite, recapture_cuda_graph, folder),
                                         weight_version, flush_cache, abort_all_requests)
 
+    def reload_weights(self, abort_all_requests: bool = False) -> WeightResult:
+        """Back to the weights the engine started from (prime-rl's ``/reload_weights``): its model folder
+        pinned and read as at the first load (links followed: a Hugging Face cache snapshot links its
+        files), under the engine's starting version label (``EngineConfig.weight_version``); the prefix
+        cache reset. Adapters are untouched."""
+        try:
+            folder = PinnedFolder.open(self.config.model_path)
+        except WeightLoadError as exc:
+            return WeightResult.fail(str(exc))
+        with folder:
+            return self._weights.update(ApplyDisk(folder.path, True, False, folder, follow_links=True),
+                                        self.config.weight_version, True, abort_all_requests)
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: Optional[str] = None,
                                   timeout_s: float = 60.0, trainer_rank: int = 0) -> WeightResult:

@@ -8,6 +8,8 @@ host, as JSON (never a pickle)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import PlainTextResponse, Response
 
@@ -70,7 +72,9 @@ async def update_weights_from_distributed(body: P.UpdateFromDistributedRequest, 
 
 
 @router.post("/destroy_weights_update_group", dependencies=ADMIN)
-async def destroy_weights_update_group(body: P.GroupNameRequest, svc: EngineService = Svc):
+async def destroy_weights_update_group(body: Optional[P.GroupNameRequest] = None, svc: EngineService = Svc):
+    """SGLang's; no body (legacy SkyRL's teardown): the default group."""
+    body = body or P.GroupNameRequest()
     return result_json(await svc.call(svc.engine.destroy_weights_update_group, body.group_name))
 
 

@@ -333,9 +333,16 @@ class UpdateFromDistributedRequest(Lenient):
     @model_validator(mode="before")
     @classmethod
     def _one_tensor_schema(cls, data: Any) -> Any:
+        """SGLang's older one-tensor body (``name``, ``dtype``, ``shape``; legacy SkyRL sends one request per
+        tensor, each applied as it arrives): read as a list of one, a partial update unless it says otherwise."""
         if isinstance(data, dict) and "name" in data and "names" not in data:
-            raise ValueError("the one-tensor body (name, dtype, shape; legacy SkyRL) was removed from SGLang and is "
-                             "not read here: send names, dtypes and shapes as lists (one entry per tensor)")
+            if not isinstance(data["name"], str) or not isinstance(data.get("dtype"), str) or \
+                    not isinstance(data.get("shape"), list):
+                raise ValueError("the one-tensor body takes name (a string), dtype (a string) and shape (a list of "
+                                 "integers)")
+            data = {**{k: v for k, v in data.items() if k not in ("name", "dtype", "shape")},
+                    "names": [data["name"]], "dtypes": [data["dtype"]], "shapes": [data["shape"]]}
+            data.setdefault("partial", True)
         return data
 
     names: list[str]

@@ -231,6 +231,15 @@ async def finish_weight_update(body: Optional[FinishUpdateRequest] = None, svc: 
     return _answer(result, "Weight update finished")
 
 
+@router.post("/reload_weights", dependencies=ADMIN)
+async def reload_weights(svc: EngineService = Svc):
+    """prime-rl's (older) reset at a from-scratch start: the weights the server started from, under its
+    starting version label, the prefix cache reset (``RolloutEngine.reload_weights``; the body is ignored)."""
+    async with svc.in_order():
+        result = await svc.apply_update(svc.engine.reload_weights)
+    return {"status": "ok", "weight_version": result.weight_version} if result.success else _error(400, result.message)
+
+
 @router.get("/weight_info", dependencies=USER)
 async def weight_info(svc: EngineService = Svc):
     return {"weight_version": svc.engine.get_weight_version()}

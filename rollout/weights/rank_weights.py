@@ -376,7 +376,7 @@ class RankWeights:
         if msg.folder is None:
             self._vote(False)
             return WeightResult.fail("a disk update reached this rank without its pinned folder")
-        with SafetensorsFolder(msg.folder) as files:
+        with SafetensorsFolder(msg.folder, follow_links=msg.follow_links) as files:
             try:
                 named = list(files.tensors())
             except INPUT_ERRORS as exc:

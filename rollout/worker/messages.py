@@ -82,6 +82,8 @@ class ApplyDisk:
     check_finite: bool = True
     recapture_cuda_graph: bool = False
     folder: Optional[PinnedFolder] = field(default=None, compare=False, repr=False)
+    # the engine's own start folder only (``reload_weights``): its files may link, as at the first load
+    follow_links: bool = False
 
     def on_the_wire(self) -> ApplyDisk:
         return dataclasses.replace(self, folder=None)
