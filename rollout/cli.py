@@ -120,6 +120,7 @@ def _cmd_serve(args) -> int:
                           enable_memory_saver=args.enable_memory_saver, host=args.host,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          tensor_handles=not args.no_tensor_handles,
                           render_timeout_s=args.render_timeout_s)
     adapters = _adapter_flags(args.lora_paths or []) + _adapter_flags(args.lora_modules or [])
     # uvicorn ends its graceful shutdown by raising the signal it caught again, under the handler that was
@@ -245,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat template text a request sends (chat_template; vLLM's flag). Off: such requests "
                         "are refused (400) and only the model's template renders")
+    s.add_argument("--no-tensor-handles", action="store_true",
+                   help="refuse the RL frameworks' pickled tensor handles on /update_weights_from_tensor (veRL's, "
+                        "slime's, miles' colocated pushes; read by default by an allowlist that runs nothing)")
     s.add_argument("--render-timeout-s", type=float, default=5.0,
                    help="one chat rendering's time limit (a request whose conversation takes longer answers 400)")
     s.add_argument("--stream-max-pending-mb", type=float, default=8.0,

@@ -36,7 +36,8 @@ import tempfile
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
@@ -206,6 +207,50 @@ def check_cuda_ipc_update(device, workdir, quick):
                        and growth < (64 << 20) and not moved),
             "tokens_equal": got == ref, "exports": sender["exports"], "max_open_mappings": max(open_mappings),
             "device_memory_growth_bytes": growth, "moved": moved[:5], "median_update_s": sorted(times)[len(times) // 2]}
+
+
+def _verl_sender(b, handle_q, ack_q):
+    """veRL's colocated push from a second process: per bucket [(name, LocalSerializedTensor(values=[one
+    ForkingPickler payload per TP rank]))], base64 (tests/handle_sender.py builds SGLang's class the same way)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from handle_sender import LocalSerializedTensor, raw, serialize
+
+    tensors = [(n, t.cuda()) for n, t in _tensors(b)]
+    for i in range(3):
+        handle_q.put(serialize([(n, LocalSerializedTensor(values=[raw(t)])) for n, t in tensors[i::3]]))
+        ack_q.get(timeout=120)
+
+
+def check_verl_cuda_ipc_handles(device, workdir, quick):
+    """veRL's colocated push as it sends it: pickled CUDA IPC handles (torch's ForkingPickler) read by the
+    allowlist reader (weight_sync.handles: it runs nothing), three buckets -> model B's greedy tokens."""
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    import multiprocessing as mp
+
+    from weight_sync.handles import named_tensors
+
+    a, b, prompts, sp, ref = _update_models(workdir)
+    ctx = mp.get_context("spawn")
+    handle_q, ack_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_verl_sender, args=(b, handle_q, ack_q))
+    proc.start()
+    ok, times = True, []
+    try:
+        with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                named = named_tensors(handle_q.get(timeout=120))
+                result = e.update_weights_from_tensor(named, partial=True, borrowed=True)
+                del named
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                ack_q.put(1)
+                ok = ok and result.success
+            got = [o.output_token_ids for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    finally:
+        proc.join(60)
+    return {"ok": bool(ok and got == ref), "tokens_equal": got == ref, "bucket_s": times}
 
 
 def check_overlap_parity(device, workdir, quick):
@@ -414,6 +459,7 @@ CHECKS = {
     "inplace_update_no_recapture": check_inplace_update_no_recapture,
     "release_resume_memory": check_release_resume_memory,
     "cuda_ipc_update": check_cuda_ipc_update,
+    "verl_cuda_ipc_handles": check_verl_cuda_ipc_handles,
     "cuda_graph_speedup": check_cuda_graph_speedup,
     "throughput_vs_hf": check_throughput_vs_hf,
     "limits": check_limits,

@@ -19,5 +19,5 @@ def test_gpu_check_cpu_parts(tmp_path):
     assert checks["throughput_vs_hf"]["ok"]
     assert checks["lora"]["ok"], checks["lora"]
     for name in ("paged_decode_kernel", "graph_vs_eager", "nccl_tp1", "cuda_graph_speedup",
-                 "inplace_update_no_recapture", "release_resume_memory"):
+                 "inplace_update_no_recapture", "release_resume_memory", "verl_cuda_ipc_handles"):
         assert checks[name]["skipped"] == "needs CUDA"

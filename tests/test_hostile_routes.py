@@ -23,10 +23,8 @@ INJECTED = "X{{ 6*7 }}"
 
 
 @pytest.fixture(scope="module")
-def srv(compat_model, module_servers):
-    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
-        yield http
+def srv(compat_srv):
+    return compat_srv
 
 
 @pytest.fixture(scope="module")
@@ -203,16 +201,16 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 @pytest.fixture(scope="module")
 def ctl(compat_model, module_servers):
-    """A server with an admin key, a 3-second request timeout, 2-second sessions and at most 3 of them."""
+    """A server with an admin key, a 6-second request timeout, 2-second sessions and at most 3 of them."""
     server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY,
-                            "--admin-api-key", ADMIN_KEY, "--request-timeout-s", "3", "--session-timeout-s", "2",
+                            "--admin-api-key", ADMIN_KEY, "--request-timeout-s", "6", "--session-timeout-s", "2",
                             "--max-sessions", "3")
     with httpx.Client(base_url=server.url, headers=ADMIN, timeout=60) as http:
         yield http
 
 
 def _long_generation(http, box, key="gen"):
-    body = {"input_ids": [5, 9, 23], "sampling_params": {"max_new_tokens": 3000, "temperature": 1.0,
+    body = {"input_ids": [5, 9, 23], "sampling_params": {"max_new_tokens": 1000, "temperature": 1.0,
                                                           "ignore_eos": True}}
     t = threading.Thread(target=lambda: box.setdefault(key, http.post("/generate", json=body)))
     t.start()
@@ -250,7 +248,7 @@ def test_a_request_waiting_at_a_closed_door_honours_its_timeout(ctl):
     time.sleep(0.3)
     t0 = time.monotonic()
     r = ctl.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 504 and time.monotonic() - t0 < 10, r.text
+    assert r.status_code == 504 and time.monotonic() - t0 < 15, r.text
     t.join()
     waiting.join()
     assert ctl.post("/resume").status_code == 200
@@ -265,7 +263,7 @@ def test_a_group_setup_obeys_its_timeout_end_to_end(ctl):
             "backend": "gloo", "group_name": "areal-dead", "timeout_s": 2}
     t0 = time.monotonic()
     r = ctl.post("/areal_init_weights_update_group", json=body)
-    assert r.status_code == 400 and time.monotonic() - t0 < 4.5, (r.text, time.monotonic() - t0)
+    assert r.status_code == 400 and time.monotonic() - t0 < 6, (r.text, time.monotonic() - t0)
 
 
 def test_session_tables_are_bounded_and_expire_with_the_engine_s(ctl):

@@ -40,7 +40,7 @@ from rollout.layers.sampler import (
 )
 from rollout.models import ModelConfig, build_model
 from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
-from rollout.weights.loader import LoadReport, apply_load, plan_load, weight_name_map
+from rollout.weights.loader import LoadReport, apply_load, coverage, covers_all, plan_load, weight_name_map
 from rollout.weights.lora import lora_layers
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 
@@ -339,12 +339,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ after an update, readiness
 
-    def after_weights_changed(self, complete: bool, force_recapture: bool = False) -> bool:
+    def after_weights_changed(self, complete: bool, force_recapture: bool = False, names=()) -> bool:
         """Called once a weight update committed on this rank: a complete one makes the weights
-        valid again (after a release without backup); graphs are recaptured only if storage moved
-        (or when asked). Returns whether graphs were recaptured."""
+        valid again (after a release without backup), as do partial ones (``names``) once together they
+        wrote every weight (veRL and slime push a model bucket by bucket); graphs are recaptured only if
+        storage moved (or when asked). Returns whether graphs were recaptured."""
         if complete:
             self.params.valid = True
+        elif not self.params.valid:
+            self.params.rewritten |= coverage(self.name_map, names)
+            self.params.valid = covers_all(self.name_map, self.params.rewritten)
         self._weights_changed()
         if self.graph_runner is not None and (force_recapture or self.graph_runner.needs_recapture()):
             self.graph_runner.recapture()

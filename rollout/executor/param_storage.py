@@ -60,7 +60,8 @@ class ParameterStorage:
     def __init__(self, model: nn.Module, device: torch.device):
         self.buffers = flatten_parameters(model, device)
         self.released = False
-        self.valid = True  # False after a release without backup, until a full update commits
+        self.valid = True  # False after a release without backup, until every weight is written again
+        self.rewritten: set = set()  # pieces written by partial updates since such a release
         self._backup: Optional[dict[torch.dtype, torch.Tensor]] = None
         self._shadow: Optional[dict[torch.dtype, torch.Tensor]] = None
 
@@ -127,5 +128,6 @@ class ParameterStorage:
             else:
                 buf.zero_()
         self.valid = self._backup is not None
+        self.rewritten = set()
         self._backup = None
         self.released = False

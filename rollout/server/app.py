@@ -11,7 +11,7 @@ Security: with ``api_key`` every route but ``/health`` needs ``Authorization: Be
 with ``admin_api_key`` the weight and control routes need that key and a generation key is refused
 there (403); ``update_weights_from_disk`` reads only under ``allowed_weight_dirs`` (the folder
 opened once and checked where it lies, then read through that descriptor); tensor handles come
-only from clients on this host, as JSON (never a pickle); bodies past ``max_body_bytes`` are
+only from clients on this host, as JSON or read by an allowlist that runs nothing; bodies past ``max_body_bytes`` are
 refused (413); ``/docs``, ``/redoc`` and ``/openapi.json`` are off when a key is set.
 Bad bodies answer 400 naming the field (SGLang's status), never 422 or 500; so does bad input found
 later, in any route family (``rollout.config.InputError``). A request's ``chat_template_kwargs`` are

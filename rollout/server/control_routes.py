@@ -4,7 +4,8 @@ release/resume) and the ops routes (health, model and server info, Prometheus me
 Weight and control routes need the admin key when one is set; ``update_weights_from_disk`` reads
 only under ``allowed_weight_dirs``: the folder is opened once, checked where it lies, and read through
 that descriptor (``EngineService.update_from_disk``); tensor handles come only from clients on this
-host, as JSON (never a pickle)."""
+host, as JSON or as the frameworks' pickled handles read by an allowlist that runs nothing
+(``weight_sync.handles``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, local_bucket_handle, result_json, service_of
+from weight_sync import handles
 
 router = APIRouter()
 ADMIN = [Depends(admin)]
@@ -36,12 +38,28 @@ async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineSer
 
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
 async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
+    """A same-host bucket handle (JSON), or SGLang's form: base64 of the frameworks' pickled tensor handles
+    (slime's and miles' flattened buckets, veRL's per-rank tensors), one per TP rank, read by an allowlist
+    that runs nothing (``weight_sync.handles``) and loaded as SGLang loads them: the tensors given, this
+    bucket all or nothing (staged while paused or inside a bracket, copied then)."""
     handle = local_bucket_handle(request, body.serialized_named_tensors, "serialized_named_tensors")
+    if not isinstance(handle, str):
+        async with svc.in_order():
+            return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
+                                           flush_cache=body.flush_cache, weight_version=body.weight_version,
+                                           abort_all_requests=body.abort_all_requests, partial=body.partial,
+                                           transaction=await _staged(body, svc))
+    if not svc.config.tensor_handles:
+        raise HTTPException(400, P.PICKLED_TENSORS)
+    try:  # this server's TP ranks share one process's memory view: rank 0's entry serves them all
+        named = await svc.offload(handles.named_tensors, handle, 0)
+    except handles.HandleError as exc:
+        raise HTTPException(400, f"serialized_named_tensors: {exc}") from None
     async with svc.in_order():
-        return await svc.weight_update(svc.engine.update_weights_from_tensor, handle, load_format=None,
+        return await svc.weight_update(svc.engine.update_weights_from_tensor, named, load_format=None,
                                        flush_cache=body.flush_cache, weight_version=body.weight_version,
-                                       abort_all_requests=body.abort_all_requests, partial=body.partial,
-                                       transaction=await _staged(body, svc))
+                                       abort_all_requests=body.abort_all_requests, partial=True,
+                                       transaction=await _staged(body, svc), borrowed=True)
 
 
 SGLANG = "begin_weight_update"  # the owner of transactions opened by this family's routes (miles' bracket)

@@ -284,9 +284,11 @@ class UpdateFromDiskRequest(Lenient):
 
 PICKLED_TENSORS = (
     "serialized_named_tensors holds strings: base64 of a pickled MultiprocessingSerializer payload (SGLang's "
-    "colocated form, sent by slime, miles and veRL). This server never unpickles what a client sends. Send a "
-    "same-host bucket handle instead, plain JSON: weight_sync.SharedMemoryBucket().write(named_tensors) on CPU, "
-    "weight_sync.CudaIpcBucket(device).write(named_tensors) on GPU (README: colocated trainers)")
+    "colocated form, sent by slime, miles and veRL). Not read here: this server never unpickles a payload in general; "
+    "it reads the frameworks' tensor handles by an allowlist on /update_weights_from_tensor only, unless started with "
+    "--no-tensor-handles. Send a same-host bucket handle instead, plain JSON: "
+    "weight_sync.SharedMemoryBucket().write(named_tensors) on CPU, weight_sync.CudaIpcBucket(device).write("
+    "named_tensors) on GPU (README: colocated trainers)")
 
 
 def refuse_pickles(data: Any, field_name: str) -> Any:
@@ -298,16 +300,12 @@ def refuse_pickles(data: Any, field_name: str) -> Any:
 
 
 class UpdateFromTensorRequest(Lenient):
-    """A same-host bucket handle (``weight_sync.SharedMemoryBucket.write`` / ``CudaIpcBucket.write``):
-    plain JSON, never a pickle. SGLang sends one payload per TP rank; our ranks all open the one.
-    SGLang's own form (base64 strings of pickles) is refused with what to send instead."""
+    """A same-host bucket handle (``weight_sync.SharedMemoryBucket.write`` / ``CudaIpcBucket.write``,
+    plain JSON), or SGLang's own form — base64 strings of the frameworks' pickled tensor handles, one per
+    TP rank — read by ``weight_sync.handles`` (an allowlist that runs nothing) unless the server was
+    started with ``--no-tensor-handles``."""
 
-    serialized_named_tensors: Union[dict[str, Any], list[dict[str, Any]]]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_pickles(cls, data: Any) -> Any:
-        return refuse_pickles(data, "serialized_named_tensors")
+    serialized_named_tensors: Union[dict[str, Any], list[dict[str, Any]], str, list[str]]
     load_format: Optional[str] = None
     flush_cache: bool = True
     abort_all_requests: bool = False

@@ -69,6 +69,9 @@ class ServerConfig:
     # chat template text sent in a request (``chat_template``, in ``chat_template_kwargs`` or beside them) is
     # rendered only with this on (vLLM's --trust-request-chat-template); otherwise refused with a 400
     trust_request_chat_template: bool = False
+    # the RL frameworks' pickled tensor handles on /update_weights_from_tensor (veRL's, slime's, miles' colocated
+    # pushes), read by an allowlist that runs nothing (weight_sync.handles); off: refused with what to send
+    tensor_handles: bool = True
     # one chat rendering's bounds (rollout.engine.templates.RenderLimits)
     render_timeout_s: float = 5.0
     render_max_chars: int = 8 << 20

@@ -182,6 +182,16 @@ def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]]
     return LoadPlan(items)
 
 
+def coverage(name_map: NameMap, names: Iterable[str]) -> set:
+    """The (parameter, shard) pieces the named tensors write."""
+    return {(name_map[n].param_name, name_map[n].shard_id) for n in names if n in name_map}
+
+
+def covers_all(name_map: NameMap, covered: set) -> bool:
+    """Whether ``covered`` pieces are every piece a complete load writes."""
+    return all((t.param_name, t.shard_id) in covered for n, t in name_map.items() if n != _TIED_ALIAS)
+
+
 def rejection_message(errors: list[str]) -> str:
     more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
     return "weights rejected, nothing was loaded:\n  " + "\n  ".join(errors[:20]) + more

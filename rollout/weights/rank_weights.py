@@ -152,7 +152,7 @@ class RankWeights:
                 self.transaction = Transaction()
                 return WeightResult.ok("transaction started")
             case StageTensors():
-                return self._stage(msg.named_tensors, copy=False)
+                return self._stage(msg.named_tensors, copy=msg.copy)
             case StageHandle():  # the sender reuses its buffer for the next bucket: stage a copy
                 return self._with_bucket(msg.handle, lambda named: self._stage(named, copy=True), vote=False)
             case StageDistributed():
@@ -367,7 +367,8 @@ class RankWeights:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE)
         report = apply_load(plan)
-        self.runner.after_weights_changed(complete=not partial, force_recapture=recapture)
+        self.runner.after_weights_changed(complete=not partial, force_recapture=recapture,
+                                          names=[name for name, _, _ in plan.items])
         return WeightResult.ok(f"loaded {report.num_tensors} tensors", num_bytes=report.num_bytes)
 
     def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
@@ -476,7 +477,7 @@ class RankWeights:
                 dst.copy_(runner.params.shadow_view(dst))
         else:
             runner.params.commit_shadow()
-        runner.after_weights_changed(complete=not msg.partial)
+        runner.after_weights_changed(complete=not msg.partial, names=[*txn.staged, *txn.in_shadow])
         nbytes = sum(d.itemsize * math.prod(shape) for d, shape in txn.in_shadow.values()) + sum(
             t.numel() * t.element_size() for t in txn.staged.values())
         return WeightResult.ok(f"loaded {len(txn.in_shadow) + len(txn.staged)} tensors", num_bytes=nbytes)
@@ -610,7 +611,7 @@ class RankWeights:
         if not self._vote(error is None):
             return WeightResult.fail(error or REJECTED_ELSEWHERE, kind=kind)
         self.runner.params.commit_shadow()
-        self.runner.after_weights_changed(complete=not msg.partial)
+        self.runner.after_weights_changed(complete=not msg.partial, names=[n for n, _, _ in specs])
         nbytes = sum(d.itemsize * math.prod(s) for _, d, s in specs)
         return WeightResult.ok(f"loaded {len(specs)} tensors", num_bytes=nbytes, receive_s=t_received - t_start,
                                commit_s=time.perf_counter() - t_received, received_in_place_bytes=placed_bytes)

@@ -112,6 +112,7 @@ class BeginTransaction:
 @dataclass(frozen=True)
 class StageTensors:
     named_tensors: tuple  # ((name, tensor), ...), in this process
+    copy: bool = False  # the tensors view memory their owner reuses (another process's handles): stage copies
 
 
 @dataclass(frozen=True)
