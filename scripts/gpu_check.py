@@ -228,7 +228,7 @@ def check_verl_cuda_ipc_handles(device, workdir, quick):
         return {"skipped": "needs CUDA"}
     import multiprocessing as mp
 
-    from weight_sync.handles import named_tensors
+    from weight_sync.handles import handle
 
     a, b, prompts, sp, ref = _update_models(workdir)
     ctx = mp.get_context("spawn")
@@ -240,9 +240,7 @@ def check_verl_cuda_ipc_handles(device, workdir, quick):
         with RolloutEngine(a, dtype="float32", device="cuda", kv_cache_tokens=8192) as e:
             for _ in range(3):
                 t0 = time.perf_counter()
-                named = named_tensors(handle_q.get(timeout=120))
-                result = e.update_weights_from_tensor(named, partial=True, borrowed=True)
-                del named
+                result = e.update_weights_from_tensor(handle([handle_q.get(timeout=120)]), partial=True)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 ack_q.put(1)

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from weight_sync.handles import HandleError, named_tensors, read_handles
 
@@ -174,3 +175,24 @@ def test_the_reader_can_be_turned_off(compat_model, make_server, sender):
     r = httpx.post(server.url + "/update_weights_from_tensor", timeout=60,
                    json={"serialized_named_tensors": [sender("flat", bucket=0)]})
     assert r.status_code == 400 and "SharedMemoryBucket" in r.text
+
+
+def test_each_tp_rank_reads_its_own_entry(make_engine, sender, compat_model, compat_model_b):
+    """A TP=2 engine given one payload per rank: each rank opens the handle and reads its own entry (a bad
+    second entry fails the update on rank 1, all or nothing); good entries on both land model B."""
+    from safetensors.torch import load_file
+
+    from weight_sync import checksum_named_tensors
+    from weight_sync.handles import handle
+
+    engine = make_engine(compat_model, tp_size=2, kv_cache_tokens=512)
+    before = engine.get_weights_checksum()
+    good = sender("flat", bucket=0)
+    bad = engine.update_weights_from_tensor(handle([good, sender("truncated")]), partial=True)
+    assert not bad.success and "TP rank 1" in bad.message and "malformed" in bad.message, bad.message
+    assert engine.get_weights_checksum() == before
+    for i in range(3):
+        payload = sender("verl", bucket=i, tp=2)
+        assert engine.update_weights_from_tensor(handle([payload, payload]), partial=True).success
+    tensors = [(n, t.float()) for n, t in load_file(f"{compat_model_b}/model.safetensors").items()]
+    assert engine.get_weights_checksum() == checksum_named_tensors(tensors, torch.float32)

@@ -391,3 +391,34 @@ def _flattened(bucket: dict) -> list[tuple[str, torch.Tensor]]:
         view = tensor[m.start_idx:m.end_idx].reshape(m.shape)
         out.append((m.name, view if view.dtype == m.dtype else view.to(m.dtype)))
     return out
+
+
+# ------------------------------------------------------------------ as a bucket handle every TP rank opens
+
+KIND = "tensor_handles"  # ``{"kind": KIND, "payloads": [one per TP rank]}``, opened by ``open_bucket``
+
+
+def handle(payloads) -> dict:
+    """The frameworks' payloads (one per TP rank, as SGLang's ``serialized_named_tensors`` lists them) as a
+    bucket handle: every TP rank of the engine opens it itself and reads its own entry."""
+    if isinstance(payloads, (str, bytes)):
+        payloads = [payloads]
+    if not isinstance(payloads, list) or not payloads:
+        raise HandleError("serialized_named_tensors is a list of payloads, one per TP rank")
+    return {"kind": KIND, "payloads": list(payloads)}
+
+
+class OpenedPayload:
+    """A TP rank's entry of a ``handle``, read and mapped: ``named_tensors`` view the sender's memory until
+    ``close``."""
+
+    def __init__(self, opened: dict, tp_rank: int):
+        payloads = opened.get("payloads")
+        if not isinstance(payloads, list) or not payloads:
+            raise HandleError("a tensor-handles bucket holds its payloads")
+        # one entry per TP rank; fewer than this engine's ranks: CPU memory is one host's, the first serves all
+        entry = payloads[tp_rank] if tp_rank < len(payloads) else payloads[0]
+        self.named_tensors = named_tensors(entry, tp_rank)
+
+    def close(self) -> None:
+        self.named_tensors = []

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from weight_sync import cuda_ipc
+from weight_sync import cuda_ipc, handles
 from weight_sync.layout import TensorMeta, layout, pack, views
 
 KIND = "shared_memory"
@@ -95,12 +95,15 @@ def open_shared_bucket(handle: dict) -> OpenedBucket:
     return OpenedBucket(handle)
 
 
-def open_bucket(handle: dict):
-    """Open a sender's handle: shared memory (``SharedMemoryBucket``) or CUDA IPC (``CudaIpcBucket``).
-    The result has ``named_tensors`` and ``close()``."""
+def open_bucket(handle: dict, tp_rank: int = 0):
+    """Open a sender's handle: shared memory (``SharedMemoryBucket``), CUDA IPC (``CudaIpcBucket``) or the
+    frameworks' pickled tensor handles (``weight_sync.handles``: this TP rank's entry). The result has
+    ``named_tensors`` and ``close()``."""
     kind = handle.get("kind", KIND)
     if kind == KIND:
         return OpenedBucket(handle)
     if kind == cuda_ipc.KIND:
         return cuda_ipc.OpenedIpcBucket(handle)
-    raise ValueError(f"unknown bucket handle kind {kind!r}: expected {KIND!r} or {cuda_ipc.KIND!r}")
+    if kind == handles.KIND:
+        return handles.OpenedPayload(handle, tp_rank)
+    raise ValueError(f"unknown bucket handle kind {kind!r}: expected {KIND!r}, {cuda_ipc.KIND!r} or {handles.KIND!r}")

@@ -491,17 +491,17 @@ class RolloutEngine:
                                    load_format: Optional[str] = None, flush_cache: bool = True,
                                    weight_version: Optional[str] = None, abort_all_requests: bool = False,
                                    check_finite: bool = True, partial: bool = False,
-                                   transaction: bool = False, borrowed: bool = False) -> WeightResult:
+                                   transaction: bool = False) -> WeightResult:
         """Load full tensors under Hugging Face names, all-or-nothing.
 
         named_tensors: a list of (name, tensor) (``load_format`` None or "direct"), a
         ``FlattenedTensorBucket`` ("flattened_bucket"), or a handle from another process on this
         machine: ``weight_sync.SharedMemoryBucket.write`` (CPU) or ``weight_sync.CudaIpcBucket.write``
-        (GPU; the sender's buffer is exported once and mapped once, however many updates follow).
+        (GPU; the sender's buffer is exported once and mapped once, however many updates follow), or the
+        RL frameworks' pickled tensor handles as ``weight_sync.handles.handle(payloads)`` (each TP rank
+        reads its own entry with an allowlist that runs nothing).
         Dtypes must equal the engine's; every weight must be present unless ``partial``.
         ``transaction=True`` only stages the tensors into the open transaction (``begin_weight_update``).
-        ``borrowed=True``: the tensors view memory their owner reuses once this call returns (a trainer's
-        tensor handles): staged, they are copied (after their names, shapes and dtypes are checked).
         """
         if load_format not in (None, "direct", "flattened_bucket"):
             raise ValueError(f"load_format={load_format!r}: use None/'direct', 'flattened_bucket' or pass a "
@@ -521,7 +521,7 @@ class RolloutEngine:
                         and isinstance(item[0], str) and isinstance(item[1], torch.Tensor))), None)
             if bad is not None:
                 return WeightResult.fail(f"named_tensors[{bad}] is not a (name, tensor) pair; nothing was loaded")
-            msg = self._weights.tensors_message(named, check_finite, partial, stage=transaction, borrowed=borrowed)
+            msg = self._weights.tensors_message(named, check_finite, partial, stage=transaction)
         if transaction:
             return self._weights.run(msg)
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)

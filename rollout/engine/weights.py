@@ -93,13 +93,11 @@ class EngineWeights:
 
     # ------------------------------------------------------------------ tensors -> a message
 
-    def tensors_message(self, named: list, check_finite: bool = True, partial: bool = False, stage: bool = False,
-                        borrowed: bool = False):
+    def tensors_message(self, named: list, check_finite: bool = True, partial: bool = False, stage: bool = False):
         """The message that carries (name, tensor) pairs to every rank: the tensors themselves when
-        every rank lives in this process, else this engine's own bucket (written here, once).
-        ``borrowed``: the tensors view memory their owner will reuse: a staging rank keeps copies."""
+        every rank lives in this process, else this engine's own bucket (written here, once)."""
         if not self.ranks_in_other_processes:
-            return StageTensors(tuple(named), borrowed) if stage else ApplyTensors(tuple(named), check_finite, partial)
+            return StageTensors(tuple(named)) if stage else ApplyTensors(tuple(named), check_finite, partial)
         handle = self.write_bucket(named)
         return StageHandle(handle) if stage else ApplyHandle(handle, check_finite, partial)
 

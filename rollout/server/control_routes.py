@@ -51,15 +51,15 @@ async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: R
                                            transaction=await _staged(body, svc))
     if not svc.config.tensor_handles:
         raise HTTPException(400, P.PICKLED_TENSORS)
-    try:  # this server's TP ranks share one process's memory view: rank 0's entry serves them all
-        named = await svc.offload(handles.named_tensors, handle, 0)
+    try:  # every TP rank opens it and reads its own entry
+        pickled = handles.handle(body.serialized_named_tensors)
     except handles.HandleError as exc:
         raise HTTPException(400, f"serialized_named_tensors: {exc}") from None
     async with svc.in_order():
-        return await svc.weight_update(svc.engine.update_weights_from_tensor, named, load_format=None,
+        return await svc.weight_update(svc.engine.update_weights_from_tensor, pickled, load_format=None,
                                        flush_cache=body.flush_cache, weight_version=body.weight_version,
                                        abort_all_requests=body.abort_all_requests, partial=True,
-                                       transaction=await _staged(body, svc), borrowed=True)
+                                       transaction=await _staged(body, svc))
 
 
 SGLANG = "begin_weight_update"  # the owner of transactions opened by this family's routes (miles' bracket)

@@ -37,6 +37,7 @@ from rollout.weights import lora
 from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
 from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
+    REJECTED_ELSEWHERE,
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
@@ -78,8 +79,6 @@ from weight_sync.shm import open_bucket
 
 MAX_UPDATE_GROUPS = 8  # weight update groups a rank keeps at once (each holds sockets and a store)
 ANNOUNCE_SLACK_BYTES = 256 << 20  # a call may announce 4x the model's bytes and this much more (adapters, odd dtypes)
-# What a rank reports when another rank's vote rejected the update.
-REJECTED_ELSEWHERE = "another TP rank rejected the update; nothing was loaded"
 # Errors of the input (not of the rank): answered as a failed result, the rank keeps serving.
 INPUT_ERRORS = (WeightLoadError, ValueError, KeyError, TypeError, OSError)
 
@@ -152,7 +151,7 @@ class RankWeights:
                 self.transaction = Transaction()
                 return WeightResult.ok("transaction started")
             case StageTensors():
-                return self._stage(msg.named_tensors, copy=msg.copy)
+                return self._stage(msg.named_tensors, copy=False)
             case StageHandle():  # the sender reuses its buffer for the next bucket: stage a copy
                 return self._with_bucket(msg.handle, lambda named: self._stage(named, copy=True), vote=False)
             case StageDistributed():
@@ -394,7 +393,7 @@ class RankWeights:
         try:
             if not isinstance(handle, dict):
                 raise TypeError(f"a bucket handle is a dict, got {type(handle).__name__}")
-            opened = open_bucket(handle)
+            opened = open_bucket(handle, self.tp_state.tp_rank)
         except (ValueError, KeyError, TypeError, OSError, RuntimeError) as exc:
             kind = handle.get("kind", "shared_memory") if isinstance(handle, dict) else "bucket"
             message = f"cannot read the {kind} bucket: {exc}"

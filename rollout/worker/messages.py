@@ -112,7 +112,6 @@ class BeginTransaction:
 @dataclass(frozen=True)
 class StageTensors:
     named_tensors: tuple  # ((name, tensor), ...), in this process
-    copy: bool = False  # the tensors view memory their owner reuses (another process's handles): stage copies
 
 
 @dataclass(frozen=True)
@@ -271,6 +270,10 @@ def reply_timeout_s(msg) -> Optional[float]:
 # the one result
 
 
+# What a rank reports when another rank's vote rejected the update.
+REJECTED_ELSEWHERE = "another TP rank rejected the update; nothing was loaded"
+
+
 @dataclass(frozen=True)
 class WeightResult:
     """The result of every weight operation, on a rank and at the public API.
@@ -309,9 +312,10 @@ class WeightResult:
     def merge(results: list[WeightResult]) -> WeightResult:
         """One result for the TP group: rank 0's, or the first rank's failure (naming the rank), or a
         rank's that says its part is still pending (``detail["pending"]``)."""
-        for rank, r in enumerate(results):
-            if not r.success:
-                return r if rank == 0 else dataclasses.replace(r, message=f"TP rank {rank}: {r.message}")
+        failed = [(rank, r) for rank, r in enumerate(results) if not r.success]
+        if failed:  # the rank that rejected the update, not one that only learnt another did
+            rank, r = next(((k, f) for k, f in failed if f.message != REJECTED_ELSEWHERE), failed[0])
+            return r if rank == 0 else dataclasses.replace(r, message=f"TP rank {rank}: {r.message}")
         return next((r for r in results if r.detail.get("pending")), results[0])
 
     def __getitem__(self, key: str) -> Any:
