@@ -27,13 +27,26 @@ def srv(compat_srv):
     return compat_srv
 
 
+ADMIN_KEY = "hostile-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 @pytest.fixture(scope="module")
-def trusting(compat_model, module_servers):
-    """A server whose operator allows request templates, with a one-second rendering limit."""
-    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "1024", "--api-key", KEY,
-                            "--trust-request-chat-template", "--render-timeout-s", "1")
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+def ctl(compat_model, module_servers):
+    """A server with an admin key, a 4-second request timeout, 2-second sessions and at most 3 of them, that
+    renders request templates (``--trust-request-chat-template``) within one second."""
+    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY,
+                            "--admin-api-key", ADMIN_KEY, "--request-timeout-s", "4", "--session-timeout-s", "2",
+                            "--max-sessions", "3", "--trust-request-chat-template",
+                            "--render-timeout-s", "1")
+    with httpx.Client(base_url=server.url, headers=ADMIN, timeout=60) as http:
         yield http
+
+
+@pytest.fixture(scope="module")
+def trusting(ctl):
+    """A server whose operator allows request templates, with a one-second rendering limit (``ctl``)."""
+    return ctl
 
 
 def _chat(http, kwargs=None, session=None, **extra):
@@ -194,19 +207,6 @@ def test_rollout_serve_shuts_its_engine_down_on_sigterm_and_sigint(compat_model,
 
 
 # ------------------------------------------------------------------ control states, tables, input errors
-
-ADMIN_KEY = "hostile-admin"
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def ctl(compat_model, module_servers):
-    """A server with an admin key, a 6-second request timeout, 2-second sessions and at most 3 of them."""
-    server = module_servers(compat_model, "--dtype", "float32", "--kv-cache-tokens", "4096", "--api-key", KEY,
-                            "--admin-api-key", ADMIN_KEY, "--request-timeout-s", "6", "--session-timeout-s", "2",
-                            "--max-sessions", "3")
-    with httpx.Client(base_url=server.url, headers=ADMIN, timeout=60) as http:
-        yield http
 
 
 def _long_generation(http, box, key="gen"):
