@@ -210,11 +210,16 @@ def test_rollout_serve_shuts_its_engine_down_on_sigterm_and_sigint(compat_model,
 
 
 def _long_generation(http, box, key="gen"):
+    """A 1000-token generation in a thread, returned once the engine runs it (so what follows meets it in
+    flight on any machine)."""
     body = {"input_ids": [5, 9, 23], "sampling_params": {"max_new_tokens": 1000, "temperature": 1.0,
                                                           "ignore_eos": True}}
     t = threading.Thread(target=lambda: box.setdefault(key, http.post("/generate", json=body)))
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while http.get("/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline and t.is_alive(), "the generation never ran"
+        time.sleep(0.005)
     return t
 
 
