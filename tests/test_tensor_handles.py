@@ -168,6 +168,16 @@ def test_the_reader_admits_only_tensor_rebuilds(sender, tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(HandleError, match="base64"):
         read_handles("not base64!")
+    # a handle naming another socket than torch's shm manager, or memory past its storage: refused unmapped
+    from weight_sync.handles import ShmStorage, TensorSpec, TypedStorage, materialize
+
+    other = TensorSpec(TypedStorage(ShmStorage(b"/run/other.sock", b"/torch_1_2_3", 16), torch.float32), 0, (4,), (1,))
+    with pytest.raises(HandleError, match="shm manager"):
+        materialize(other)
+    past = TensorSpec(TypedStorage(ShmStorage(b"/tmp/torch-shm-dir-x/manager.sock", b"/torch_1_2_3", 16),
+                                   torch.float32), 2, (4,), (1,))
+    with pytest.raises(HandleError, match="reaches past"):
+        materialize(past)
 
 
 def test_the_reader_can_be_turned_off(compat_model, make_server, sender):

@@ -289,6 +289,10 @@ def _shm_storage(storage: ShmStorage) -> torch.UntypedStorage:
         raise HandleError("a shared-memory name is ASCII") from None
     if not name.startswith("/") or "/" in name[1:] or name in ("/", "/.", "/.."):
         raise HandleError(f"{name!r} is not a shared-memory name")
+    # the segment's keeper is torch's own shm manager (libshm connects to it): never any other socket
+    if os.path.basename(storage.manager) != b"manager.sock" or \
+            not os.path.basename(os.path.dirname(storage.manager)).startswith(b"torch-shm-dir-"):
+        raise HandleError("a shared-memory handle names torch's shm manager socket (torch-shm-dir-*/manager.sock)")
     try:
         actual = os.stat(SHM_ROOT + name).st_size
     except OSError:
