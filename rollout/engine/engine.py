@@ -662,10 +662,12 @@ class RolloutEngine:
         """Open a transaction: the following update calls only stage (the engine keeps serving the old
         weights); ``commit_weight_update`` applies everything on every rank, or nothing. ``owner`` names
         who opened it (``weight_update_owner``): a server tells one protocol's transaction from another's."""
+        if owner == "implicit":
+            raise InputError('owner="implicit" names the transactions a paused engine opens itself')
         self._weights.transaction_version = weight_version
         result = self._weights.run(BeginTransaction())
         if result.success:
-            self._weights.opened_by, self._weights.owner = "explicit", owner
+            self._weights.opened_by = owner
         return result
 
     def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
@@ -674,22 +676,22 @@ class RolloutEngine:
         (else the version its calls named, else the next one)."""
         version, self._weights.transaction_version = self._weights.transaction_version, None
         version = weight_version if weight_version is not None else version
-        self._weights.opened_by = self._weights.owner = None
+        self._weights.opened_by = None
         return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
 
     def open_weight_update(self) -> Optional[str]:
         """Who opened the open transaction: "explicit" (``begin_weight_update``), "implicit" (an update
         call while generation was paused), or None."""
-        return self._weights.opened_by
+        opened = self._weights.opened_by
+        return opened if opened in (None, "implicit") else "explicit"
 
     def weight_update_owner(self) -> Optional[str]:
         """The ``owner`` an explicit transaction was opened with; "implicit" or None as ``open_weight_update``."""
-        w = self._weights
-        return w.owner if w.opened_by == "explicit" else w.opened_by
+        return self._weights.opened_by
 
     def abort_weight_update(self) -> WeightResult:
         self._weights.transaction_version = None
-        self._weights.opened_by = self._weights.owner = None
+        self._weights.opened_by = None
         return self._weights.run(AbortTransaction())
 
     # ------------------------------------------------------------------ LoRA adapters (SGLang's names)

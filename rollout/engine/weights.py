@@ -47,12 +47,10 @@ class EngineWeights:
         self.shm: Optional[SharedMemoryBucket] = None
         self.ipc: Optional[CudaIpcBucket] = None
         self.transaction_version: Optional[str] = None  # published when the open transaction commits
-        # who opened the open transaction: "explicit" (begin_weight_update, miles' bracket) or
-        # "implicit" (an update call while generation was paused; published at continue_generation)
+        # who opened the open transaction: "implicit" (an update call while generation was paused;
+        # published at continue_generation), or the owner an explicit one was opened with
+        # (begin_weight_update: miles' bracket, vLLM's start_weight_update, TRL's)
         self.opened_by: Optional[str] = None
-        # an explicit transaction's opener, named by the caller of begin_weight_update (a protocol
-        # family: "begin_weight_update", vLLM's "start_weight_update", TRL's "trl")
-        self.owner: Optional[str] = None
 
     # ------------------------------------------------------------------ running messages
 

@@ -189,8 +189,7 @@ async def pause_generation(body: P.PauseRequest, svc: EngineService = Svc):
 async def continue_generation(svc: EngineService = Svc):
     """Resumes generation; update calls staged while paused are published first (a failed publish
     answers 400 with the reason: generation continues on the old weights)."""
-    async with svc.in_order():
-        result = await svc.resume()
+    result = await svc.resume()
     if result is not None:
         if not result.success:
             return JSONResponse({"success": False, "message": f"generation continues on the old weights: "

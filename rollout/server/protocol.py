@@ -43,8 +43,9 @@ def _unusable(value: Any) -> Optional[str]:
                         return (f"{path + '.' if path else ''}<a key> holds a lone UTF-16 surrogate (not text): send "
                                 "valid Unicode")
                 stack.append((item, f"{path}.{k}" if path else str(k), depth + 1))
-        elif isinstance(v, list):
-            stack.extend((item, f"{path}.{i}" if path else str(i), depth + 1) for i, item in enumerate(v))
+        elif isinstance(v, list):  # numbers (token ids, shapes) need no look: only text and containers
+            stack.extend((item, f"{path}.{i}" if path else str(i), depth + 1) for i, item in enumerate(v)
+                         if isinstance(item, (str, dict, list)))
     return None
 
 

@@ -407,7 +407,8 @@ class EngineService:
         None if nothing was staged). On a failed publish generation continues on the old weights. A
         transaction opened explicitly and still open is not published by a continue: generation goes
         on, and the answer is a failure naming it (never a success over work that was not applied)."""
-        result = await self.call(self.engine.continue_generation)
+        async with self._order:  # a continue is a transaction call: in arrival order
+            result = await self.call(self.engine.continue_generation)
         if result is not None:
             self.metrics.weight_update(result)
             if not result.success:

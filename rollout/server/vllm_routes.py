@@ -99,8 +99,7 @@ async def _drain(svc: EngineService, request: Request, poll_s: float = 0.05) -> 
 async def resume(svc: EngineService = Svc):
     """Resume; update calls staged while paused are published first (a failed publish answers 400:
     generation continues on the old weights)."""
-    async with svc.in_order():
-        result = await svc.resume()
+    result = await svc.resume()
     if result is not None:
         if not result.success:
             return _error(400, f"generation resumed on the old weights: {result.message}")
@@ -591,8 +590,7 @@ async def areal_pause_generation(svc: EngineService = Svc):
 
 @router.post("/areal_continue_generation", dependencies=ADMIN)
 async def areal_continue_generation(svc: EngineService = Svc):
-    async with svc.in_order():
-        result = await svc.resume()
+    result = await svc.resume()
     if result is not None and not result.success:
         return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
                              f"{result.message}"}, status_code=400)
