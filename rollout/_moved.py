@@ -20,6 +20,10 @@ MOVED = {
     "rollout.cuda_graph_runner": "rollout.executor.cuda_graph_runner",
     "rollout.rank_weights": "rollout.weights.rank_weights", "rollout.loader": "rollout.weights.loader",
     "rollout.safetensors_io": "rollout.weights.safetensors_io",
+    "rollout.layers.cpu_capability": "rollout.kernels.cpu.capability", "rollout.layers.cpu_build": "rollout.kernels.cpu.build",
+    "rollout.layers.cpu_plan": "rollout.kernels.cpu.plan", "rollout.layers.cpu_layer": "rollout.kernels.cpu.fused",
+    "rollout.layers.paged_decode_triton": "rollout.kernels.triton.paged_decode",
+    "rollout.layers.lora_triton": "rollout.kernels.triton.lora",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from rollout.layers.cpu_plan import KERNELS as _GEMM_KERNELS
+from rollout.kernels.cpu.plan import KERNELS as _GEMM_KERNELS
 
 
 class InputError(ValueError):
@@ -65,7 +65,7 @@ class EngineConfig:
     stage_paused_updates: bool = True
     launch: str = "auto"  # TP>1: "spawn" worker processes, or "external" (ranks of the caller's job); auto picks
     # CPU: each linear layer runs the GEMM kernel measured fastest on this machine for the forward's
-    # number of rows (rollout.layers.cpu_plan): oneDNN over a packed copy in the weight dtype, oneDNN
+    # number of rows (rollout.kernels.cpu.plan): oneDNN over a packed copy in the weight dtype, oneDNN
     # over an fp32 copy of bf16 weights (the fast path from a few rows up where the CPU has no native
     # bf16; +2x the weight bytes), the project's C++ kernel that reads bf16 weights in place (small
     # batches) or its register-tiled C++ GEMM over fp32 panels of the weights (a copy, as fp32's).
@@ -82,17 +82,17 @@ class EngineConfig:
     # compiler, then cached) instead of gathering them for SDPA; machines without a compiler keep
     # the gather path
     cpu_paged_attention: bool = True
-    # CPU: RMSNorm in one C++ call per norm (rollout.layers.cpu_norm) instead of five torch operators
+    # CPU: RMSNorm in one C++ call per norm (rollout.kernels.cpu.ops) instead of five torch operators
     cpu_fused_norm: bool = True
-    # CPU decode steps: rotary and the K/V cache write in one C++ call per layer (rollout.layers.cpu_rope)
+    # CPU decode steps: rotary and the K/V cache write in one C++ call per layer (rollout.kernels.cpu.ops)
     # instead of four rotary operators and two index_copy_ (the same bits)
     cpu_fused_rope: bool = True
-    # CPU: the sampler's inverse-CDF draw and its logprob in one C++ call (rollout.layers.cpu_sample)
+    # CPU: the sampler's inverse-CDF draw and its logprob in one C++ call (rollout.kernels.cpu.ops)
     # instead of max / subtract / exp / cumsum / search over the vocabulary
     cpu_fused_sampler: bool = True
-    # CPU: the MLP's silu(gate) * up in one C++ call (rollout.layers.cpu_act) instead of two operators
+    # CPU: the MLP's silu(gate) * up in one C++ call (rollout.kernels.cpu.ops) instead of two operators
     cpu_fused_silu: bool = True
-    # CPU decode steps: each decoder layer in one C++ call (rollout.layers.cpu_layer) where the fused norm,
+    # CPU decode steps: each decoder layer in one C++ call (rollout.kernels.cpu.fused) where the fused norm,
     # rotary/cache write, SiLU and paged attention are all on (the same kernels, the same bits)
     cpu_fused_layer: bool = True
     # CPU decode steps of the few rows where every linear takes the C++ small-batch kernel (1-3 rows on
@@ -123,7 +123,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_lora_memory_mb: Optional[float] = None
     # how adapter terms are computed (SGLang's name): "triton" — one segmented kernel per linear for
-    # every adapter in the batch (rollout.layers.lora_triton; CUDA, or a CPU under TRITON_INTERPRET=1),
+    # every adapter in the batch (rollout.kernels.triton.lora; CUDA, or a CPU under TRITON_INTERPRET=1),
     # "torch" — two GEMMs per adapter over its rows; "auto": triton on CUDA, torch on CPU
     lora_backend: str = "auto"
     # AReaL's adapter names: loading "<name>-v<N>" replaces "<name>-v<M>" (M < N) — retired like a

@@ -54,7 +54,7 @@ def _prompts(n, lo=5, hi=40, seed=0, vocab=300):
 def check_paged_decode_kernel(device, workdir, quick):
     if device != "cuda":
         return {"skipped": "needs CUDA"}
-    from rollout.layers.paged_decode_triton import paged_decode_attention
+    from rollout.kernels.triton.paged_decode import paged_decode_attention
 
     torch.manual_seed(0)
     worst = 0.0

@@ -1,4 +1,4 @@
-"""CPU GEMM kernels (``rollout.layers.cpu_plan``) and the paged decode kernel, on whatever CPU runs
+"""CPU GEMM kernels (``rollout.kernels.cpu.plan``) and the paged decode kernel, on whatever CPU runs
 the suite. Each kernel is forced through the engine options so every path runs on every machine:
 the base kernel (oneDNN-packed bf16 where the CPU has native bf16 — bitwise ``F.linear`` — plain
 ``F.linear`` elsewhere), the fp32-compute path (fp32 copies of bf16 weights), the C++ kernel that
@@ -16,7 +16,7 @@ from helpers import random_prompts
 from safetensors.torch import load_file, save_file
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
+from rollout.kernels.cpu.capability import KERNEL_ISAS, cpu_capability
 
 SP = [SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True),
       SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, n=3, ignore_eos=True)]
@@ -127,7 +127,7 @@ def test_every_kernel_runs_where_forced_and_copies_follow_every_weight_change(en
 def test_own_bf16_gemm_is_fp32_accumulation_rounded_once(rows):
     """The C++ kernel against fp64 over the same bf16 values: within one bf16 rounding of the
     output, as F.linear is; odd shapes (a last tile of fewer rows, columns past the last vector)."""
-    from rollout.layers import cpu_gemm
+    from rollout.kernels.cpu import ops as cpu_gemm
 
     assert cpu_gemm.load() is not None, "the C++ kernels did not build on this machine"
     g = torch.Generator().manual_seed(rows)
@@ -154,7 +154,7 @@ def test_bf16_dot_product_gemm_is_one_rounding_from_fp64_and_a_rows_bits_are_its
     weight row paired with none, columns past the last vector); a row's bits are the same in every
     batch of five to eight rows and on one or two threads (each output summed in one order whatever
     its neighbours)."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
 
     cap = cpu_capability()
     if "avx512bf16" not in cap.runnable_isas:
@@ -186,7 +186,7 @@ def test_tiled_gemm_is_fp32_accumulation_rounded_once_and_batch_invariant(dtype)
     output; fp32: fp32 sums), with bias, odd shapes (partial panels and tiles, k past a block); each
     row's result is bitwise the same whatever rows come with it (sums over k in order), below and
     above the row count where the weights' next block is prefetched in slices."""
-    from rollout.layers import cpu_gemm
+    from rollout.kernels.cpu import ops as cpu_gemm
 
     assert cpu_gemm.load() is not None, "the C++ kernels did not build on this machine"
     g = torch.Generator().manual_seed(7)
@@ -219,8 +219,8 @@ def test_a_gemm_of_no_rows_reads_no_copy_whatever_the_plan_names_for_it(kernel):
     built for the forward's row counts only, so a plan whose kernel at few rows reads a copy (seen on
     an AMD EPYC with AVX-512 bf16: SmolLM2's fp32 head, tiled up to 7 rows and oneDNN from 8) must not
     be asked for one there: the result is the empty product, from the weight itself."""
-    from rollout.layers.cpu_plan import GemmPlan
-    from rollout.layers.linear import PackedWeight, pack_weight, packed_linear
+    from rollout.kernels.cpu.packing import PackedWeight, pack_weight, packed_linear
+    from rollout.kernels.cpu.packing import GemmPlan
 
     w = torch.randn(48, 32, dtype=torch.float32)
     plan = GemmPlan(((7, kernel), (1 << 62, "linear")))
@@ -258,7 +258,7 @@ def test_fused_rms_norm_rounds_where_the_torch_path_rounds(dtype):
 
 
 def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds(tmp_path, monkeypatch):
-    from rollout.layers import cpu_plan
+    from rollout.kernels.cpu import plan as cpu_plan
 
     monkeypatch.setenv("ROLLOUT_CACHE_DIR", str(tmp_path))
     shapes, head = [(96, 64), (64, 96)], (300, 64)
@@ -299,7 +299,7 @@ def test_a_layers_linears_keep_the_small_batch_kernel_together_where_their_sum_i
     OWN_MARGIN of the fastest kernels' sum: one linear 12 % slower on it (a timing that moves by that much
     between measurements) no longer sends the whole step layer by layer; a layer 30 % slower, or an fp32
     engine, takes the fastest; the LM head always does."""
-    from rollout.layers import cpu_plan
+    from rollout.kernels.cpu import plan as cpu_plan
 
     if "own" not in cpu_plan.candidates(torch.bfloat16, None, None):
         pytest.skip("needs the C++ kernels built (the small-batch kernel is a candidate only then)")
@@ -330,7 +330,7 @@ def test_every_isa_variant_this_cpu_runs_gives_the_same_results(monkeypatch):
     runs the AVX2 and generic ones too, an AVX2 machine the generic one) is within rounding of fp64,
     as the CPU's own variant is; ROLLOUT_CPU_ISA picks a lower variant, and none above the CPU's is
     ever given out (it would die on an illegal instruction)."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
 
     cap = cpu_capability()
     assert cpu_build.kernels() is not None, "the C++ kernels did not build on this machine"
@@ -401,7 +401,7 @@ def _check_paged(out, refs, sdpa, dtype, rounding=2 ** -8):
 def test_paged_decode_kernel_is_as_precise_as_sdpa_over_the_gathered_context(dtype):
     """The CPU kernel reads each sequence's blocks in place; against fp64 over the same values it
     is within what SDPA over the gathered context achieves."""
-    from rollout.layers.paged_decode_cpu import load, paged_decode_attention
+    from rollout.kernels.cpu.ops import load, paged_decode_attention
 
     assert load() is not None, "the C++ kernel did not build on this machine"
     for args, refs, sdpa in _paged_cases(dtype):
@@ -414,7 +414,7 @@ def test_triton_paged_decode_kernel_under_the_interpreter(dtype):
     reference as the C++ kernel (it has no sliding window: the engine keeps gather + SDPA there)."""
     pytest.importorskip("triton", reason="needs the test extra 'triton' (pip install -e '.[test]')")
     assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
-    from rollout.layers.paged_decode_triton import paged_decode_attention
+    from rollout.kernels.triton.paged_decode import paged_decode_attention
 
     for args, refs, sdpa in _paged_cases(dtype, windows=False):
         # the interpreter truncates fp32 -> bf16 stores (a GPU rounds to nearest): one whole bf16 ulp
@@ -470,7 +470,7 @@ def test_fused_rotary_and_kv_write_is_the_torch_path_bit_for_bit(dtype):
     """One C++ call rotates q and k and writes k and v into their slots: the same bits as the four
     rotary operators and two index_copy_ calls it replaces, in every ISA variant this CPU runs; a
     slot outside the cache is refused before anything is written."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
     from rollout.layers.rotary import RotaryEmbedding
 
     g = torch.Generator().manual_seed(4)
@@ -524,12 +524,12 @@ def _draw_cases():
 
 
 def test_fused_draw_is_the_inverse_cdf_of_its_uniform_and_its_replay_the_same_bits():
-    """The C++ draw (rollout.layers.cpu_sample), every ISA variant this CPU runs: the token is the one
+    """The C++ draw (rollout.kernels.cpu.ops), every ISA variant this CPU runs: the token is the one
     whose CDF interval (fp64 over the same logits) holds u, never one of probability 0, its logprob
     within 1e-5 of fp64's log-softmax; the replay (the token given) reports the same bits, and a row
     drawn alone gives what it gives in the batch. A NaN row reports NaN and leaves the others alone;
     ids outside the vocabulary are refused."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
 
     for isa in cpu_capability().runnable_isas:
         k = cpu_build.kernels_for(isa)
@@ -586,11 +586,11 @@ def test_the_fused_sampler_draws_what_the_torch_path_draws(qwen_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_rounds_where_the_torch_path_rounds(dtype):
-    """silu(gate) * up in one call (rollout.layers.cpu_act), every ISA variant this CPU runs: within
+    """silu(gate) * up in one call (rollout.kernels.cpu.ops), every ISA variant this CPU runs: within
     2 fp32 ulps of fp64 before each rounding, so against ``F.silu(gate) * up`` an fp32 result moves by
     a few ulps and a bf16 one, in rare elements, by one bf16 ulp; row tails, large |gate| (exp's
     range ends) and batch invariance included."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
 
     g = torch.Generator().manual_seed(5)
     for rows, inter in ((1, 7), (5, 64), (3, 700), (130, 96)):
@@ -616,13 +616,13 @@ def test_fused_silu_mul_rounds_where_the_torch_path_rounds(dtype):
 
 
 def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_finite():
-    """A received bucket into an adapter's places in one call (rollout.layers.cpu_copy), every ISA
+    """A received bucket into an adapter's places in one call (rollout.kernels.cpu.ops), every ISA
     variant this CPU runs: fp32, bf16 and fp16 pieces, narrowed sources (a TP rank's slice) and
     strided places (a block of ``b``), each scaled — bitwise ``dst.copy_(src); dst.mul_(scale)``; the
     non-finite values written are counted, an overflow of the scale's product too; a plan reaching
     outside a buffer is refused before anything is written."""
-    from rollout.layers import cpu_build
-    from rollout.layers.cpu_copy import scatter_plan
+    from rollout.kernels.cpu import build as cpu_build
+    from rollout.kernels.cpu.ops import scatter_plan
 
     g = torch.Generator().manual_seed(3)
     slot = torch.zeros(1 << 16, dtype=torch.uint8)
@@ -694,8 +694,8 @@ def test_scatter_scaled_streams_aligned_fp32_rows_with_the_same_bits_and_counts(
     the rest the plain loop (a place one float off alignment, 12 columns): every ISA variant writes
     ``dst.copy_(src); dst.mul_(scale)``'s bits and counts the non-finite products, NaN, inf and an
     overflow of the scale among them."""
-    from rollout.layers import cpu_build
-    from rollout.layers.cpu_copy import scatter_plan
+    from rollout.kernels.cpu import build as cpu_build
+    from rollout.kernels.cpu.ops import scatter_plan
 
     g = torch.Generator().manual_seed(5)
     slot = torch.zeros(1 << 17, dtype=torch.uint8)
@@ -729,8 +729,8 @@ def test_scatter_scaled_splits_a_large_bucket_between_threads_with_the_same_bits
     bucket of an adapter push, nothing left on the wire, takes every core): each piece is written by one
     thread, so one thread and two write the same bits, and the non-finite values each thread met add
     up (NaNs in the first piece, the middle and the last)."""
-    from rollout.layers import cpu_build
-    from rollout.layers.cpu_copy import scatter_plan
+    from rollout.kernels.cpu import build as cpu_build
+    from rollout.kernels.cpu.ops import scatter_plan
 
     g = torch.Generator().manual_seed(7)
     rows, cols, n = 128, 16, 160  # B pieces of a fused linear: 16 of every 48 columns, 2.5 * 2^17 values
@@ -764,21 +764,21 @@ def test_scatter_scaled_splits_a_large_bucket_between_threads_with_the_same_bits
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, arch, monkeypatch):
-    """``rollout.layers.cpu_layer``: every decoder layer of a plain decode step in one C++ call, and the
+    """``rollout.kernels.cpu.fused``: every decoder layer of a plain decode step in one C++ call, and the
     whole stack in one call where every linear takes the small-batch kernel, with each GEMM kernel
     this machine offers (forced) in both dtypes, and with q/k/v biases (Qwen2): the tokens and
     logprobs of the module path bit for bit, and each fused path really taken where it applies."""
-    from rollout.layers import cpu_layer
-    from rollout.layers.cpu_plan import candidates
+    from rollout.kernels.cpu import fused
+    from rollout.kernels.cpu.plan import candidates
 
     path = model_dir(f"{arch}-fused-layer", arch)
     calls: dict[str, list] = {"decode_layer": [], "decode_stack": []}
     for name in calls:
-        def counted(*args, real=getattr(cpu_layer, name), seen=calls[name]):
+        def counted(*args, real=getattr(fused, name), seen=calls[name]):
             out = real(*args)
             seen.append(out is not None)
             return out
-        monkeypatch.setattr(cpu_layer, name, counted)
+        monkeypatch.setattr(fused, name, counted)
     prompts = [[3, 5, 7, 9, 11], [4, 2]]
     modes = {"stack": {}, "layer": dict(cpu_fused_stack=False), "module": dict(cpu_fused_layer=False)}
     for dtype in (torch.float32, torch.bfloat16):
@@ -810,7 +810,7 @@ def test_a_decode_layer_adds_adapters_low_rank_terms_with_the_module_paths_bits(
     the linears' low-rank terms as ``LoraSlots.add`` does — tokens and logprobs the module path's bit
     for bit, fp32 and bf16, with q/k/v biases (Qwen2) — and the call is really taken; an adapter whose
     rows are scattered over the batch takes the module path."""
-    from rollout.layers import cpu_layer
+    from rollout.kernels.cpu import fused
     from rollout.layers.lora import LoraBatch
     from rollout.tools.tiny import make_tiny_adapter
 
@@ -824,12 +824,12 @@ def test_a_decode_layer_adds_adapters_low_rank_terms_with_the_module_paths_bits(
                                           target_modules=["q_proj", "v_proj", "down_proj"])}
     seen: list = []
 
-    def counted(*args, real=cpu_layer.decode_layer):
+    def counted(*args, real=fused.decode_layer):
         out = real(*args)
         seen.append((len(args[5]) if len(args) > 5 else 0, out is not None))
         return out
 
-    monkeypatch.setattr(cpu_layer, "decode_layer", counted)
+    monkeypatch.setattr(fused, "decode_layer", counted)
     prompts = [[3, 5, 7, 9, 11], [4, 2], [8, 6, 4]]
     cases = {"one": "all", "other": "some", "beside base": ["all", "all", None], "two": ["some", "all", "all"],
              "scattered": ["all", None, "all"]}
@@ -875,7 +875,7 @@ def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_
     two threads, with waits that spin and with waits that sleep at once; GQA groups of 3, 1 and 8,
     biases on every linear (Qwen2's q/k/v ones and row-parallel o/down ones), a sliding window, ragged
     contexts over scattered blocks."""
-    from rollout.layers import cpu_build
+    from rollout.kernels.cpu import build as cpu_build
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(11)
@@ -920,7 +920,7 @@ def test_the_whole_stack_in_one_call_is_decode_layer_after_decode_layer_bit_for_
 
 def test_the_stacks_barriers_wait_as_long_as_libgomps_threads():
     """``decode_stack``'s spin count is libgomp's, read as libgomp reads its environment."""
-    from rollout.layers.cpu_layer import FOREVER, LIBGOMP_SPINS, spin_count
+    from rollout.kernels.cpu.fused import FOREVER, LIBGOMP_SPINS, spin_count
 
     assert spin_count({}) == LIBGOMP_SPINS == 300_000
     assert spin_count({"GOMP_SPINCOUNT": "2000"}) == 2000 and spin_count({"GOMP_SPINCOUNT": "20k"}) == 20_000

@@ -21,7 +21,7 @@ def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
 def info_for(n: int, temperature=1.0, uniforms=None, vocab=V, fused=False, **fields):
     inputs = SamplingInputs(temperatures=[temperature] * n, uniforms=uniforms or [0.5] * n, **fields)
     info = inputs.to_device(vocab, torch.device("cpu"))
-    info.fused_draw = fused  # the CPU engine's C++ draw (rollout.layers.cpu_sample)
+    info.fused_draw = fused  # the CPU engine's C++ draw (rollout.kernels.cpu.ops)
     return info
 
 

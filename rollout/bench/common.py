@@ -59,7 +59,7 @@ def machine() -> dict:
     for pkg in ("torch", "transformers", "deepspeed", "triton"):
         with contextlib.suppress(md.PackageNotFoundError):  # an optional package that is not installed
             versions[pkg] = md.version(pkg)
-    from rollout.layers.cpu_capability import cpu_capability
+    from rollout.kernels.cpu.capability import cpu_capability
 
     cap = cpu_capability()  # the CPU read once, for the engine and every result alike
     info = {"cpu": cap.cpu_model, "cpu_capability": cap.as_dict(),

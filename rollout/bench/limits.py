@@ -3,7 +3,7 @@ engine's decode step against them, in one run.
 
 - memory: read GB/s (a reduction over a buffer as large as the model's weights) and copy GB/s;
 - matmul FLOP/s of every linear shape of the model (QKV, O, gate-up, down, LM head) at each batch,
-  with every GEMM kernel the engine can dispatch to here (``rollout.layers.cpu_plan``);
+  with every GEMM kernel the engine can dispatch to here (``rollout.kernels.cpu.plan``);
 - the **GEMM-only decode step**: every linear layer of one decode step at that batch (the LM head
   included), no attention, sampling or Python between them, each with the fastest of those kernels
   for it (plain ``F.linear``, oneDNN with a packed weight, oneDNN over fp32 copies of bf16 weights,
@@ -88,12 +88,12 @@ def memory_bandwidth(nbytes: int, repeats: int, device: torch.device) -> dict:
 
 def _kernels(w: torch.Tensor, device: torch.device) -> dict:
     """Every GEMM kernel the engine can dispatch to for a ``w.dtype`` model on this machine
-    (``rollout.layers.cpu_plan``): plain ``F.linear`` and, on CPU, oneDNN over a packed copy, oneDNN
+    (``rollout.kernels.cpu.plan``): plain ``F.linear`` and, on CPU, oneDNN over a packed copy, oneDNN
     over an fp32 copy of bf16 weights, the C++ kernel reading bf16 weights — each exactly as the
     engine runs it."""
     if device.type != "cpu":
         return {"linear": lambda x: F.linear(x, w)}
-    from rollout.layers.cpu_plan import candidates, prepare
+    from rollout.kernels.cpu.plan import candidates, prepare
 
     return {k: prepare(k, w) for k in dict.fromkeys(["linear", *candidates(w.dtype, None, None)])}
 

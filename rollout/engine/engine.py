@@ -253,7 +253,7 @@ class RolloutEngine:
         runner = self.worker.model_runner
         if runner.device.type != "cpu":
             return None
-        from rollout.layers.cpu_capability import cpu_capability
+        from rollout.kernels.cpu.capability import cpu_capability
 
         return {"capability": cpu_capability().as_dict(), "gemm_plans": runner.gemm_plans.describe(),
                 "paged_attention": runner.use_paged_kernel}

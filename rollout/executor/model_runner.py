@@ -22,12 +22,13 @@ from rollout.config import EngineConfig
 from rollout.executor.cpu_threads import ThreadGovernor
 from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, num_kv_blocks
 from rollout.executor.param_storage import ParameterStorage, return_free_heap_to_os
-from rollout.layers import cpu_build
+from rollout.kernels.cpu import build as cpu_build
+from rollout.kernels.cpu.capability import cpu_capability
+from rollout.kernels.cpu.packing import COPY_KERNELS, PackedWeight, pack_weight
+from rollout.kernels.cpu.plan import GemmPlans, plan_gemms
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
-from rollout.layers.cpu_capability import cpu_capability
-from rollout.layers.cpu_plan import GemmPlans, plan_gemms
 from rollout.layers.layernorm import RMSNorm
-from rollout.layers.linear import COPY_KERNELS, PackedWeight, RowParallelLinear, pack_weight
+from rollout.layers.linear import RowParallelLinear
 from rollout.layers.lora import LoraBatch, LoraContext
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
@@ -96,7 +97,7 @@ def _has_triton() -> bool:
 
 
 def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlans:
-    """The CPU GEMM plans for this rank's weight shapes (``rollout.layers.cpu_plan``); plain
+    """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); plain
     ``F.linear`` off the CPU or with ``cpu_packed_weights=False``."""
     if device.type != "cpu" or not config.cpu_packed_weights:
         return GemmPlans(())

@@ -128,7 +128,7 @@ class PagedAttention(nn.Module):
     def decode_from_cache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:
         """A plain decode step (``meta.all_decode``, the paged kernel on) whose new K/V are in the
-        cache already (``rollout.layers.cpu_rope``): q [T, Hq, D] -> [T, Hq*D]."""
+        cache already (``rollout.kernels.cpu.ops``): q [T, Hq, D] -> [T, Hq*D]."""
         kernel = self._paged_kernel(q, k_cache, v_cache, meta)
         assert kernel is not None and meta.all_decode, "decode_from_cache: a decode step on the paged kernel only"
         return self._decode_all(kernel, q)
@@ -145,10 +145,10 @@ class PagedAttention(nn.Module):
         if q.is_cuda:
             if meta.sliding_window is not None:
                 return None
-            from rollout.layers.paged_decode_triton import paged_decode_attention
+            from rollout.kernels.triton.paged_decode import paged_decode_attention
 
             return lambda qd: paged_decode_attention(qd, *args)
-        from rollout.layers.paged_decode_cpu import paged_decode_attention
+        from rollout.kernels.cpu.ops import paged_decode_attention
 
         return lambda qd: paged_decode_attention(qd, *args, meta.sliding_window)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.layers import cpu_norm
+from rollout.kernels.cpu import ops
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +13,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
-        self.use_cpu_kernel = False  # set by the ModelRunner where the C++ kernels are built (rollout.layers.cpu_norm)
+        self.use_cpu_kernel = False  # set by the ModelRunner where the C++ kernels are built (rollout.kernels.cpu.ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernel and x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.bfloat16):
-            return cpu_norm.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         # torch.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

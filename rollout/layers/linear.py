@@ -9,92 +9,16 @@ destination view and the part of the source), so the loader can batch many copie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers import cpu_gemm
-from rollout.layers.cpu_plan import GemmPlan
+from rollout.kernels.cpu.packing import PackedWeight, packed_linear
 from rollout.layers.lora import LoraSlots
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
 LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts")
-
-
-@dataclass
-class PackedWeight:
-    """What one linear layer's GEMMs read on CPU (see ``rollout.layers.cpu_plan``): the engine's
-    plan (which kernel serves a forward of how many rows) and the copies its kernels need, built
-    by ``ModelRunner.refresh_packed_weights`` and dropped at every weight change (never stale):
-    ``narrow``, oneDNN's packed copy in the weight's dtype (kernel ``onednn``), ``wide``, an fp32
-    packed copy of a bf16 weight with its bias in fp32 (kernel ``fp32``; 2x the weight's bytes), and
-    ``panels``, the weight's fp32 panels for ``rollout.layers.cpu_gemm.tiled_linear`` (kernel
-    ``tiled``; 4 bytes a value). Kernels ``own`` and ``linear`` read the weight itself."""
-
-    plan: GemmPlan
-    narrow: Optional[torch.Tensor] = None
-    wide: Optional[torch.Tensor] = None
-    wide_bias: Optional[torch.Tensor] = None
-    panels: Optional[torch.Tensor] = None
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.narrow, self.wide, self.wide_bias, self.panels)
-                   if t is not None)
-
-    def has_copy(self, kernel: str) -> bool:
-        """Whether the copy ``kernel`` reads is built (kernels reading the weight itself: always)."""
-        copy = {"onednn": self.narrow, "fp32": self.wide, "tiled": self.panels}
-        return kernel not in copy or copy[kernel] is not None
-
-
-COPY_KERNELS = ("onednn", "fp32", "tiled")  # the kernels that read a copy of the weight
-
-
-def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPlan,
-                kinds=None, into: Optional[PackedWeight] = None) -> PackedWeight:
-    """The copies of ``weight`` that ``kinds`` (default: every kernel of ``plan``) read, added to
-    ``into`` (or a new ``PackedWeight``)."""
-    packed = into if into is not None else PackedWeight(plan)
-    kinds = plan.kernels if kinds is None else kinds
-    if "onednn" in kinds:
-        packed.narrow = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    if "fp32" in kinds:
-        packed.wide = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
-        packed.wide_bias = None if bias is None else bias.detach().float()
-    if "tiled" in kinds:
-        packed.panels = cpu_gemm.tile_pack(weight.detach())
-    return packed
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  packed: Optional[PackedWeight]) -> torch.Tensor:
-    """``F.linear``, through the kernel the plan names for this many rows."""
-    rows = x.reshape(-1, x.shape[-1])
-    # no rows (a prefill chunk none of whose positions needs logits): nothing to compute, and the plan's
-    # kernel for 0 rows may read a copy that no forward of this size asked refresh_packed_weights for
-    if packed is None or rows.shape[0] == 0:
-        return F.linear(x, weight, bias)
-    kernel = packed.plan.kernel_for(rows.shape[0])
-    if kernel == "linear":
-        return F.linear(x, weight, bias)
-    if kernel == "own":
-        y = cpu_gemm.bf16_linear(rows, weight, bias)
-    elif kernel == "tiled":
-        assert packed.panels is not None, "panels missing: refresh_packed_weights was not called"
-        y = cpu_gemm.tiled_linear(rows, packed.panels, weight.shape[0], bias)
-    else:
-        rows = rows if rows.is_contiguous() else rows.contiguous()
-        if kernel == "fp32":
-            assert packed.wide is not None, "fp32 copy missing: refresh_packed_weights was not called"
-            y = torch.ops.mkldnn._linear_pointwise(rows.float(), packed.wide, packed.wide_bias, "none", [], "")
-            y = y.to(x.dtype)
-        else:
-            assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
-            y = torch.ops.mkldnn._linear_pointwise(rows, packed.narrow, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class LoadSlice(NamedTuple):

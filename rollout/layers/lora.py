@@ -39,7 +39,7 @@ class LoraBatch:
     _segments: Optional[tuple] = field(default=None, init=False, repr=False)
 
     def segments(self, num_rows: int, device: torch.device) -> tuple:
-        """The groups as the batched kernel reads them (``rollout.layers.lora_triton``), built once per
+        """The groups as the batched kernel reads them (``rollout.kernels.triton.lora``), built once per
         forward for every linear: (rows [T] int32, each group's rows back to back; starts [G];
         lengths [G]; slots [G]; the longest group's length)."""
         if self._segments is None:
@@ -63,7 +63,7 @@ class LoraBatch:
 
     def runs(self, num_rows: int) -> Optional[tuple[tuple[int, int, int], ...]]:
         """(slot, first row, rows) of each group when every group is one run of rows (the C++ decode
-        layer's form, ``rollout.layers.cpu_layer``); None when a group's rows are scattered."""
+        layer's form, ``rollout.kernels.cpu.fused``); None when a group's rows are scattered."""
         out = []
         for slot, rows in self.groups:
             if rows is None:
@@ -103,7 +103,7 @@ class LoraContext:
     """Shared by every LoRA-capable linear of a model: the current forward's ``LoraBatch`` (set by
     the model runner around each forward; None: no adapter in this batch), and how the adapters'
     terms are computed: ``"torch"`` (two GEMMs per adapter over its rows) or ``"triton"`` (one
-    segmented kernel launch per linear for all adapters, ``rollout.layers.lora_triton``)."""
+    segmented kernel launch per linear for all adapters, ``rollout.kernels.triton.lora``)."""
 
     batch: Optional[LoraBatch] = None
     backend: str = "torch"
@@ -164,7 +164,7 @@ class LoraSlots:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
         if self.context is not None and self.context.backend == "triton":
-            from rollout.layers.lora_triton import lora_segments
+            from rollout.kernels.triton.lora import lora_segments
 
             lora_segments(y2, x2.contiguous(), batch.segments(x2.shape[0], x2.device), self.tables(x2.device))
             return y2.view(y.shape)

@@ -5,7 +5,7 @@ Order on the logits: logit_bias / allowed_token_ids -> repetition, frequency, pr
 -> min_new_tokens stop mask -> temperature (0 = greedy) -> top_k -> top_p -> min_p -> draw.
 The draw is inverse-CDF sampling with a uniform supplied per row (see ``rollout.random``), so the
 token is a pure function of the distribution and the (seed, position) pair; on CPU one C++ call
-(``rollout.layers.cpu_sample``) does it where the engine turns it on (``fused_draw``). No full-vocabulary
+(``rollout.kernels.cpu.ops``) does it where the engine turns it on (``fused_draw``). No full-vocabulary
 sort on the common path: top-k uses ``topk``; top-p looks at a small candidate set and falls
 back to a sort only for the rows whose candidates do not reach ``top_p``.
 
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from rollout.layers import cpu_sample
+from rollout.kernels.cpu import ops
 
 _TOP_P_CANDIDATES = 64
 
@@ -51,7 +51,7 @@ class SamplingBatchInfo:
     all_greedy: bool = False
     has_greedy: bool = False
     all_temp_one: bool = False  # every sampled row has temperature 1: skip the division
-    fused_draw: bool = False  # CPU: the draw and its logprob in one C++ call (rollout.layers.cpu_sample)
+    fused_draw: bool = False  # CPU: the draw and its logprob in one C++ call (rollout.kernels.cpu.ops)
 
 
 @dataclass
@@ -169,14 +169,14 @@ def _exp_cumsum(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fused(dist: torch.Tensor, info: SamplingBatchInfo) -> bool:
-    return info.fused_draw and cpu_sample.available(dist)
+    return info.fused_draw and ops.sampling_available(dist)
 
 
 def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """log softmax(dist)[ids], computed exactly as ``sample`` computes a drawn token's logprob with
     the same ``info`` (so a replayed score equals the reported one bit for bit)."""
     if _fused(dist, info):
-        return cpu_sample.logprob(dist, ids)
+        return ops.logprob(dist, ids)
     row_max, cdf = _exp_cumsum(dist)
     return (dist.gather(1, ids.unsqueeze(1)) - row_max - cdf[:, -1:].log()).squeeze(1)
 
@@ -199,7 +199,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     else:
         dist = processed_logits(logits, info, x)
         if _fused(dist, info):
-            token_ids, logprobs = cpu_sample.draw(dist, info.uniforms)
+            token_ids, logprobs = ops.draw(dist, info.uniforms)
         else:
             # Inverse-CDF draw and the drawn token's logprob from one exp/cumsum pass, no sort.
             row_max, cdf = _exp_cumsum(dist)

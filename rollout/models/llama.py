@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.layers import cpu_act, cpu_layer, cpu_rope
+from rollout.kernels.cpu import fused, ops
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
-        self.fused_rope = False  # set by the ModelRunner on CPU (rollout.layers.cpu_rope)
+        self.fused_rope = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.ops)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if self.fused_rope and meta.all_decode and meta.use_paged_kernel and not self.qk_norm:
             # a CPU decode step: rotary and the K/V write in one call, attention from the cache
-            q = cpu_rope.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+            q = ops.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                                         self.num_kv_heads)
             return self.o_proj(self.attn.decode_from_cache(q, kv_cache[0], kv_cache[1], meta))
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -63,12 +63,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
                                                  shard_ids=[0, 1], params_dtype=dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
-        self.fused_act = False  # set by the ModelRunner on CPU (rollout.layers.cpu_act)
+        self.fused_act = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.ops)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.fused_act:
-            return self.down_proj(cpu_act.silu_mul(gate_up))
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -93,9 +93,9 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.fused_decode = False  # set by the ModelRunner on CPU (rollout.layers.cpu_layer)
+        self.fused_decode = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.fused)
         self.fused_stack = False  # the same, every layer in one call where the plans allow
-        self.stack_tensors: dict = {}  # rollout.layers.cpu_layer.decode_stack's arguments, emptied by the runner
+        self.stack_tensors: dict = {}  # rollout.layers.fused.decode_stack's arguments, emptied by the runner
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
@@ -104,14 +104,14 @@ class LlamaModel(nn.Module):
         # adapters each on one run of rows (torch backend): each layer's C++ call adds their low-rank terms
         runs = () if lora is None or lora.batch is None else \
             lora.batch.runs(hidden.shape[0]) if lora.backend == "torch" else None
-        # a plain CPU decode step: each layer in one C++ call (rollout.layers.cpu_layer), the same bits
-        fused = self.fused_decode and meta.all_decode and meta.use_paged_kernel and runs is not None
-        out = cpu_layer.decode_stack(self, rope, hidden, kv_caches, meta) if fused and self.fused_stack and \
+        # a plain CPU decode step: each layer in one C++ call (rollout.kernels.cpu.fused), the same bits
+        one_call = self.fused_decode and meta.all_decode and meta.use_paged_kernel and runs is not None
+        out = fused.decode_stack(self, rope, hidden, kv_caches, meta) if one_call and self.fused_stack and \
             not runs else None
         if out is not None:
             return self.norm(out)
         for layer, kv in zip(self.layers, kv_caches):
-            out = cpu_layer.decode_layer(layer, rope, hidden, kv, meta, runs) if fused else None
+            out = fused.decode_layer(layer, rope, hidden, kv, meta, runs) if one_call else None
             hidden = layer(rope, hidden, kv, meta) if out is None else out
         return self.norm(hidden)
 

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from rollout.layers import cpu_build
-from rollout.layers.cpu_copy import DTYPE_CODES, scatter_plan, scatter_scaled
+from rollout.kernels.cpu import build as cpu_build
+from rollout.kernels.cpu.ops import DTYPE_CODES, scatter_plan, scatter_scaled
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LORA_DTYPE, LoraSlots
 from rollout.weights.loader import WeightLoadError
@@ -170,7 +170,7 @@ class AdapterPlan:
 class _Program:
     """One received bucket's tensors into their places, over views made once (of the receive buffer and
     of the adapter's buffer): on CPU one C++ call that copies, scales ``B`` and counts non-finite values
-    (``rollout.layers.cpu_copy``); elsewhere the copies, then ``B``'s scales, as two foreach calls."""
+    (``rollout.kernels.cpu.ops``); elsewhere the copies, then ``B``'s scales, as two foreach calls."""
 
     names: list[str]
     src: list[torch.Tensor]

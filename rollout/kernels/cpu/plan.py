@@ -8,9 +8,9 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
 - ``fp32``: oneDNN over an fp32 copy of a bf16 ``W`` (bf16 products are exact in fp32: only the
   summation order moves; the input is widened, the output rounded back). Without native bf16
   GEMMs this is the fast path from a few rows up; it doubles the weights' memory;
-- ``own``: ``rollout.layers.cpu_gemm``, the project's C++ kernel that reads bf16 (or fp32) ``W`` as it
+- ``own``: ``rollout.kernels.cpu.ops.bf16_linear``, the project's C++ kernel that reads bf16 (or fp32) ``W`` as it
   is and accumulates in fp32 (small batches: the fewest bytes read, streamed with prefetch);
-- ``tiled``: ``rollout.layers.cpu_gemm.tiled_linear``, the project's register-tiled C++ GEMM over fp32
+- ``tiled``: ``rollout.kernels.cpu.ops.tiled_linear``, the project's register-tiled C++ GEMM over fp32
   panels of ``W`` (a copy: 4 bytes a value, so for bf16 weights an fp32 copy like ``fp32``'s, bound
   by ``cpu_fp32_gemm_rows`` as that one is). Measured on AMD EPYC (AVX2, 2 threads): 1.2-2.3x
   oneDNN's fp32 GEMM at 8-16 rows, 1.0-1.2x at 64, even at 128-256.
@@ -28,7 +28,6 @@ engines load the same choice. Explicit ``cpu_fp32_gemm_rows`` /
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -36,14 +35,14 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from rollout.layers import cpu_build, cpu_gemm
-from rollout.layers.cpu_capability import cpu_capability
+from rollout.kernels.cpu import build, ops
+from rollout.kernels.cpu.capability import cpu_capability
+from rollout.kernels.cpu.packing import PLAIN, GemmPlan, GemmPlans, pack_weight, packed_linear  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -59,72 +58,12 @@ PRUNABLE = ("linear",)  # kernels dropped from larger row counts once 4x slower 
 # The layer linears keep the small-batch kernel at a row count where, summed over a layer's linears, it
 # is within this fraction of the fastest kernel of each: that kernel reads the weights themselves, and where
 # every linear of a decode step takes it the whole layer stack runs as one C++ call
-# (rollout.layers.cpu_layer.decode_stack), which saves more than this (AMD EPYC Zen 4, SmolLM2 bf16 at 8
+# (rollout.kernels.cpu.fused.decode_stack), which saves more than this (AMD EPYC Zen 4, SmolLM2 bf16 at 8
 # rows: ~20 % of the step against layer by layer). Decided for the layer as a whole (the stack needs every
 # linear; one linear's timing moves by 10 % between measurements, a layer's sum less), not the LM head's,
 # and for bf16 engines only (measured there; fp32 plans take the fastest, so a prompt scored whole or after
 # a cached prefix keeps the kernels, and the logprob bits, it had before).
 OWN_MARGIN = 0.1
-
-
-@dataclass(frozen=True)
-class GemmPlan:
-    """``segments``: ascending (up to this many rows, kernel); rows past the last take its kernel."""
-
-    segments: tuple[tuple[int, str], ...]
-    how: str = "fixed"  # fixed | measured | cached
-    timings: dict = field(default_factory=dict, compare=False, hash=False)  # kernel -> {rows: seconds}
-
-    def __post_init__(self) -> None:  # the bounds, once: kernel_for runs for every linear of every forward
-        object.__setattr__(self, "_uptos", [upto for upto, _ in self.segments])
-
-    def kernel_for(self, rows: int) -> str:
-        i = bisect.bisect_left(self._uptos, rows)
-        return self.segments[min(i, len(self.segments) - 1)][1]
-
-    @property
-    def kernels(self) -> set[str]:
-        return {k for _, k in self.segments}
-
-    def describe(self) -> str:
-        parts, lo = [], 1
-        for i, (upto, kernel) in enumerate(self.segments):
-            last = i == len(self.segments) - 1
-            parts.append(f"{lo}+ rows: {kernel}" if last else f"{lo}{'' if upto == lo else f'-{upto}'} rows: {kernel}")
-            lo = upto + 1
-        return ", ".join(parts) + f" ({self.how})"
-
-    def as_dict(self) -> dict:
-        return {"segments": [list(s) for s in self.segments], "how": self.how, "timings": self.timings}
-
-
-PLAIN = GemmPlan(((1 << 62, "linear"),))
-
-
-@dataclass(frozen=True)
-class GemmPlans:
-    """One plan per weight shape (out, in): the fastest kernel differs between shapes at the same rows."""
-
-    plans: tuple[tuple[tuple[int, int], GemmPlan], ...]
-
-    def for_shape(self, shape) -> GemmPlan:
-        """The plan of this weight shape; a shape not measured takes the largest measured one's."""
-        found = dict(self.plans).get(tuple(shape))
-        return found if found is not None else max(self.plans, key=lambda p: p[0][0] * p[0][1])[1]
-
-    @property
-    def kernels(self) -> set[str]:
-        return {k for _, p in self.plans for k in p.kernels}
-
-    @property
-    def is_plain(self) -> bool:
-        return self.kernels == {"linear"}
-
-    def describe(self) -> str:
-        return "; ".join(f"{o}x{i}: {p.describe()}" for (o, i), p in self.plans)
-
-    def as_dict(self) -> dict:
-        return {f"{o}x{i}": p.as_dict() for (o, i), p in self.plans}
 
 
 def _segments(choice: dict[int, str]) -> tuple[tuple[int, str], ...]:
@@ -142,8 +81,6 @@ def _segments(choice: dict[int, str]) -> tuple[tuple[int, str], ...]:
 
 def prepare(kernel: str, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> x @ w.T`` through ``kernel``, its copies of ``w`` built once (what the engine runs)."""
-    from rollout.layers.linear import pack_weight, packed_linear
-
     if kernel == "linear":
         return lambda x: F.linear(x, w)
     packed = pack_weight(w, None, GemmPlan(((1 << 62, kernel),)))
@@ -240,7 +177,7 @@ def candidates(dtype: torch.dtype, fp32_rows: Optional[int], small_rows: Optiona
     """The kernels a CPU engine of ``dtype`` may use here."""
     if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
         return ["linear"]
-    built = cpu_gemm.load() is not None
+    built = ops.load() is not None
     own = small_rows != 0 and built
     if dtype == torch.float32:
         return ["linear", "onednn", *(["own"] if own else []), *(["tiled"] if built else [])]
@@ -340,7 +277,7 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
     if kernels == ["linear"]:
         return GemmPlans(tuple((s, PLAIN) for s in all_shapes))
     cap = cpu_capability()
-    own = cpu_build.module_name("bf16_gemm", cpu_gemm.SOURCE) if "own" in kernels else "-"  # new source: new key
+    own = build.module_name("bf16_gemm", build.source_text()) if "own" in kernels else "-"  # new source: new key
     copies = _copies(shapes, num_layers)
     timed_shapes = [(o, i, copies if (o, i) in shapes else 1) for o, i in all_shapes]
     key = (f"{cap.cpu_model}|{cap.kernel_isa}|{own}|bf16 {cap.onednn_bf16}|torch {torch.__version__}|threads "

@@ -1,69 +1,44 @@
-"""CPU GEMMs in C++: a small-batch one that reads bf16 weights in place and accumulates in fp32, and
-a register-tiled one for larger batches over fp32 panels of the weights (``tile_pack`` /
-``tiled_linear``, described at its code below).
+// CPU GEMMs in C++: a small-batch one that reads bf16 weights in place and accumulates in fp32, and
+// a register-tiled one for larger batches over fp32 panels of the weights (tile_pack /
+// tiled_linear, described at its code below).
+//
+// y[M, N] = x[M, K] @ W[N, K]^T (+ b) for a bf16 weight in its own layout (no packed copy).
+// Decode steps at batch 1-16 are bound by reading the weights; oneDNN on CPUs without native bf16
+// converts them through a slow path (~20 GFLOP/s), and an fp32 copy doubles the bytes to read.
+// This kernel widens bf16 to fp32 in registers (a bf16 value is the top half of an fp32 one): for one
+// to four activation rows each weight row as it streams past (direct_rows); from five, a tile at a
+// time: each tile of 3-4 weight rows x 512 columns is widened once into an L1-resident buffer and
+// then multiplied with every activation row (fp32 FMAs, several rows and outputs per register
+// block), so the widening is paid once per weight and the arithmetic runs at fp32 FMA speed.
+// Sums run in a fixed order (no -ffast-math); products of bf16 values are exact in fp32, so
+// the result differs from oneDNN's only by the order of the fp32 additions, then one rounding to
+// the activation dtype (round to nearest even, as torch); inputs are widened and outputs rounded in
+// the kernel, not by torch operators around it (two fewer operators per linear layer). Parallel over
+// output features (or tiles of them) with at::parallel_for, or split over a team of threads that is
+// already running (gemm_part: rollout.kernels.cpu.fused's decode_stack).
+//
+// On CPUs with AVX512-BF16 (the avx512bf16 variant) bf16 activations of five to eight rows take its
+// dot products instead of the tiles (dot_rows): one vdpbf16ps per 32 weight values and row, the
+// activations read as the bf16 values they are, the weights in place (so decode_stack can take these
+// rows too). Measured on AMD EPYC Zen 4 (2 threads, SmolLM2's layers streamed from memory, 5-8 rows): on a
+// par with oneDNN's packed bf16 GEMMs (both bound by the dot products' rate on these two cores), 1.5-2x the
+// tiles (benchmarks/NOTES.md).
+//
+// fp32 weights take the same code (an fp32 engine's small batches): there the one-row path, which
+// streams each weight row with software prefetch, reads at about twice the bandwidth of oneDNN's
+// fp32 GEMV on AMD EPYC; the engine's plan measures and decides, as for bf16.
+//
+// Compiled once per kernel ISA, the CPU's variant chosen at run time (rollout.kernels.cpu.build):
+// vectors of ROLLOUT_LANES floats (AVX-512: 16, AVX2: 8, generic: 4) through GCC's vector extensions;
+// the dot products through the AVX512-BF16 intrinsics where ROLLOUT_BF16_DOT is set.
 
-``y[M, N] = x[M, K] @ W[N, K]^T (+ b)`` for a bf16 weight in its own layout (no packed copy).
-Decode steps at batch 1-16 are bound by reading the weights; oneDNN on CPUs without native bf16
-converts them through a slow path (~20 GFLOP/s), and an fp32 copy doubles the bytes to read.
-This kernel widens bf16 to fp32 in registers (a bf16 value is the top half of an fp32 one): for one
-to four activation rows each weight row as it streams past (``direct_rows``); from five, a tile at a
-time: each tile of 3-4 weight rows x 512 columns is widened once into an L1-resident buffer and
-then multiplied with every activation row (fp32 FMAs, several rows and outputs per register
-block), so the widening is paid once per weight and the arithmetic runs at fp32 FMA speed.
-Sums run in a fixed order (no ``-ffast-math``); products of bf16 values are exact in fp32, so
-the result differs from oneDNN's only by the order of the fp32 additions, then one rounding to
-the activation dtype (round to nearest even, as torch); inputs are widened and outputs rounded in
-the kernel, not by torch operators around it (two fewer operators per linear layer). Parallel over
-output features (or tiles of them) with ``at::parallel_for``, or split over a team of threads that is
-already running (``gemm_part``: ``rollout.layers.cpu_layer``'s ``decode_stack``).
-
-On CPUs with AVX512-BF16 (the ``avx512bf16`` variant) bf16 activations of five to eight rows take its
-dot products instead of the tiles (``dot_rows``): one ``vdpbf16ps`` per 32 weight values and row, the
-activations read as the bf16 values they are, the weights in place (so ``decode_stack`` can take these
-rows too). Measured on AMD EPYC Zen 4 (2 threads, SmolLM2's layers streamed from memory, 5-8 rows): on a
-par with oneDNN's packed bf16 GEMMs (both bound by the dot products' rate on these two cores), 1.5-2x the
-tiles (``benchmarks/NOTES.md``).
-
-fp32 weights take the same code (an fp32 engine's small batches): there the one-row path, which
-streams each weight row with software prefetch, reads at about twice the bandwidth of oneDNN's
-fp32 GEMV on AMD EPYC; the engine's plan measures and decides, as for bf16.
-
-Compiled once per kernel ISA, the CPU's variant chosen at run time (``rollout.layers.cpu_build``):
-vectors of ``ROLLOUT_LANES`` floats (AVX-512: 16, AVX2: 8, generic: 4) through GCC's vector extensions;
-the dot products through the AVX512-BF16 intrinsics where ``ROLLOUT_BF16_DOT`` is set.
-"""
-
-from __future__ import annotations
-
-from typing import Optional
-
-import torch
-
-from rollout.layers import cpu_build
-
-SOURCE = r"""
 namespace {
 
-constexpr int L = ROLLOUT_LANES;
 // Register blocks: NB weight rows x MB activation rows of accumulators, plus NB weight vectors and
 // one activation vector, must fit the vector registers (AVX2: 16, AVX-512: 32).
 constexpr int NB = L >= 16 ? 4 : 3;          // weight rows (outputs) per tile
 constexpr int MB = 4;                        // activation rows per register block
 constexpr int KC = 512;                      // columns per widened chunk: NB x KC fp32 <= 8 KB
-typedef float vf __attribute__((vector_size(L * 4)));
-typedef uint16_t vh __attribute__((vector_size(L * 2)));
-typedef uint32_t vu __attribute__((vector_size(L * 4)));
-
-inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf widen(const uint16_t* p) {        // bf16 -> fp32: the 16 bits become the top half
-  vh h; std::memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf f; std::memcpy(&f, &u, sizeof f); return f;
-}
-inline float widen1(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-inline vf widen(const float* p) { return loadf(p); }  // fp32 weights (an fp32 engine's small batches)
-inline float widen1(float h) { return h; }
 inline float hsum(vf v) { float s = 0.f; for (int i = 0; i < L; ++i) s += v[i]; return s; }  // fixed order
 
 // sum vector i * NB + r of acc += x[i, 0:kc] . wf[r, 0:kc] for i < R rows (x rows K apart), kc a multiple of L
@@ -80,31 +55,6 @@ inline void block(const float* x, int64_t K, const float* wf, int64_t kc, float*
     }
   }
   for (int i = 0; i < R; ++i) for (int r = 0; r < NB; ++r) storef(acc + (i * NB + r) * L, a[i][r]);
-}
-
-// a vector of fp32 values stored as they are, or as bf16 rounded as put() rounds each (the top halves
-// of the rounded words, picked by one shuffle)
-typedef uint16_t vh2 __attribute__((vector_size(L * 4)));
-// v rounded to bf16 (nearest even; a NaN kept quiet): the bf16 values are the words' top halves
-inline vu bf16_round_bits(vf v) {
-  vu u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-}
-inline void putv(float* y, vf v) { storef(y, v); }
-inline void putv(uint16_t* y, vf v) {
-  const vu r = bf16_round_bits(v);
-  vh2 w;
-  std::memcpy(&w, &r, sizeof w);
-  const vh h = @TOP_HALVES@;
-  std::memcpy(y, &h, sizeof h);
-}
-
-inline void put(float* y, int64_t i, float v) { y[i] = v; }
-inline void put(uint16_t* y, int64_t i, float v) {  // fp32 -> bf16, round to nearest even (as torch)
-  uint32_t u; std::memcpy(&u, &v, 4);
-  y[i] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
-                                         : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // One to four activation rows (decode at batch 1-4, bound by reading the weights): one weight row
@@ -240,10 +190,7 @@ inline void put_lanes(float* y, int64_t N, vf v, int R, int nr) {
   for (int i = 0; i < R; ++i) std::memcpy(y + i * N, reinterpret_cast<const float*>(&v) + i * DN, nr * 4);
 }
 inline void put_lanes(uint16_t* y, int64_t N, vf v, int R, int nr) {
-  const vu r = bf16_round_bits(v);
-  vh2 w;
-  std::memcpy(&w, &r, sizeof w);
-  const vh h = @TOP_HALVES@;
+  const vh h = bf16_halves(v);
   for (int i = 0; i < R; ++i) std::memcpy(y + i * N, reinterpret_cast<const uint16_t*>(&h) + i * DN, nr * 2);
 }
 
@@ -529,39 +476,3 @@ at::Tensor tiled_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
   sizes.back() = n;
   return y.view(sizes);
 }
-"""
-
-
-def top_halves(v: str = "w") -> str:
-    """C++ picking the odd (top) 16-bit halves of ``v``, a vector of 2 L halves, per build lane count."""
-    branches = [f"#{'if' if i == 0 else 'elif'} ROLLOUT_LANES == {lanes}\n"
-                f"      __builtin_shufflevector({v}, {v}, {', '.join(str(2 * j + 1) for j in range(lanes))})\n"
-                for i, lanes in enumerate((4, 8, 16))]
-    return "\n" + "".join(branches) + "#endif\n      "
-
-
-SOURCE = SOURCE.replace("@TOP_HALVES@", top_halves())
-
-
-def load() -> Optional[object]:
-    """The compiled kernels for this CPU's ISA, or None where they cannot be built."""
-    return cpu_build.kernels()
-
-
-def tile_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (bf16 or fp32) as the fp32 panels ``tiled_linear`` reads (the weight's values
-    exactly; N padded with zeros to whole panels). The layout is the running ISA variant's."""
-    return cpu_build.kernels().tile_pack(weight)
-
-
-def tiled_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` from ``tile_pack(W)``: fp32 sums over k in order, one rounding to
-    ``x.dtype`` (the register-tiled kernel for larger batches)."""
-    return cpu_build.kernels().tiled_linear(x, panels, out_features, bias)
-
-
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a contiguous bf16 ``weight`` (or an fp32 one with fp32 ``x``):
-    fp32 accumulation, one rounding to ``x.dtype``."""
-    return cpu_build.kernels().bf16_linear(x, weight, bias)

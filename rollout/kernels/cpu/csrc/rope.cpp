@@ -1,23 +1,17 @@
-"""Rotary embedding and the KV cache write of a decode step in one C++ call (CPU).
+// Rotary embedding and the KV cache write of a decode step in one C++ call (CPU).
+//
+// The torch path rotates q and k with four operators (x * cos + x.roll(D / 2) * signed_sin: two
+// multiplies, a roll, an add, each rounded to the activation dtype), then writes k and v into their
+// cache slots with two index_copy_ calls, around a handful of views and a copy of q — about a dozen
+// dispatches a layer for a few hundred values a row at decode. rope_and_cache does all of it
+// from the fused qkv projection: q rotated into a new tensor, rotated k and v written into their
+// slots. It rounds exactly where the torch path rounds (each product, then the sum, to the activation
+// dtype; round to nearest even), with no contraction into FMAs, so its values are the torch path's
+// bit for bit (tested).
 
-The torch path rotates q and k with four operators (``x * cos + x.roll(D / 2) * signed_sin``: two
-multiplies, a roll, an add, each rounded to the activation dtype), then writes k and v into their
-cache slots with two ``index_copy_`` calls, around a handful of views and a copy of q — about a dozen
-dispatches a layer for a few hundred values a row at decode. ``rope_and_cache`` does all of it
-from the fused ``qkv`` projection: q rotated into a new tensor, rotated k and v written into their
-slots. It rounds exactly where the torch path rounds (each product, then the sum, to the activation
-dtype; round to nearest even), with no contraction into FMAs, so its values are the torch path's
-bit for bit (tested).
-"""
-
-from __future__ import annotations
-
-import torch
-
-SOURCE = r"""
 namespace {
 
-// nwiden / nround / nstore: rollout.layers.cpu_norm's (its source precedes this one in the build).
+// nwiden / nround / nstore: vec.h.
 // A product or sum rounded to T, as torch rounds each operator's result; for fp32 the empty asm keeps
 // a product from being contracted into an FMA with the sum (torch rounds both).
 inline float rround(float v, const float*) { asm volatile("" : "+x"(v)); return v; }
@@ -78,14 +72,3 @@ at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
     TORCH_CHECK(false, "rope_and_cache: fp32 or bf16 only");
   return q;
 }
-"""
-
-
-def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """qkv [T, (Hq + 2 Hkv) D] (q, k, v side by side); cos / signed sin [T, 1, D]
-    (``RotaryEmbedding.tables``); caches [blocks, block_size, Hkv, D]; slots [T] -> rotated q
-    [T, Hq, D], rotated k and v written into their slots."""
-    from rollout.layers import cpu_build
-
-    return cpu_build.kernels().rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)

@@ -1,46 +1,16 @@
-"""RMSNorm on CPU in one C++ call, as Hugging Face's Llama family computes it.
+// RMSNorm on CPU in one C++ call, as Hugging Face's Llama family computes it.
+//
+// weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype): the torch path is five or more
+// operators per norm (a widening copy, the fused norm's own reductions, a rounding copy, the
+// multiply), ~60 norms a decode step, each dispatched and allocated for a few hundred values per
+// row. Here each row is widened once, its squares summed in fp32 in a fixed vector order, and the
+// result rounded exactly where the torch path rounds (to the activation dtype before the weight,
+// then after it, round to nearest even) — the same values up to the order of that one sum.
 
-``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``: the torch path is five or more
-operators per norm (a widening copy, the fused norm's own reductions, a rounding copy, the
-multiply), ~60 norms a decode step, each dispatched and allocated for a few hundred values per
-row. Here each row is widened once, its squares summed in fp32 in a fixed vector order, and the
-result rounded exactly where the torch path rounds (to the activation dtype before the weight,
-then after it, round to nearest even) — the same values up to the order of that one sum.
-"""
-
-from __future__ import annotations
-
-import torch
-
-SOURCE = r"""
 namespace {
 
 typedef float nvf __attribute__((vector_size(ROLLOUT_LANES * 4)));
 constexpr int NL = ROLLOUT_LANES;
-
-inline float nwiden(float v) { return v; }
-inline float nwiden(at::BFloat16 v) {
-  uint32_t u = static_cast<uint32_t>(v.x) << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-inline float nround(float v, float*) { return v; }
-inline float nround(float v, at::BFloat16*) {  // to bf16 and back: round to nearest even, as torch
-  uint32_t u; std::memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  float f; std::memcpy(&f, &u, 4); return f;
-}
-inline void nstore(float* p, float v) { *p = v; }
-inline void nstore(at::BFloat16* p, float v) {  // round to nearest even, as torch
-  uint32_t u; std::memcpy(&u, &v, 4);
-  p->x = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
-                                        : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-}  // namespace
-"""
-
-SOURCE += r"""
-namespace {
 
 template <typename T>
 void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t H, float eps) {
@@ -80,10 +50,3 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
     TORCH_CHECK(false, "rms_norm: fp32 or bf16 only");
   return y;
 }
-"""
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from rollout.layers import cpu_build
-
-    return cpu_build.kernels().rms_norm(x, weight, float(eps))

@@ -7,7 +7,7 @@ CPUs a bf16 GEMM is several times slower than an fp32 one). It also says which i
 project's own C++ kernels run (``kernel_isa``): ``avx512bf16`` (the AVX-512 one with AVX512-BF16's
 dot products, which the small-batch GEMM takes from five bf16 rows), ``avx512`` (AVX-512 F/BW/VL),
 ``avx2`` (AVX2 + FMA + F16C) or ``generic``. One build holds a variant of every one
-(``rollout.layers.cpu_build``), chosen at run time from this CPU's flags, so a build made on one
+(``rollout.kernels.cpu.build``), chosen at run time from this CPU's flags, so a build made on one
 processor never runs instructions another lacks.
 
 ``ROLLOUT_CPU_ISA=avx512`` (or ``avx2``, ``generic``) caps ``kernel_isa`` below what the CPU has, so

@@ -1,33 +1,25 @@
-"""Paged decode attention on CPU that reads K/V blocks where they lie in the cache.
+// Paged decode attention on CPU that reads K/V blocks where they lie in the cache.
+//
+// The torch path (rollout.layers.attention) gathers every decoding sequence's blocks into a
+// dense copy for SDPA: at batch 256 and 140-token contexts that is ~0.8 GB written and read again
+// per step on SmolLM2, a fifth of the step (benchmarks/NOTES.md). This kernel walks each
+// sequence's block table instead, a block at a time: one work item per sequence (all its KV heads,
+// which lie side by side in the cache) or, at batches too small to share the threads, per
+// (sequence, KV head); bf16 rows widened in registers as they are read, in a paired lane order that
+// needs one load and two integer operations per 2 vectors (other dtypes: a block's rows widened to
+// fp32 once for all the query heads of their KV head; GQA without repeats either way), register
+// kernels for head sizes of 2-32 vectors, scores and
+// softmax in fp32 (max-subtracted, as SDPA), values accumulated in fp32, one rounding to the cache
+// dtype at the end. Parallel over work items with
+// at::parallel_for (the calling thread's OpenMP team, shared with torch's own runtime). Dot
+// products, the exponentials (a polynomial of our own, within 2 ulp of expf) and the softmax and
+// value sums are explicit vector code in a fixed order (no -ffast-math).
+//
+// It is C++ compiled on first use with the machine's compiler, for the CPU's instruction set and
+// without -ffast-math (rollout.kernels.cpu.build); without a compiler the engine keeps the
+// torch path and says so once in its log. Its precision is that of the gather path: both are
+// within one bf16 rounding of an fp32 computation over the same bf16 K/V values (tested).
 
-The torch path (``rollout.layers.attention``) gathers every decoding sequence's blocks into a
-dense copy for SDPA: at batch 256 and 140-token contexts that is ~0.8 GB written and read again
-per step on SmolLM2, a fifth of the step (``benchmarks/NOTES.md``). This kernel walks each
-sequence's block table instead, a block at a time: one work item per sequence (all its KV heads,
-which lie side by side in the cache) or, at batches too small to share the threads, per
-(sequence, KV head); bf16 rows widened in registers as they are read, in a paired lane order that
-needs one load and two integer operations per 2 vectors (other dtypes: a block's rows widened to
-fp32 once for all the query heads of their KV head; GQA without repeats either way), register
-kernels for head sizes of 2-32 vectors, scores and
-softmax in fp32 (max-subtracted, as SDPA), values accumulated in fp32, one rounding to the cache
-dtype at the end. Parallel over work items with
-``at::parallel_for`` (the calling thread's OpenMP team, shared with torch's own runtime). Dot
-products, the exponentials (a polynomial of our own, within 2 ulp of ``expf``) and the softmax and
-value sums are explicit vector code in a fixed order (no ``-ffast-math``).
-
-It is C++ compiled on first use with the machine's compiler, for the CPU's instruction set and
-without ``-ffast-math`` (``rollout.layers.cpu_build``); without a compiler the engine keeps the
-torch path and says so once in its log. Its precision is that of the gather path: both are
-within one bf16 rounding of an fp32 computation over the same bf16 K/V values (tested).
-"""
-
-from __future__ import annotations
-
-from typing import Optional
-
-import torch
-
-SOURCE = r"""
 namespace {
 
 // Vectors of ROLLOUT_LANES floats (the build's ISA: AVX-512 16, AVX2 8) through GCC's vector
@@ -148,7 +140,37 @@ inline void to_float_paired(const at::BFloat16* src, float* dst, int64_t n) {  /
 // each lane with the one half a vector away, then a quarter, ... — so a dot product here is bit for
 // bit dot()'s: fold<S>(a, b) adds, within a and within b, each group of S lanes to the group after it
 // (the two results side by side); PL / 2, PL / 4, ..., 1 (the shuffles: fold_shuffles()).
-@FOLDS@
+#if ROLLOUT_LANES == 4
+template <int S> inline std::enable_if_t<S == 2, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+}
+template <int S> inline std::enable_if_t<S == 1, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+}
+#elif ROLLOUT_LANES == 8
+template <int S> inline std::enable_if_t<S == 4, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+template <int S> inline std::enable_if_t<S == 2, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+}
+template <int S> inline std::enable_if_t<S == 1, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#elif ROLLOUT_LANES == 16
+template <int S> inline std::enable_if_t<S == 8, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+template <int S> inline std::enable_if_t<S == 4, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+template <int S> inline std::enable_if_t<S == 2, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+template <int S> inline std::enable_if_t<S == 1, pvf> fold(pvf a, pvf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#endif
 template <int S>
 inline void fold_levels(pvf* a, int n) {
   for (int j = 0; j < n / 2; ++j) a[j] = fold<S>(a[2 * j], a[2 * j + 1]);
@@ -340,7 +362,7 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 }
 
 // team == 0: every work item through at::parallel_for; else the share of thread tid of a team of that
-// many that runs this same call (rollout.layers.cpu_layer's decode_stack). An item's output is the same
+// many that runs this same call (rollout.kernels.cpu.fused's decode_stack). An item's output is the same
 // whatever the thread or the split.
 template <typename T, int ND>
 void decode_nd(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
@@ -495,38 +517,3 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
   });
   return out;
 }
-"""
-
-
-def fold_shuffles() -> str:
-    """``fold<S>`` for every vector width (4, 8, 16 lanes) and group size S = lanes / 2 .. 1: the
-    lanes of groups 0, 2, 4, ... of a then of b, plus those of groups 1, 3, 5, ..."""
-    out = []
-    for width in (4, 8, 16):
-        out.append(f"{'#if' if width == 4 else '#elif'} ROLLOUT_LANES == {width}")
-        size = width // 2
-        while size >= 1:
-            def pick(first):
-                return ", ".join(str(v + g * size + i) for v in (0, width) for g in range(first, width // size, 2)
-                                 for i in range(size))
-            out.append(f"template <int S> inline std::enable_if_t<S == {size}, pvf> fold(pvf a, pvf b) {{\n"
-                       f"  return __builtin_shufflevector(a, b, {pick(0)}) + __builtin_shufflevector(a, b, {pick(1)});\n}}")
-            size //= 2
-    out.append("#endif")
-    return "\n".join(out)
-
-
-SOURCE = SOURCE.replace("@FOLDS@", fold_shuffles())
-
-def load() -> Optional[object]:
-    """The compiled kernels (``rollout.layers.cpu_build``), or None (the reason logged once)."""
-    from rollout.layers import cpu_build
-
-    return cpu_build.kernels()
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block tables [B, max_blocks]; context
-    lengths [B] (the new token's K/V already written) -> [B, Hq, D] in q's dtype."""
-    return load().paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, float(scale), int(sliding_window or 0))

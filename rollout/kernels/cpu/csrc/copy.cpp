@@ -1,23 +1,13 @@
-"""Received tensors into their places on CPU in one C++ call: ``scatter_scaled`` copies many 2-D
-pieces of a byte buffer (fp32, bf16 or fp16) into an fp32 buffer, each multiplied by its own fp32
-scale, and counts the non-finite values it wrote (a piece that already lies in its place, received
-there, is only counted) — what a LoRA adapter's bucket needs on arrival
-(``rollout.weights.lora``: ``A`` copied, ``B`` scaled into its block of ``b``, finiteness checked) in
-one pass over the bytes instead of a copy, a scale and a check, with no Python per tensor.
+// Received tensors into their places on CPU in one C++ call: scatter_scaled copies many 2-D
+// pieces of a byte buffer (fp32, bf16 or fp16) into an fp32 buffer, each multiplied by its own fp32
+// scale, and counts the non-finite values it wrote (a piece that already lies in its place, received
+// there, is only counted) — what a LoRA adapter's bucket needs on arrival
+// (rollout.weights.lora: A copied, B scaled into its block of b, finiteness checked) in
+// one pass over the bytes instead of a copy, a scale and a check, with no Python per tensor.
+//
+// Each product is the IEEE fp32 product of the value (widened exactly) and its scale, as
+// dst.copy_(src); dst.mul_(scale) computes it: the same bits.
 
-Each product is the IEEE fp32 product of the value (widened exactly) and its scale, as
-``dst.copy_(src); dst.mul_(scale)`` computes it: the same bits.
-"""
-
-from __future__ import annotations
-
-import torch
-
-# the source dtypes, by the code a plan row gives them
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PLAN_COLUMNS = 7  # src byte offset, dtype code, rows, cols, src row stride, dst offset, dst row stride
-
-SOURCE = r"""
 namespace {
 
 // a piece received in place (fp32, unscaled): only counted (rows back to back read as one run), whole
@@ -161,27 +151,3 @@ at::Tensor scatter_scaled(at::Tensor src, at::Tensor dst, at::Tensor plan, at::T
   *out.data_ptr<int64_t>() = sum;
   return out;
 }
-"""
-
-
-def scatter_plan(slot: torch.Tensor, dst: torch.Tensor, pieces) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scatter_scaled``'s plan and scales for ``pieces``: (src view of ``slot``, dst view of ``dst``,
-    scale or None), each view 2-D (or 1-D) with unit stride along its last dimension, the same shape."""
-    rows, scales = [], []
-    base_s, base_d = slot.data_ptr(), dst.data_ptr()
-    for src, out, scale in pieces:
-        src2, out2 = (src.unsqueeze(0), out.unsqueeze(0)) if src.dim() == 1 else (src, out)
-        if src2.dim() != 2 or src2.shape != out2.shape or src2.stride(-1) != 1 or out2.stride(-1) != 1 \
-                or src2.dtype not in DTYPE_CODES or out2.dtype != torch.float32:
-            raise ValueError("scatter_plan: 2-D pieces of the same shape, unit stride along rows, fp32 places")
-        rows.append([src2.data_ptr() - base_s, DTYPE_CODES[src2.dtype], src2.shape[0], src2.shape[1],
-                     src2.stride(0), (out2.data_ptr() - base_d) // 4, out2.stride(0)])
-        scales.append(1.0 if scale is None else scale)
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, PLAN_COLUMNS), torch.tensor(scales, dtype=torch.float32)
-
-
-def scatter_scaled(slot: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor, scales: torch.Tensor) -> int:
-    """Run a ``scatter_plan``: the number of non-finite values written."""
-    from rollout.layers import cpu_build
-
-    return int(cpu_build.kernels().scatter_scaled(slot, dst, plan, scales))

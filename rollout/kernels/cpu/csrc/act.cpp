@@ -1,23 +1,17 @@
-"""The Llama MLP's activation on CPU in one C++ call: ``silu(gate) * up`` from the fused gate/up
-projection, without the two operators and the intermediate tensor of the torch path.
+// The Llama MLP's activation on CPU in one C++ call: silu(gate) * up from the fused gate/up
+// projection, without the two operators and the intermediate tensor of the torch path.
+//
+// F.silu(gate) * up rounds the SiLU to the activation dtype, then the product; so does this kernel
+// (round to nearest even). SiLU is g / (1 + exp(-g)) as torch computes it, exp by Cephes' polynomial
+// (vec.h's sexp_clamped: within 2 ulp, its argument clamped to [-87.3, 88.3], so below a
+// gate of -88.3 the SiLU is ~1e-37 where torch's is -0): the torch path's values to within an ulp or
+// two of fp32 before the rounding, so a bf16 result differs from it in rare elements by one bf16 ulp,
+// an fp32 one by fp32 ulps. Elementwise: a row's result does not depend on the batch it came in.
 
-``F.silu(gate) * up`` rounds the SiLU to the activation dtype, then the product; so does this kernel
-(round to nearest even). SiLU is g / (1 + exp(-g)) as torch computes it, exp by Cephes' polynomial
-(``rollout.layers.cpu_sample``'s: within 2 ulp, its argument clamped to [-87.3, 88.3], so below a
-gate of -88.3 the SiLU is ~1e-37 where torch's is -0): the torch path's values to within an ulp or
-two of fp32 before the rounding, so a bf16 result differs from it in rare elements by one bf16 ulp,
-an fp32 one by fp32 ulps. Elementwise: a row's result does not depend on the batch it came in.
-"""
-
-from __future__ import annotations
-
-import torch
-
-SOURCE = r"""
 namespace {
 
-// vf / vu / widen / bf16_round_bits / putv: rollout.layers.cpu_gemm's, svf / sexp_clamped: rollout.layers.cpu_sample's
-// (their sources precede this one in the build)
+// vf / vu / widen / bf16_round_bits / putv / svf / sexp_clamped: vec.h
+
 inline svf aload(const float* p) { return sload(p); }
 inline svf aload(const at::BFloat16* p) { return widen(reinterpret_cast<const uint16_t*>(p)); }
 inline svf around(svf v, const float*) { return v; }
@@ -30,7 +24,7 @@ inline svf around(svf v, const at::BFloat16*) {  // to bf16 and back, as putv ro
 inline void astore(float* p, svf v) { putv(p, v); }
 inline void astore(at::BFloat16* p, svf v) { putv(reinterpret_cast<uint16_t*>(p), v); }
 
-inline svf silu(svf g) { return g / (ssplat(1.f) + sexp_clamped(-g)); }  // cpu_sample's exp
+inline svf silu(svf g) { return g / (ssplat(1.f) + sexp_clamped(-g)); }  // vec.h's exp
 
 constexpr int64_t ACHUNK = 512;  // values of a row per work item
 // work items per thread at least: torch's own grain for elementwise operators (32768 values), so a
@@ -83,11 +77,3 @@ at::Tensor silu_mul(at::Tensor gate_up) {
     silu_mul_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), M, I);
   return y;
 }
-"""
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)`` in one C++ call."""
-    from rollout.layers import cpu_build
-
-    return cpu_build.kernels().silu_mul(gate_up)

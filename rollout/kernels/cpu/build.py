@@ -1,6 +1,8 @@
 """Building the project's C++ CPU kernels: one extension holding every instruction set's variant.
 
-The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
+The source is C++ files in ``csrc/``: ``vec.h`` (the vector helpers every family shares) and one file per
+kernel family (``SOURCES``, in the order they are included: a later family may call an earlier one's
+functions). The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
 ``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``, ``decode_layer``) are C++ compiled on first use
 with the machine's compiler (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``). Their source is
 compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
@@ -23,20 +25,24 @@ import threading
 import types
 from typing import Optional
 
-from rollout.layers.cpu_capability import KERNEL_ISAS, cpu_capability
+from rollout.kernels.cpu.capability import KERNEL_ISAS, cpu_capability
 
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
              "silu_mul", "scatter_scaled", "decode_layer", "decode_stack")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# the kernel families' files, included in this order after vec.h; decode_layer / decode_stack (layer.cpp)
+# call the kernels before them
+SOURCES = ("paged_decode", "gemm", "norm", "rope", "sample", "act", "copy", "layer")
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
             "avx512bf16": "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}
-# variants whose source takes AVX512-BF16's dot products (rollout.layers.cpu_gemm's dot_rows)
+# variants whose source takes AVX512-BF16's dot products (csrc/gemm.cpp's dot_rows)
 _BF16_DOT = {"avx512bf16"}
 # what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for, and the
-# dispatcher (cpu_layer calls oneDNN's and aten's linear as Python does)
+# dispatcher (layer.cpp calls oneDNN's and aten's linear as Python does)
 _HEADER = """#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -87,20 +93,22 @@ def declarations(body: str) -> str:
 
 
 def translation_units(body: str) -> dict[str, str]:
-    """``body`` once per ISA (``kernels_<isa>.cpp``, namespace ``rollout_<isa>``) and the Python
-    bindings ``<fn>_<isa>`` (``bindings.cpp``), by file name."""
+    """One unit per ISA (``kernels_<isa>.cpp``, namespace ``rollout_<isa>``) including ``vec.h`` and the
+    ``SOURCES`` files, and the Python bindings ``<fn>_<isa>`` (``bindings.cpp``), by file name; ``body``
+    (the files' text, ``source_text()``) names the functions the bindings declare."""
     decls = declarations(body)
     parts = [_BINDING_HEADER] + [f"namespace rollout_{isa} {{\n{decls}\n}}" for isa in KERNEL_ISAS]
     parts.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
     parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn});' for isa in KERNEL_ISAS for fn in FUNCTIONS]
     parts += ["}", ""]
     units = {"bindings.cpp": "\n".join(parts)}  # first: the longest to compile, ninja starts it first
+    includes = [f'#include "{name}"' for name in ("vec.h",) + tuple(f"{s}.cpp" for s in SOURCES)]
     for isa in KERNEL_ISAS:
         target = _TARGETS[isa]
         units[f"kernels_{isa}.cpp"] = "\n".join([
             _HEADER, "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
             f"#define ROLLOUT_LANES {_LANES[isa]}", f"#define ROLLOUT_BF16_DOT {int(isa in _BF16_DOT)}",
-            f"namespace rollout_{isa} {{", body, "}",
+            f"namespace rollout_{isa} {{", *includes, "}",
             "#pragma GCC pop_options", ""])
     return units
 
@@ -110,12 +118,10 @@ def module_name(name: str, source: str) -> str:
     return f"rollout_{name}_{digest}"
 
 
-def _body() -> str:
-    from rollout.layers import cpu_act, cpu_copy, cpu_gemm, cpu_layer, cpu_norm, cpu_rope, cpu_sample, paged_decode_cpu
-
-    # in this order: cpu_act uses cpu_sample's vector exponential; cpu_layer calls the kernels before it
-    return paged_decode_cpu.SOURCE + cpu_gemm.SOURCE + cpu_norm.SOURCE + cpu_rope.SOURCE + cpu_sample.SOURCE + \
-        cpu_act.SOURCE + cpu_copy.SOURCE + cpu_layer.SOURCE
+def source_text() -> str:
+    """``vec.h`` and every ``SOURCES`` file, in the order the units include them."""
+    names = ("vec.h",) + tuple(f"{name}.cpp" for name in SOURCES)
+    return "".join(open(os.path.join(CSRC, name)).read() for name in names)
 
 
 def _write_sources(module: str, units: dict[str, str]) -> list[str]:
@@ -153,10 +159,11 @@ def _module() -> Optional[object]:
             try:
                 from torch.utils.cpp_extension import load
 
-                units = translation_units(_body())
-                module = module_name(name, "".join(units[k] for k in sorted(units)))
+                body = source_text()
+                units = translation_units(body)
+                module = module_name(name, body + "".join(units[k] for k in sorted(units)))
                 _built[name] = load(module, sources=_write_sources(module, units), extra_cflags=build_flags(),
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+                                    extra_include_paths=[CSRC], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler, no headers: the torch path serves
                 _failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 logger.warning("CPU kernel %s unavailable (%s); the torch path serves instead", name, _failed[name])
@@ -181,11 +188,11 @@ def kernels_for(isa: str) -> Optional[types.SimpleNamespace]:
 
 def kernels() -> Optional[types.SimpleNamespace]:
     """Every C++ CPU kernel of the project (one build, ~30-45 s on two cores, then cached), the variant of
-    this CPU's ``kernel_isa``: ``paged_decode`` (``rollout.layers.paged_decode_cpu``), ``bf16_linear``,
-    ``tile_pack`` and ``tiled_linear`` (``rollout.layers.cpu_gemm``), ``rms_norm``
-    (``rollout.layers.cpu_norm``), ``rope_and_cache`` (``rollout.layers.cpu_rope``), ``sample_rows``
-    (``rollout.layers.cpu_sample``), ``silu_mul`` (``rollout.layers.cpu_act``) and ``scatter_scaled``
-    (``rollout.layers.cpu_copy``). None where it cannot be built."""
+    this CPU's ``kernel_isa``: ``paged_decode`` (``csrc/paged_decode.cpp``), ``bf16_linear``, ``tile_pack``
+    and ``tiled_linear`` (``gemm.cpp``), ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``),
+    ``sample_rows`` (``sample.cpp``), ``silu_mul`` (``act.cpp``), ``scatter_scaled`` (``copy.cpp``),
+    ``decode_layer`` and ``decode_stack`` (``layer.cpp``); their Python faces are
+    ``rollout.kernels.cpu.ops`` and ``.fused``. None where it cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)
 
 

@@ -1,0 +1,112 @@
+"""The CPU kernels' Python faces: each call hands its tensors to the compiled extension
+(``build.kernels()``, this CPU's ISA variant). What each kernel computes, and why its bits are the
+torch path's, is written at the top of its C++ file in ``csrc/``:
+
+- ``paged_decode_attention``: decode attention straight from the paged KV cache (``paged_decode.cpp``);
+- ``bf16_linear``, ``tile_pack`` / ``tiled_linear``: the small-batch and register-tiled GEMMs
+  (``gemm.cpp``; which one serves a forward is the GEMM plan's choice, ``packing.py``);
+- ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``), ``silu_mul`` (``act.cpp``);
+- ``draw`` / ``logprob``: the sampler's inverse-CDF draw and its logprobs (``sample.cpp``);
+- ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
+  values counted (``copy.cpp``; a LoRA adapter's bucket on arrival).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rollout.kernels.cpu import build
+
+# the source dtypes of a scatter, by the code a plan row gives them
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PLAN_COLUMNS = 7  # src byte offset, dtype code, rows, cols, src row stride, dst offset, dst row stride
+
+
+def load() -> Optional[object]:
+    """The compiled kernels for this CPU's ISA, or None where they cannot be built (the reason logged once)."""
+    return build.kernels()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           ctx_lens: torch.Tensor, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """q [B, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block tables [B, max_blocks]; context
+    lengths [B] (the new token's K/V already written) -> [B, Hq, D] in q's dtype."""
+    return build.kernels().paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, float(scale),
+                                        int(sliding_window or 0))
+
+
+def tile_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (bf16 or fp32) as the fp32 panels ``tiled_linear`` reads (the weight's values
+    exactly; N padded with zeros to whole panels). The layout is the running ISA variant's."""
+    return build.kernels().tile_pack(weight)
+
+
+def tiled_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` from ``tile_pack(W)``: fp32 sums over k in order, one rounding to
+    ``x.dtype`` (the register-tiled kernel for larger batches)."""
+    return build.kernels().tiled_linear(x, panels, out_features, bias)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a contiguous bf16 ``weight`` (or an fp32 one with fp32 ``x``):
+    fp32 accumulation, one rounding to ``x.dtype``."""
+    return build.kernels().bf16_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return build.kernels().rms_norm(x, weight, float(eps))
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] (q, k, v side by side); cos / signed sin [T, 1, D]
+    (``RotaryEmbedding.tables``); caches [blocks, block_size, Hkv, D]; slots [T] -> rotated q
+    [T, Hq, D], rotated k and v written into their slots."""
+    return build.kernels().rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)`` in one C++ call."""
+    return build.kernels().silu_mul(gate_up)
+
+
+def sampling_available(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a processed distribution) is drawn from by the C++ kernel here."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and build.kernels() is not None
+
+
+def draw(dist: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [S] long, their logprobs [S] fp32): the inverse-CDF draw of each row by its uniform."""
+    ids = torch.empty(dist.shape[0], dtype=torch.long)
+    lp = build.kernels().sample_rows(dist, uniforms.float(), ids, True)
+    return ids, lp
+
+
+def logprob(dist: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(dist)[ids], computed as ``draw`` computes a drawn token's logprob (the same bits)."""
+    empty = torch.empty(0, dtype=torch.float32)
+    return build.kernels().sample_rows(dist, empty, ids.to(torch.long).contiguous(), False)
+
+
+def scatter_plan(slot: torch.Tensor, dst: torch.Tensor, pieces) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scatter_scaled``'s plan and scales for ``pieces``: (src view of ``slot``, dst view of ``dst``,
+    scale or None), each view 2-D (or 1-D) with unit stride along its last dimension, the same shape."""
+    rows, scales = [], []
+    base_s, base_d = slot.data_ptr(), dst.data_ptr()
+    for src, out, scale in pieces:
+        src2, out2 = (src.unsqueeze(0), out.unsqueeze(0)) if src.dim() == 1 else (src, out)
+        if src2.dim() != 2 or src2.shape != out2.shape or src2.stride(-1) != 1 or out2.stride(-1) != 1 \
+                or src2.dtype not in DTYPE_CODES or out2.dtype != torch.float32:
+            raise ValueError("scatter_plan: 2-D pieces of the same shape, unit stride along rows, fp32 places")
+        rows.append([src2.data_ptr() - base_s, DTYPE_CODES[src2.dtype], src2.shape[0], src2.shape[1],
+                     src2.stride(0), (out2.data_ptr() - base_d) // 4, out2.stride(0)])
+        scales.append(1.0 if scale is None else scale)
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, PLAN_COLUMNS), torch.tensor(scales, dtype=torch.float32)
+
+
+def scatter_scaled(slot: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor, scales: torch.Tensor) -> int:
+    """Run a ``scatter_plan``: the number of non-finite values written."""
+    return int(build.kernels().scatter_scaled(slot, dst, plan, scales))
