@@ -7,10 +7,9 @@ _openmp.apply_defaults()  # before torch loads libgomp, where the caller has not
 _moved.install()  # old module paths (rollout.messages, rollout.tp_group, ...) still import, with a warning
 
 from rollout.engine.engine import EngineDeadError, RolloutEngine  # noqa: E402
-from rollout.outputs import RolloutOutput  # noqa: E402
+from rollout.outputs import RolloutOutput, WeightResult  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 from rollout.weights.loader import WeightLoadError, load_named_tensors  # noqa: E402
-from rollout.worker.messages import WeightResult  # noqa: E402
 
 __all__ = ["RolloutEngine", "SamplingParams", "RolloutOutput", "WeightResult", "load_named_tensors",
            "WeightLoadError", "EngineDeadError"]

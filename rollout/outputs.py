@@ -1,9 +1,12 @@
-"""``RolloutOutput``: one finished (or partial, when streamed or aborted) sample."""
+"""The engine's public results: ``RolloutOutput``, one finished (or partial, when streamed or aborted)
+sample, and ``WeightResult``, the result of every weight operation (on a rank and at the public API)."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 
 @dataclass
@@ -44,3 +47,71 @@ class RolloutOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+
+# What a rank reports when another rank's vote rejected the update.
+REJECTED_ELSEWHERE = "another TP rank rejected the update; nothing was loaded"
+
+
+@dataclass(frozen=True)
+class WeightResult:
+    """The result of every weight operation, on a rank and at the public API.
+
+    ``detail`` holds per-phase figures (``receive_s``, ``commit_s``, ``received_in_place_bytes``,
+    ``freed_bytes``, ``recaptured``...); ``value`` what a read returns (values, a checksum,
+    seconds of a probe). Indexing a result like a dict (``result["success"]``: the fields, then
+    ``detail``'s keys) still works, with a ``DeprecationWarning``."""
+
+    success: bool
+    message: str
+    weight_version: Optional[str] = None  # the version published after the call (unchanged on failure)
+    seconds: float = 0.0
+    num_bytes: int = 0
+    detail: dict = field(default_factory=dict)
+    value: Any = None
+    # what failed, where a caller must tell it apart: GROUP (the weight-update group broke: rebuild
+    # it); None for a refusal of the input (fix the request) or success
+    error_kind: Optional[str] = None
+
+    GROUP: ClassVar[str] = "group"
+
+    @staticmethod
+    def ok(message: str, num_bytes: int = 0, value: Any = None, **detail) -> WeightResult:
+        return WeightResult(True, message, num_bytes=num_bytes, detail=detail, value=value)
+
+    @staticmethod
+    def fail(message: str, kind: Optional[str] = None, **detail) -> WeightResult:
+        return WeightResult(False, message, detail=detail, error_kind=kind)
+
+    def published(self, weight_version: str, seconds: float) -> WeightResult:
+        """This result as the engine reports it: with the version now published and the wall time."""
+        return dataclasses.replace(self, weight_version=weight_version, seconds=seconds)
+
+    @staticmethod
+    def merge(results: list[WeightResult]) -> WeightResult:
+        """One result for the TP group: rank 0's, or the first rank's failure (naming the rank), or a
+        rank's that says its part is still pending (``detail["pending"]``)."""
+        failed = [(rank, r) for rank, r in enumerate(results) if not r.success]
+        if failed:  # the rank that rejected the update, not one that only learnt another did
+            rank, r = next(((k, f) for k, f in failed if f.message != REJECTED_ELSEWHERE), failed[0])
+            return r if rank == 0 else dataclasses.replace(r, message=f"TP rank {rank}: {r.message}")
+        return next((r for r in results if r.detail.get("pending")), results[0])
+
+    def __getitem__(self, key: str) -> Any:
+        warnings.warn(f"WeightResult[{key!r}] is deprecated: read the result's fields (.success, .message, "
+                      f".detail[...])", DeprecationWarning, stacklevel=2)
+        if key in _FIELDS:
+            return getattr(self, key)
+        return self.detail[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return key in _FIELDS or key in self.detail
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(WeightResult))

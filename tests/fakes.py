@@ -9,9 +9,8 @@ from typing import Optional
 
 import torch
 
-from rollout.outputs import RolloutOutput
-from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch
-from rollout.worker.messages import WeightResult
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch
+from rollout.outputs import RolloutOutput, WeightResult
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool
 

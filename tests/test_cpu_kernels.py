@@ -219,8 +219,7 @@ def test_a_gemm_of_no_rows_reads_no_copy_whatever_the_plan_names_for_it(kernel):
     built for the forward's row counts only, so a plan whose kernel at few rows reads a copy (seen on
     an AMD EPYC with AVX-512 bf16: SmolLM2's fp32 head, tiled up to 7 rows and oneDNN from 8) must not
     be asked for one there: the result is the empty product, from the weight itself."""
-    from rollout.kernels.cpu.packing import PackedWeight, pack_weight, packed_linear
-    from rollout.kernels.cpu.packing import GemmPlan
+    from rollout.kernels.cpu.packing import GemmPlan, PackedWeight, pack_weight, packed_linear
 
     w = torch.randn(48, 32, dtype=torch.float32)
     plan = GemmPlan(((7, kernel), (1 << 62, "linear")))

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from rollout.batch import SamplingInputs
 from rollout.layers.sampler import processed_logprobs, sample
-from rollout.scheduler.batch import SamplingInputs
 
 V = 12
 

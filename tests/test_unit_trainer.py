@@ -5,8 +5,8 @@ import pytest
 import torch
 from fakes import FakeReplica
 
+from rollout.outputs import WeightResult
 from rollout.sampling_params import SamplingParams
-from rollout.worker.messages import WeightResult
 from trainer_bridge.grpo import GRPOConfig, run_grpo
 from trainer_bridge.router import ReplicaRouter
 

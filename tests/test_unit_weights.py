@@ -17,6 +17,7 @@ from rollout.config import EngineConfig
 from rollout.executor.model_runner import ModelRunner
 from rollout.executor.param_storage import flatten_parameters
 from rollout.models import ModelConfig, build_model
+from rollout.outputs import WeightResult
 from rollout.weights.loader import WeightLoadError, load_named_tensors, plan_load, weight_name_map
 from rollout.weights.safetensors_io import FolderNotAllowed, PinnedFolder, SafetensorsFolder
 from rollout.worker.messages import (
@@ -29,7 +30,6 @@ from rollout.worker.messages import (
     ReleaseMemory,
     ResumeMemory,
     StageTensors,
-    WeightResult,
     WeightsChecksum,
 )
 from weight_sync.layout import (
@@ -387,7 +387,7 @@ def test_weight_result_is_built_in_one_place_and_reads_like_a_dict():
 @pytest.fixture(scope="module")
 def rank(model_dir):
     from rollout.layers.parallel_state import TpState, tp_state_context
-    from rollout.weights.rank_weights import RankWeights
+    from rollout.worker.rank_weights import RankWeights
 
     path = model_dir("unit-rank", "qwen2", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2)

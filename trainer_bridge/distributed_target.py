@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from rollout.worker.messages import WeightResult
+from rollout.outputs import WeightResult
 from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
 from trainer_bridge.serving import WeightReplica
 from trainer_bridge.targets import WeightTarget

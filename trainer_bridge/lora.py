@@ -20,8 +20,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from rollout.outputs import WeightResult
 from rollout.weights.lora import peft_quietly, wire_order
-from rollout.worker.messages import WeightResult
 from trainer_bridge.push import gathered, unwrapped
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import FlattenedTensorBucket

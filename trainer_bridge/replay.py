@@ -15,8 +15,8 @@ from typing import Optional, cast
 
 import torch
 
+from rollout.batch import SamplingInputs, SparseRows
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler.batch import SamplingInputs, SparseRows
 
 
 def replay_logprobs(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],

@@ -18,9 +18,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
-from rollout.worker.messages import WeightResult
 from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
 from trainer_bridge.serving import WeightReplica
 

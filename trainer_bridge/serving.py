@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import torch
 
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
-from rollout.worker.messages import WeightResult
 
 
 class RolloutService(Protocol):

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from rollout.engine.engine import RolloutEngine
-from rollout.worker.messages import WeightResult
+from rollout.outputs import WeightResult
 from weight_sync.bucket import BucketPool
 
 

@@ -209,3 +209,13 @@ def add_engine_arg_flag(ap) -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig option for our engine (repeatable), e.g. cpu_paged_attention=false: "
                          "switch one feature off to measure it")
+
+
+def best(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)

@@ -173,7 +173,7 @@ def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
     pool: decode only, no prefill, no scheduler. The table is written next to the results."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
+    from rollout.batch import ModelWorkerBatch, SamplingInputs
 
     worker = engine.worker
     per_seq = -(-(context + 1) // worker.model_runner.block_size)

@@ -25,8 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollout import RolloutEngine, SamplingParams
-from rollout.bench.common import add_model_flags, add_output_flags, build_model, machine, write_result
-from rollout.bench.sync import best
+from rollout.bench.common import add_model_flags, add_output_flags, best, build_model, machine, write_result
 from rollout.tools.hf import hf_parameter_order
 from rollout.weights.lora import wire_order
 from weight_sync.distributed import ADAPTER_BUCKET_BYTES, WeightUpdateSender

@@ -29,22 +29,12 @@ import torch
 from safetensors.torch import load_file
 
 from rollout import RolloutEngine
-from rollout.bench.common import DEFAULT_WORKDIR, build_model, machine, write_result
+from rollout.bench.common import DEFAULT_WORKDIR, best, build_model, machine, write_result
 from rollout.tools.hf import hf_parameter_order
 from weight_sync import FlattenedTensorBucket, SharedMemoryBucket
 from weight_sync.distributed import WeightUpdateSender
 from weight_sync.layout import layout
 from weight_sync.process_group import free_port
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
 
 SENDER_LAYOUTS = ("tensors", "flat")  # separate tensors (packed per bucket) / one FlattenedTensorBucket
 

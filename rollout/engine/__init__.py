@@ -7,8 +7,8 @@
 - ``tokenizer.py``: tokenizer loading, chat template, detokenization.
 
 May import: the top-level modules (``config``, ``sampling_params``, ``outputs``, ``random``),
-``scheduler/``, ``worker/``, ``models/`` (configs) and ``layers/`` (CPU capability). Nothing below it
-imports this package.
+``scheduler/``, ``worker/``, ``weights/``, ``models/`` (configs) and ``kernels/`` (CPU capability).
+Nothing below it imports this package.
 """
 
 from rollout._moved import forward_old_names

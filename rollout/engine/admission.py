@@ -19,12 +19,12 @@ from typing import Optional, Union
 
 import torch
 
+from rollout.batch import SamplingInputs
 from rollout.config import EngineConfig
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput
 from rollout.random import derive_seed
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler.batch import SamplingInputs
 from rollout.scheduler.request import Request, Sequence
 
 PromptIds = list[int]

@@ -28,7 +28,7 @@ from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
 from rollout.engine.weights import EngineWeights, check_memory_tags
 from rollout.models import ModelConfig
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.request import Request, Sequence
 from rollout.scheduler.scheduler import Scheduler
@@ -50,7 +50,6 @@ from rollout.worker.messages import (
     ResumeMemory,
     StageDistributed,
     StageHandle,
-    WeightResult,
     WeightsChecksum,
 )
 from rollout.worker.tp_external import ExternalLeaderWorker, ExternalTp

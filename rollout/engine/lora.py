@@ -19,11 +19,12 @@ import torch
 
 from rollout.engine.loop import EngineLoop
 from rollout.engine.weights import EngineWeights
+from rollout.outputs import WeightResult
 from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.scheduler import Scheduler
 from rollout.weights.lora import AdapterConfig, read_peft_folder
 from rollout.weights.safetensors_io import FolderNotAllowed
-from rollout.worker.messages import LoadLora, ReceiveLora, UnloadLora, WeightResult
+from rollout.worker.messages import LoadLora, ReceiveLora, UnloadLora
 from rollout.worker.tp_worker import BaseTpWorker
 
 

@@ -19,8 +19,9 @@ import time
 from typing import Optional
 
 from rollout.engine.loop import EngineLoop
+from rollout.outputs import WeightResult
 from rollout.scheduler.scheduler import Scheduler
-from rollout.worker.messages import ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors, WeightResult
+from rollout.worker.messages import ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors
 from rollout.worker.tp_worker import BaseTpWorker
 from weight_sync.cuda_ipc import CudaIpcBucket
 from weight_sync.shm import SharedMemoryBucket

@@ -4,6 +4,6 @@
   it allocates today);
 - ``cuda_graph_runner.py``: decode CUDA graphs (static buffers, capture and recapture).
 
-May import: the top-level modules, ``scheduler/``'s ``batch.py``, ``weights/``'s loader and
-safetensors checks, ``models/`` and ``layers/``.
+May import: the top-level modules (``batch``, ``config``), ``weights/``'s loader and safetensors
+checks, ``models/``, ``layers/`` and ``kernels/``.
 """

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.executor.cpu_threads import ThreadGovernor
 from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, num_kv_blocks
@@ -40,7 +41,6 @@ from rollout.layers.sampler import (
     temperature_logprobs,
 )
 from rollout.models import ModelConfig, build_model
-from rollout.scheduler.batch import ModelWorkerBatch, SamplingInputs
 from rollout.weights.loader import LoadReport, apply_load, coverage, covers_all, plan_load, weight_name_map
 from rollout.weights.lora import lora_layers
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder

@@ -3,11 +3,14 @@
 - ``scheduler.py``: ``Scheduler`` (queues, token budget, chunked prefill, forking ``n`` samples,
   preemption, stop checks, publishing weights) and ``SchedulerStats``;
 - ``block_manager.py``: KV block accounting (ref counts, sharing, the version-keyed prefix cache);
-- ``request.py``: ``Request`` (one prompt, ``n`` samples) and ``Sequence`` (one sample);
-- ``batch.py``: what crosses scheduler -> worker (``ModelWorkerBatch``, ``SamplingInputs``, results).
+- ``request.py``: ``Request`` (one prompt, ``n`` samples) and ``Sequence`` (one sample).
 
-May import: the top-level modules and ``worker/``'s ``BaseTpWorker`` interface (the worker it drives);
-``batch.py`` and ``request.py`` import nothing of the engine's but ``random`` and ``sampling_params``.
+What crosses scheduler -> worker (``ModelWorkerBatch``, ``SamplingInputs``, results) is ``rollout/batch.py``,
+below both.
+
+May import: the top-level modules (``batch``, ``config``, ``sampling_params``), ``speculative/`` and
+``worker/``'s ``BaseTpWorker`` interface (the worker it drives); ``request.py`` imports nothing of the
+engine's but ``sampling_params``.
 """
 
 from rollout._moved import forward_old_names

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
 from rollout.config import EngineConfig
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
 from rollout.scheduler.block_manager import BlockManager
 from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.request import Request, SeqStatus, Sequence

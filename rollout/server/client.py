@@ -9,9 +9,8 @@ from typing import Any, Optional, Union
 import httpx
 import torch
 
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
-from rollout.worker.messages import WeightResult
 from weight_sync.layout import dtype_from_name
 
 

@@ -20,12 +20,12 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field, model_validator
 
+from rollout.outputs import WeightResult
 from rollout.server import protocol as P
 from rollout.server.auth import admin
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, local_bucket_handle, result_json, service_of
 from rollout.weights.safetensors_io import FolderNotAllowed
-from rollout.worker.messages import WeightResult
 
 router = APIRouter()
 ADMIN = [Depends(admin)]

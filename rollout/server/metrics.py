@@ -11,8 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
-from rollout.outputs import RolloutOutput
-from rollout.worker.messages import WeightResult
+from rollout.outputs import RolloutOutput, WeightResult
 
 
 class _EngineCollector:

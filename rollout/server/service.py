@@ -25,14 +25,13 @@ from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from rollout.engine.templates import RenderLimits, render, template_variables
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.server.chat_sessions import ChatSessions
 from rollout.server.encoding import JSONResponse, sse
 from rollout.server.http import TRANSPORT
 from rollout.server.metrics import ServerMetrics
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import FolderNotAllowed, PinnedFolder
-from rollout.worker.messages import WeightResult
 
 logger = logging.getLogger(__name__)
 CONTROL_THREADS = 8  # weight and control calls at once (each may wait for a quiet point)

@@ -34,12 +34,12 @@ from typing import Any, Literal, Optional
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import Field
 
+from rollout.outputs import WeightResult
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, service_of
 from rollout.server.vllm_routes import VllmSampling, rollout_outputs_by_prompt
-from rollout.worker.messages import WeightResult
 from weight_sync.process_group import concrete_host, is_wildcard
 
 router = APIRouter()

@@ -26,14 +26,13 @@ from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field
 
-from rollout.outputs import RolloutOutput
+from rollout.outputs import RolloutOutput, WeightResult
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse, openai_logprob
 from rollout.server.openai_routes import prompt_logprob_dicts
 from rollout.server.service import EngineService, service_of
 from rollout.weights.safetensors_io import FolderNotAllowed
-from rollout.worker.messages import WeightResult
 from weight_sync.distributed import DIRECT, PACKED
 
 router = APIRouter()

@@ -5,6 +5,6 @@
 - ``verify.py``: ``Speculator``, the scheduler's part: which sequences verify guesses this step, the
   sampler's view of each verified position, how many guesses the draws accept.
 
-May import: the top-level modules and ``scheduler/batch.py`` (the sampler's view of a position); the
+May import: the top-level modules and ``rollout/batch.py`` (the sampler's view of a position); the
 drafter is plain data (no tensors, nothing of the engine's).
 """

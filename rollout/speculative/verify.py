@@ -30,7 +30,7 @@ import bisect
 import collections
 from typing import Optional
 
-from rollout.scheduler.batch import ScoredPosition
+from rollout.batch import ScoredPosition
 from rollout.speculative.drafter import SuffixDrafter
 
 

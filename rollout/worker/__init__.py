@@ -6,8 +6,10 @@
   a non-leader's message handler, failure detection;
 - ``tp_external.py``: external launch (torchrun / DeepSpeed ranks) over a broadcast;
 - ``messages.py``: every message between ranks (step, sample, stop, one frozen dataclass per weight
-  operation) and the one ``WeightResult``.
+  operation); their one result is ``rollout.outputs.WeightResult``;
+- ``rank_weights.py``: ``RankWeights``, a rank's weight transaction, owned by its ``TpModelWorker``
+  (dispatch on the weight message, validate -> TP vote -> copy, update groups, release/resume, reads).
 
-May import: the top-level modules, ``scheduler/``'s ``batch.py``, ``executor/``, ``weights/`` and
-``layers/``.
+May import: the top-level modules (``batch``, ``outputs``, ``config``), ``executor/``, ``weights/``,
+``models/`` and ``layers/``.
 """

@@ -29,21 +29,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.parallel_state import Communicator, TpState
-from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
+from rollout.outputs import WeightResult
 from rollout.weights.safetensors_io import PinnedFolder
-from rollout.worker.messages import (
-    LOCAL_ONLY,
-    WEIGHT_MESSAGES,
-    ApplyDisk,
-    SampleMsg,
-    StepMsg,
-    StopMsg,
-    WeightResult,
-    reply_timeout_s,
-)
+from rollout.worker.messages import LOCAL_ONLY, WEIGHT_MESSAGES, ApplyDisk, SampleMsg, StepMsg, StopMsg, reply_timeout_s
 from rollout.worker.tp_worker import BaseTpWorker, TpModelWorker
 from weight_sync.process_group import listen_socket, new_process_group
 

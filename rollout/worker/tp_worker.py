@@ -12,13 +12,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.parallel_state import TpState, tp_state_context
 from rollout.models import ModelConfig
-from rollout.scheduler.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs
-from rollout.weights.rank_weights import INPUT_ERRORS, RankWeights
-from rollout.worker.messages import WeightResult
+from rollout.outputs import WeightResult
+from rollout.worker.rank_weights import INPUT_ERRORS, RankWeights
 
 
 class BaseTpWorker(ABC):

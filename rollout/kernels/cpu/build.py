@@ -41,31 +41,7 @@ _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512b
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}
 # variants whose source takes AVX512-BF16's dot products (csrc/gemm.cpp's dot_rows)
 _BF16_DOT = {"avx512bf16"}
-# what the kernels use: tensors (allocating with new_empty), dtype dispatch, at::parallel_for, and the
-# dispatcher (layer.cpp calls oneDNN's and aten's linear as Python does)
-_HEADER = """#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#include <omp.h>
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <type_traits>
-#include <vector>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-"""
-_BINDING_HEADER = "#include <ATen/core/Tensor.h>\n#include <torch/csrc/utils/pybind.h>\n"
+_BINDING_HEADER = '#include "bindings.h"\n'
 
 _lock = threading.Lock()
 _built: dict[str, object] = {}
@@ -106,7 +82,7 @@ def translation_units(body: str) -> dict[str, str]:
     for isa in KERNEL_ISAS:
         target = _TARGETS[isa]
         units[f"kernels_{isa}.cpp"] = "\n".join([
-            _HEADER, "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
+            '#include "prelude.h"', "#pragma GCC push_options", f'#pragma GCC target("{target}")' if target else "",
             f"#define ROLLOUT_LANES {_LANES[isa]}", f"#define ROLLOUT_BF16_DOT {int(isa in _BF16_DOT)}",
             f"namespace rollout_{isa} {{", *includes, "}",
             "#pragma GCC pop_options", ""])
@@ -120,7 +96,7 @@ def module_name(name: str, source: str) -> str:
 
 def source_text() -> str:
     """``vec.h`` and every ``SOURCES`` file, in the order the units include them."""
-    names = ("vec.h",) + tuple(f"{name}.cpp" for name in SOURCES)
+    names = ("prelude.h", "bindings.h", "vec.h") + tuple(f"{name}.cpp" for name in SOURCES)
     return "".join(open(os.path.join(CSRC, name)).read() for name in names)
 
 

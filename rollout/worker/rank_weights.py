@@ -33,11 +33,11 @@ import torch.distributed as dist
 from rollout.executor.model_runner import ModelRunner
 from rollout.layers.linear import copy_slices
 from rollout.layers.parallel_state import TpState
+from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
 from rollout.weights import lora
 from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
 from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
-    REJECTED_ELSEWHERE,
     AbortTransaction,
     ApplyDisk,
     ApplyHandle,
@@ -59,7 +59,6 @@ from rollout.worker.messages import (
     StageHandle,
     StageTensors,
     UnloadLora,
-    WeightResult,
     WeightsChecksum,
 )
 from weight_sync.checksum import checksum_named_tensors
