@@ -77,38 +77,55 @@ def _cmd_generate(args) -> int:
 
 
 def _engine_option_flags(p: argparse.ArgumentParser) -> None:
-    """Every ``EngineConfig`` option as a flag (``--max-num-seqs``, ``--enable-overlap`` / ``--no-...``)."""
+    """Every ``EngineConfig`` option as a flag (``--max-num-seqs``, ``--enable-overlap`` / ``--no-...``); a
+    group's options by their flat names (``--max-loaded-loras``, ``--kernel-fusion``)."""
+    g = p.add_argument_group("engine (every EngineConfig option; see rollout/config.py; --request-timeout-s also "
+                             "bounds each HTTP generation request, no limit when unset, as SGLang)")
+    for name, where, kind, default in _engine_options():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"EngineConfig.{where} (default: {default})")
+        elif kind is tuple:  # a list of names: comma-separated
+            g.add_argument(flag, dest=name, type=lambda v: tuple(x for x in v.split(",") if x), default=default,
+                           help=f"EngineConfig.{where}, comma-separated (default: none)")
+        else:
+            g.add_argument(flag, dest=name, type=kind, default=default, required=name == "model_path",
+                           help=f"EngineConfig.{where}" + ("" if name == "model_path" else f" (default: {default})"))
+
+
+def _engine_options() -> list[tuple[str, str, type, object]]:
+    """(flag name, where it lands, type, default) of every engine option: the config's own fields, then each
+    group's fields by their flat names."""
     import dataclasses
     import typing
 
-    from rollout.config import EngineConfig
+    from rollout.config import GROUPS, EngineConfig
 
-    g = p.add_argument_group("engine (every EngineConfig option; see rollout/config.py; --request-timeout-s also "
-                             "bounds each HTTP generation request, no limit when unset, as SGLang)")
+    def base(kind):  # Optional[X] -> X; tuple[str, ...] -> tuple
+        if typing.get_origin(kind) is typing.Union:
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        return typing.get_origin(kind) or kind
+
     hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        if base is bool:
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=f"EngineConfig.{f.name} (default: {f.default})")
-        else:
-            g.add_argument(flag, dest=f.name, type=base, default=f.default, required=f.name == "model_path",
-                           help=f"EngineConfig.{f.name}" + ("" if f.name == "model_path" else f" (default: {f.default})"))
+    out = [(f.name, f.name, base(hints[f.name]), f.default) for f in dataclasses.fields(EngineConfig)
+           if f.name not in GROUPS]
+    for flat, (group, field_name) in EngineConfig.flat_options().items():
+        cls = GROUPS[group]
+        out.append((flat, f"{group}.{field_name}", base(typing.get_type_hints(cls)[field_name]),
+                    cls.__dataclass_fields__[field_name].default))
+    return out
 
 
 def _cmd_serve(args) -> int:
-    import dataclasses
 
     import uvicorn
 
     from rollout import RolloutEngine
-    from rollout.config import EngineConfig
     from rollout.server.app import ServerConfig, create_app
     from rollout.server.http import read_deadline_protocol
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    options = {name: getattr(args, name) for name, *_ in _engine_options()}
     if args.stream_max_pending_mb * 2**20 < 4096:
         raise SystemExit(f"--stream-max-pending-mb {args.stream_max_pending_mb}: at least 4 KiB (0.004)")
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,

@@ -19,7 +19,7 @@ the kernel. Measured on AMD EPYC Zen 4 (SmolLM2 bf16, ``rollout bench limits``, 
 at batch 8 and 64 within the noise now that a layer is one C++ call. Unbounded, processes that compute
 side by side (a trainer and an engine, TP ranks) slow each other: the suite's multi-process tests took
 15-75 % longer. So the bound stays; a process alone on its cores may unset it (``GOMP_SPINCOUNT=300000``).
-Beside a computing process a bf16 engine's forwards also drop to one thread (``cpu_adapt_threads``, on by
+Beside a computing process a bf16 engine's forwards also drop to one thread (``kernels.adapt_threads``, on by
 default for bf16 engines: ``rollout.executor.cpu_threads``).
 
 Where they are applied: the ``rollout`` command (before it imports torch), the environment of

@@ -30,12 +30,12 @@ def qwen_path(model_dir):
 
 @pytest.fixture(scope="module")
 def engines(qwen_path):
-    kw = dict(dtype="bfloat16", kv_cache_tokens=1024, cpu_fused_norm=False)  # GEMM kernels alone differ
-    with RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=0, **kw) as base, \
-            RolloutEngine(qwen_path, cpu_gemm_kernel="fp32", **kw) as wide, \
-            RolloutEngine(qwen_path, cpu_fp32_gemm_rows=0, cpu_small_gemm_rows=64, **kw) as own, \
-            RolloutEngine(qwen_path, cpu_gemm_kernel="tiled", **kw) as tiled, \
-            RolloutEngine(qwen_path, cpu_packed_weights=False, **kw) as plain:
+    kw = dict(dtype="bfloat16", kv_cache_tokens=1024, kernel_unfused=("norm",))  # GEMM kernels alone differ
+    with RolloutEngine(qwen_path, kernel_fp32_gemm_rows=0, kernel_small_gemm_rows=0, **kw) as base, \
+            RolloutEngine(qwen_path, kernel_gemm="fp32", **kw) as wide, \
+            RolloutEngine(qwen_path, kernel_fp32_gemm_rows=0, kernel_small_gemm_rows=64, **kw) as own, \
+            RolloutEngine(qwen_path, kernel_gemm="tiled", **kw) as tiled, \
+            RolloutEngine(qwen_path, kernel_gemm="linear", **kw) as plain:
         yield base, wide, own, tiled, plain
 
 
@@ -245,7 +245,7 @@ def test_fused_rms_norm_rounds_where_the_torch_path_rounds(dtype):
         norm.weight.copy_(torch.randn(h, generator=g))
         x = (3 * torch.randn(rows, h, generator=g)).to(dtype)
         ref = norm(x)
-        norm.use_cpu_kernel = True
+        norm.fused = True
         out = norm(x)
         assert out.dtype == dtype and out.shape == ref.shape
         if dtype == torch.float32:
@@ -286,7 +286,7 @@ def test_gemm_plans_take_the_fastest_measured_kernel_per_shape_and_honour_bounds
     assert not {"fp32", "tiled"} & bounded.kernels  # no fp32 copies: neither oneDNN's nor the panels
     forced = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, head_shape=head, kernel="tiled")
     assert forced.kernels == {"tiled"} and forced.for_shape(head).kernel_for(1) == "tiled"
-    with pytest.raises(ValueError, match="cpu_gemm_kernel='fp32' cannot run for torch.float32"):
+    with pytest.raises(ValueError, match="kernels.gemm=.fp32. cannot run for torch.float32"):
         cpu_plan.plan_gemms(torch.float32, shapes, 2, kernel="fp32")  # fp32 copies of fp32 weights: no such path
     fixed = cpu_plan.plan_gemms(torch.bfloat16, shapes, 2, 16, 4).for_shape(shapes[0])
     assert fixed.segments == ((4, "own"), (15, BASE), (1 << 62, "fp32")) and fixed.kernel_for(200) == "fp32"
@@ -439,12 +439,13 @@ def test_bf16_decode_through_the_kernel_is_as_precise_as_the_gather_path(qwen_pa
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
     drawn = {}
     for kernel in (True, False):
-        with RolloutEngine(qwen_path, dtype="bfloat16", kv_cache_tokens=1024, cpu_paged_attention=kernel) as e:
+        unfused = () if kernel else ("paged_attention",)
+        with RolloutEngine(qwen_path, dtype="bfloat16", kv_cache_tokens=1024, kernel_unfused=unfused) as e:
             assert e.worker.model_runner.use_paged_kernel == kernel
             drawn[kernel] = e.generate(input_ids=prompts, sampling_params=sp)
     worst, mean = {}, {}
     with RolloutEngine(_bf16_values_in_fp32(qwen_path, tmp_path / "ref"), dtype="float32", kv_cache_tokens=1024,
-                       cpu_packed_weights=False, cpu_paged_attention=False) as ref:
+                       kernel_gemm="linear", kernel_unfused=("paged_attention",)) as ref:
         for kernel, outs in drawn.items():
             scored = ref.score(prompts, [o.output_token_ids for o in outs], SamplingParams(temperature=1.0),
                                return_sampling_mask=False)
@@ -501,7 +502,7 @@ def test_decode_with_the_fused_rotary_is_bitwise_the_torch_path(qwen_path, dtype
     prompts = random_prompts(300, [9, 30, 4, 17], seed=3)
     outs = {}
     for fused in (True, False):
-        with RolloutEngine(qwen_path, dtype=dtype, kv_cache_tokens=1024, cpu_fused_rope=fused) as e:
+        with RolloutEngine(qwen_path, dtype=dtype, kv_cache_tokens=1024, kernel_unfused=() if fused else ("rope",)) as e:
             layers = e.worker.model_runner.model.model.layers
             assert all(layer.self_attn.fused_rope == fused for layer in layers)
             outs[fused] = _outputs(e, prompts)
@@ -571,7 +572,7 @@ def test_the_fused_sampler_draws_what_the_torch_path_draws(qwen_path):
           SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)]
     got = {}
     for fused in (True, False):
-        kw = {} if fused else dict(cpu_fused_sampler=False)
+        kw = {} if fused else dict(kernel_unfused=("sampler",))
         with RolloutEngine(qwen_path, dtype="float32", kv_cache_tokens=1024, **kw) as e:
             assert e.worker.model_runner.fused_sampler == fused
             assert all(layer.mlp.fused_act for layer in e.worker.model_runner.model.model.layers)  # the default
@@ -779,7 +780,7 @@ def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, a
             return out
         monkeypatch.setattr(fused, name, counted)
     prompts = [[3, 5, 7, 9, 11], [4, 2]]
-    modes = {"stack": {}, "layer": dict(cpu_fused_stack=False), "module": dict(cpu_fused_layer=False)}
+    modes = {"stack": {}, "layer": dict(kernel_fusion="layer"), "module": dict(kernel_fusion="ops")}
     for dtype in (torch.float32, torch.bfloat16):
         for kernel in [None, *dict.fromkeys(["linear", *candidates(dtype, None, None)])]:
             outs = []
@@ -787,7 +788,7 @@ def test_a_decode_layer_in_one_cpp_call_gives_the_module_paths_bits(model_dir, a
                 for seen in calls.values():
                     seen.clear()
                 with RolloutEngine(path, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024,
-                                   cpu_gemm_kernel=kernel, **kw) as e:
+                                   kernel_gemm=kernel, **kw) as e:
                     got = [e.generate(input_ids=prompts, sampling_params=sp) for sp in SP]
                 outs.append([[(o.output_token_ids, o.output_logprobs) for o in g] for g in got])
                 stacked, layered = any(calls["decode_stack"]), any(calls["decode_layer"])
@@ -834,7 +835,7 @@ def test_a_decode_layer_adds_adapters_low_rank_terms_with_the_module_paths_bits(
              "scattered": ["all", None, "all"]}
     for dtype in ("float32", "bfloat16"):
         outs = {}
-        for mode, kw in {"layer": {}, "module": dict(cpu_fused_layer=False)}.items():
+        for mode, kw in {"layer": {}, "module": dict(kernel_fusion="ops")}.items():
             got = {}
             with RolloutEngine(path, dtype=dtype, kv_cache_tokens=1024, **kw) as e:
                 for name, folder in adapters.items():

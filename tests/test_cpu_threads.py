@@ -128,7 +128,7 @@ def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when
     if cores != 2 or torch.get_num_threads() != 2:
         pytest.skip(f"needs 2 cores and 2 torch threads (this machine's kind; here {cores} cores, "
                     f"{torch.get_num_threads()} threads), so a 2-thread neighbour shares every core")
-    engine = make_engine(llama_path, dtype="float32", kv_cache_tokens=4096, max_num_seqs=16, cpu_adapt_threads=True)
+    engine = make_engine(llama_path, dtype="float32", kv_cache_tokens=4096, max_num_seqs=16, kernel_adapt_threads=True)
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, n=8)
     prompts = [[5 + i, 9, 13, 2 + i] for i in range(2)]
     alone = engine.generate(input_ids=prompts, sampling_params=sp)
@@ -155,7 +155,7 @@ def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when
 
 
 def test_the_governor_is_on_by_default_for_bf16_engines_only_outside_the_batch_invariant_mode(make_engine, llama_path):
-    """``cpu_adapt_threads=None`` (the default): a bf16 engine's forwards follow the governor (its tokens and
+    """``kernels.adapt_threads=None`` (the default): a bf16 engine's forwards follow the governor (its tokens and
     logprobs are the same bits on one thread as on two); an fp32 engine's (logprobs move in their last
     bits with the thread count) and the batch-invariant mode's do not; an explicit value decides for either."""
     def governed(**kw) -> bool:
@@ -165,5 +165,5 @@ def test_the_governor_is_on_by_default_for_bf16_engines_only_outside_the_batch_i
     assert governed(dtype="bfloat16")
     assert not governed(dtype="float32")
     assert not governed(dtype="bfloat16", deterministic=True)
-    assert governed(dtype="float32", cpu_adapt_threads=True)
-    assert not governed(dtype="bfloat16", cpu_adapt_threads=False)
+    assert governed(dtype="float32", kernel_adapt_threads=True)
+    assert not governed(dtype="bfloat16", kernel_adapt_threads=False)

@@ -84,7 +84,7 @@ def test_bad_settings_are_refused():
     from rollout.config import EngineConfig
 
     with pytest.raises(ValueError, match="speculative_policy"):
-        EngineConfig(model_path="x", speculative_policy="sometimes")
+        EngineConfig.from_kwargs("x", speculative_policy="sometimes")
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="no")
 

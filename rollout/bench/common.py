@@ -192,7 +192,7 @@ def save_figure(fig, path: str, legend_ax=None) -> None:
 
 
 def parse_engine_args(pairs) -> dict:
-    """``["cpu_packed_weights=false", "block_size=32"]`` -> engine options (JSON values, else strings)."""
+    """``["kernel_gemm=linear", "block_size=32"]`` -> engine options (JSON values, else strings)."""
     out = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -207,8 +207,8 @@ def parse_engine_args(pairs) -> dict:
 
 def add_engine_arg_flag(ap) -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="an EngineConfig option for our engine (repeatable), e.g. cpu_paged_attention=false: "
-                         "switch one feature off to measure it")
+                    help="an EngineConfig option for our engine (repeatable), e.g. kernel_unfused=paged_attention "
+                         "or kernel_fusion=ops: switch one feature off to measure it")
 
 
 def best(fn, repeats: int) -> float:

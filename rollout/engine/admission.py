@@ -264,7 +264,7 @@ class Admission:
             output_token_sampling_mask=list(seq.output_sampling_masks),
             output_token_sampling_logprobs=list(seq.output_sampling_logprobs),
             num_preemptions=seq.num_preemptions,
-            **({} if not self.config.speculative_num_draft_tokens else {
+            **({} if not self.config.speculative.num_draft_tokens else {
                 "spec_verify_ct": seq.spec_verify_ct, "spec_draft_token_num": seq.spec_draft_token_num,
                 "spec_accept_token_num": seq.spec_accept_token_num}),
             time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,

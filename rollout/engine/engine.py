@@ -183,8 +183,8 @@ class RolloutEngine:
         self._weights = EngineWeights(self.worker, self.scheduler, self._loop,
                                       ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup))
         self._call_specs = CallSpecs()
-        self._lora = EngineLora(self.worker, self.scheduler, self._loop, self._weights, self.config.max_lora_rank,
-                                self.config.max_lora_memory_mb)
+        self._lora = EngineLora(self.worker, self.scheduler, self._loop, self._weights, self.config.lora.max_rank,
+                                self.config.lora.max_memory_mb)
         if not self.is_follower:
             logger.info("engine ready: %s", self.worker.model_runner.describe())
 

@@ -10,7 +10,7 @@ collapse (a server 30x slower, measured), while one thread a process shares the 
 
 ``rollout.openmp`` bounds the spin, which shares cores well and costs the sleeps. A process alone
 on its cores may spin unbounded instead (``GOMP_SPINCOUNT=300000``) and turn this on
-(``cpu_adapt_threads``): ``ThreadGovernor`` watches how much of the time this process's threads were
+(``kernels.adapt_threads``): ``ThreadGovernor`` watches how much of the time this process's threads were
 runnable they spent waiting for a core (the kernel's ``schedstat`` run delay, summed over the
 process's threads): alone on its cores that is ~0; when another process computes on them it is a
 third or more. Above ``drop_above`` the forwards run on one thread; back on all of them once the share
@@ -18,7 +18,7 @@ waiting stays below ``return_below`` after a hold, the hold doubling (up to ``ma
 the cores turn out to be still shared, so a neighbour that stays costs a probe every half minute at
 most. Decisions are made once per window of runnable time, never per step, and the numbers are read
 from ``/proc`` (on a kernel without schedstat the governor stays off and says so once). On by default for
-bf16 engines, off for fp32 ones and in the batch-invariant mode (``EngineConfig.cpu_adapt_threads``):
+bf16 engines, off for fp32 ones and in the batch-invariant mode (``KernelChoice.adapt_threads``):
 torch split a reduction over the vocabulary by thread count where there were fewer rows than threads (a
 [1, 49152] sum differs in its last bits between one and two), so logprobs computed on one thread differed
 from two threads' — a server and an in-process engine of the same model disagreeing while the suite's

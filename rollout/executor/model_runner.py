@@ -28,8 +28,7 @@ from rollout.kernels.cpu.capability import cpu_capability
 from rollout.kernels.cpu.packing import COPY_KERNELS, PackedWeight, pack_weight
 from rollout.kernels.cpu.plan import GemmPlans, plan_gemms
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
-from rollout.layers.layernorm import RMSNorm
-from rollout.layers.linear import RowParallelLinear
+from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LoraBatch, LoraContext
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
@@ -40,6 +39,7 @@ from rollout.layers.sampler import (
     score_processed,
     temperature_logprobs,
 )
+from rollout.layers.vocab_embedding import ParallelLMHead
 from rollout.models import ModelConfig, build_model
 from rollout.weights.loader import LoadReport, apply_load, coverage, covers_all, plan_load, weight_name_map
 from rollout.weights.lora import lora_layers
@@ -96,15 +96,19 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# the modules whose GEMMs the CPU plan serves (each holds a packed_weight the runner sets and clears)
+_GEMM_MODULES = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
 def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlans:
-    """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); plain
-    ``F.linear`` off the CPU or with ``cpu_packed_weights=False``."""
-    if device.type != "cpu" or not config.cpu_packed_weights:
+    """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); none off the CPU."""
+    if device.type != "cpu":
         return GemmPlans(())
+    choice = config.kernels
     layer = model.model.layers[0]
-    shapes = [tuple(m.weight.shape) for m in layer.modules() if hasattr(m, "packed_weight")]
-    return plan_gemms(dtype, shapes, len(model.model.layers), config.cpu_fp32_gemm_rows, config.cpu_small_gemm_rows,
-                      head_shape=tuple(model.lm_head.weight.shape), kernel=config.cpu_gemm_kernel)
+    shapes = [tuple(m.weight.shape) for m in layer.modules() if isinstance(m, _GEMM_MODULES)]
+    return plan_gemms(dtype, shapes, len(model.model.layers), choice.fp32_gemm_rows, choice.small_gemm_rows,
+                      head_shape=tuple(model.lm_head.weight.shape), kernel=choice.gemm)
 
 
 class ModelRunner:
@@ -114,8 +118,13 @@ class ModelRunner:
         self.model_config = model_config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
+        # the kernels that serve, decided once: the C++ build exists on this CPU (built here, once per machine)
+        built = device.type == "cpu" and cpu_build.kernels() is not None
+        self.kernels = config.kernels.resolve(device=device, built=built, tp_size=config.tp_size,
+                                              qk_norm=model_config.qk_norm, dtype=dtype,
+                                              deterministic=config.deterministic)
         with torch.device("meta"):
-            self.model = build_model(model_config, dtype)
+            self.model = build_model(model_config, dtype, self.kernels)
         self.params = ParameterStorage(self.model, device)
         for module in self.model.modules():
             if isinstance(module, RotaryEmbedding):  # derived tables: rebuild them for real
@@ -135,27 +144,13 @@ class ModelRunner:
                                kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype), device,
                                config.kv_cache_memory_fraction, config.max_num_seqs * max_model_len)
         self.kv = KvPool(layers, blocks, self.block_size, kv_heads, model_config.head_dim, dtype, device)
-        # CPU: the in-place kernel (fp32 softmax and sums, one rounding) for every cache dtype
-        cpu_kernels = device.type == "cpu" and cpu_build.kernels() is not None  # the C++ kernels built here
-        self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or (cpu_kernels and config.cpu_paged_attention)
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.use_cpu_kernel = cpu_kernels and config.cpu_fused_norm
-            if hasattr(module, "fused_rope"):  # decode steps read K/V through the kernel: written by it too
-                module.fused_rope = cpu_kernels and config.cpu_fused_rope and self.use_paged_kernel
-            if hasattr(module, "fused_act"):
-                module.fused_act = cpu_kernels and config.cpu_fused_silu
-        self.fused_sampler = cpu_kernels and config.cpu_fused_sampler
-        inner = getattr(self.model, "model", None)
-        if inner is not None and hasattr(inner, "fused_decode"):  # one C++ call per layer: every piece fused
-            inner.fused_decode = (cpu_kernels and config.cpu_fused_layer and config.cpu_fused_norm
-                                  and config.cpu_fused_silu and config.cpu_fused_rope and self.use_paged_kernel
-                                  and config.tp_size == 1 and not model_config.qk_norm
-                                  and dtype in (torch.float32, torch.bfloat16))
-            inner.fused_stack = inner.fused_decode and config.cpu_fused_stack
-        self._stack_tensors = getattr(inner, "stack_tensors", None)  # cleared with the weight copies
+        # decode attention from the block cache: Triton's on CUDA; on CPU the C++ kernel (fp32 softmax and
+        # sums, one rounding) for every cache dtype, where the kernel plan has it
+        self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or self.kernels.paged_attention
+        self.fused_sampler = self.kernels.sampler
+        self._stack_tensors = self.model.model.stack_tensors  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
-        self.lora_context = LoraContext(backend=_lora_backend(config.lora_backend, device), slots=config.max_loaded_loras)
+        self.lora_context = LoraContext(backend=_lora_backend(config.lora.backend, device), slots=config.lora.max_loaded)
         self.lora_layers = lora_layers(self.model)
         for module in self.lora_layers:
             module.lora.context = self.lora_context
@@ -164,17 +159,15 @@ class ModelRunner:
         self.weights_generation = 0  # bumped whenever the live weights change
         self._copy_generation: dict[str, int] = {}  # copy kind -> the weights_generation it was built from
         self._refreshed_rows: set[int] = set()  # row counts whose copies exist for this generation
-        self._packed_modules = [m for m in self.model.modules() if hasattr(m, "packed_weight")] \
+        self._packed_modules = [m for m in self.model.modules() if isinstance(m, _GEMM_MODULES)] \
             if self.gemm_plans.plans and not self.gemm_plans.is_plain else []
         self._drop_packed_weights()
         if device.type == "cpu":
-            logger.info("CPU %s; %s GEMMs by weight shape: %s; decode attention: %s", cpu_capability().describe(),
-                        dtype, self.gemm_plans.describe(), "paged kernel" if self.use_paged_kernel else "gather + SDPA")
+            logger.info("CPU %s; %s GEMMs by weight shape: %s; C++ kernels: %s", cpu_capability().describe(),
+                        dtype, self.gemm_plans.describe(), self.kernels.describe())
         # CPU: all of torch's threads alone on the cores, one while another process computes on them
-        # (by default for bf16 engines outside the batch-invariant mode: see EngineConfig.cpu_adapt_threads)
-        adapt = config.cpu_adapt_threads if config.cpu_adapt_threads is not None else \
-            dtype == torch.bfloat16 and not config.deterministic
-        self.threads = ThreadGovernor(torch.get_num_threads()) if device.type == "cpu" and adapt else None
+        # (by default for bf16 engines outside the batch-invariant mode: see KernelChoice.adapt_threads)
+        self.threads = ThreadGovernor(torch.get_num_threads()) if self.kernels.adapt_threads else None
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.executor.cuda_graph_runner import CudaGraphRunner

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.kernels.choice import KernelPlan
 from rollout.kernels.cpu import fused, ops
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
@@ -22,7 +23,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
@@ -31,10 +32,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm)
         self.qk_norm = cfg.qk_norm
-        self.fused_rope = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.ops)
+        self.fused_rope = kernels.rope  # CPU decode steps: rotary and the K/V write in one call
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
@@ -58,12 +59,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
                                                  shard_ids=[0, 1], params_dtype=dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
-        self.fused_act = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.ops)
+        self.fused_act = kernels.silu  # CPU: silu(gate) * up in one call
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -74,12 +75,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, kernels)
+        self.mlp = LlamaMLP(cfg, dtype, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
 
     def forward(self, rope, hidden, kv_cache, meta):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
@@ -87,14 +88,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.fused_decode = False  # set by the ModelRunner on CPU (rollout.kernels.cpu.fused)
-        self.fused_stack = False  # the same, every layer in one call where the plans allow
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
+        self.fused_decode = kernels.layer  # CPU decode steps: each layer in one call (rollout.kernels.cpu.fused)
+        self.fused_stack = kernels.stack  # the same, every layer in one call where the GEMM plans allow
         self.stack_tensors: dict = {}  # rollout.layers.fused.decode_stack's arguments, emptied by the runner
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
@@ -126,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan = KernelPlan()):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype)
+        self.model = LlamaModel(cfg, dtype, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
 

@@ -105,11 +105,11 @@ class Scheduler:
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
         self.sessions = SessionTable(config.session_timeout_s, config.max_sessions)
-        self.loras = LoraRegistry(config.max_loaded_loras, config.lora_versioned_names)
+        self.loras = LoraRegistry(config.lora.max_loaded, config.lora.versioned_names)
         self._sessions_checked = time.monotonic()
-        self.speculator = Speculator(config.speculative_num_draft_tokens, config.speculative_max_batch,
-                                     always=config.speculative_policy == "always") \
-            if config.speculative_num_draft_tokens else None
+        self.speculator = Speculator(config.speculative.num_draft_tokens, config.speculative.max_batch,
+                                     always=config.speculative.policy == "always") \
+            if config.speculative.num_draft_tokens else None
 
     @property
     def cache_key(self) -> str:

@@ -12,7 +12,7 @@ The kernels (``KERNELS``), for a layer with weight ``W``:
   is and accumulates in fp32 (small batches: the fewest bytes read, streamed with prefetch);
 - ``tiled``: ``rollout.kernels.cpu.ops.tiled_linear``, the project's register-tiled C++ GEMM over fp32
   panels of ``W`` (a copy: 4 bytes a value, so for bf16 weights an fp32 copy like ``fp32``'s, bound
-  by ``cpu_fp32_gemm_rows`` as that one is). Measured on AMD EPYC (AVX2, 2 threads): 1.2-2.3x
+  by ``kernels.fp32_gemm_rows`` as that one is). Measured on AMD EPYC (AVX2, 2 threads): 1.2-2.3x
   oneDNN's fp32 GEMM at 8-16 rows, 1.0-1.2x at 64, even at 128-256.
 
 ``plan_gemms`` times every candidate at 1, 2, 4, 8, 9, 16 ... 64 and 256 rows (``own`` up to 64; at 9
@@ -22,8 +22,8 @@ weight shape of the model (as many distinct weights as it takes to stream them f
 a forward; the LM head as the one weight it is) and keeps the fastest per shape and row count;
 larger forwards take the choice at 256. The plans are cached on disk per CPU, ISA, torch version,
 thread count, dtype and shapes, so an engine measures once per machine and model shape and later
-engines load the same choice. Explicit ``cpu_fp32_gemm_rows`` /
-``cpu_small_gemm_rows`` bound the candidates (0: never), and with both given nothing is measured.
+engines load the same choice. Explicit ``kernels.fp32_gemm_rows`` /
+``kernels.small_gemm_rows`` bound the candidates (0: never), and with both given nothing is measured.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rollout.kernels.choice import GEMM_KERNELS
 from rollout.kernels.cpu import build, ops
 from rollout.kernels.cpu.capability import cpu_capability
-from rollout.kernels.cpu.packing import PLAIN, GemmPlan, GemmPlans, pack_weight, packed_linear  # noqa: F401
+from rollout.kernels.cpu.packing import PLAIN, GemmPlan, GemmPlans, pack_weight, packed_linear
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("linear", "onednn", "fp32", "own", "tiled")
+KERNELS = GEMM_KERNELS
 CANDIDATE_ROWS = (1, 2, 4, 8, 9, 16, 32, 64, 256)
 OWN_MAX_ROWS = 64  # the C++ kernel is a small-batch kernel: larger forwards are oneDNN's
 STREAM_BYTES = 96 << 20  # distinct weights timed per shape add up to this (beyond the L3 caches seen)
@@ -263,7 +264,7 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
     if kernel is not None:
         allowed = ["linear", *candidates(dtype, None, None)]
         if kernel not in allowed:
-            raise ValueError(f"cpu_gemm_kernel={kernel!r} cannot run for {dtype} here; this CPU and build offer: "
+            raise ValueError(f"kernels.gemm={kernel!r} cannot run for {dtype} here; this CPU and build offer: "
                              f"{', '.join(dict.fromkeys(allowed))}")
         return GemmPlans(tuple((s, GemmPlan(((1 << 62, kernel),), "fixed")) for s in all_shapes))
     kernels = candidates(dtype, fp32_rows, small_rows)
