@@ -138,6 +138,9 @@ class EngineConfig:
     # pause -> buckets -> continue) are never half-visible; staging holds a second copy of what it
     # stages (the shadow weights). False: each call is applied as it arrives, as SGLang does.
     stage_paused_updates: bool = True
+    # a transaction (begin/start ... publish) with no call for this long was left by its client: aborted at
+    # the next lifecycle call, its opener told so (rollout.engine.lifecycle); None: never
+    weight_update_timeout_s: Optional[float] = 300.0
     lora: LoraOptions = LoraOptions()
     # parallelism
     tp_size: int = 1
@@ -176,6 +179,9 @@ class EngineConfig:
             bad("logprob_mode", "must be 'processed' or 'raw'")
         if self.launch not in ("auto", "spawn", "external"):
             bad("launch", "must be auto, spawn or external")
+        if self.weight_update_timeout_s is not None and not (
+                isinstance(self.weight_update_timeout_s, (int, float)) and self.weight_update_timeout_s > 0):
+            bad("weight_update_timeout_s", "must be None (never) or a number of seconds > 0")
         if not self.tp_timeout_s > 0:
             bad("tp_timeout_s", "must be > 0 seconds")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -504,3 +504,22 @@ def test_trl_get_sequence_logprobs(compat_srv):
     second = values[longest * k: longest * k + 4 * k]  # the second sequence's rows, then padding (-inf)
     assert list(second[:4]) == pytest.approx(js["logprobs"][1][0], abs=1e-6)
     assert all(v == float("-inf") for v in values[longest * k + 4 * k:])
+
+
+def test_a_second_start_is_a_400_naming_the_open_update_and_aborts_nothing(compat_srv):
+    """vLLM's phased API against the one lifecycle: /start_weight_update while one is open is refused, naming
+    it (never a silent restart, never a wedge: /abort_weight_update or the idle timeout ends it); SkyRL's
+    start over /collective_rpc gets the same answer; the open one still publishes."""
+    assert compat_srv.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
+    again = compat_srv.post("/start_weight_update", json={"is_checkpoint_format": True})
+    assert again.status_code == 400 and "/start_weight_update" in again.json()["error"], again.text
+    assert "still open" in again.json()["error"]
+    rpc = compat_srv.post("/collective_rpc", json={"method": "skyrl_start_weight_update",
+                                                   "kwargs": {"is_checkpoint_format": True}})
+    assert rpc.status_code == 400 and "still open" in rpc.text
+    begin = compat_srv.post("/begin_weight_update", json={})  # another family's start: refused too
+    assert begin.status_code == 400 and "/start_weight_update" in begin.text
+    done = compat_srv.post("/finish_weight_update", json={"weight_version": "restarted"})
+    assert done.status_code == 200, done.text  # nothing staged, published as a version label
+    assert compat_srv.post("/finish_weight_update", json={}).status_code == 400  # nothing left open
+    compat_srv.post("/update_weight_version", json={"new_version": "default", "abort_all_requests": False})

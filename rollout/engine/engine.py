@@ -23,6 +23,7 @@ import torch
 
 from rollout.config import EngineConfig, InputError
 from rollout.engine.admission import Admission, PromptIds
+from rollout.engine.lifecycle import Opener, Transaction, WeightUpdateLifecycle
 from rollout.engine.loop import EngineDeadError, EngineLoop
 from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
@@ -35,12 +36,10 @@ from rollout.scheduler.scheduler import Scheduler
 from rollout.weights.loader import WeightLoadError
 from rollout.weights.safetensors_io import PinnedFolder
 from rollout.worker.messages import (
-    AbortTransaction,
     ApplyDisk,
     ApplyHandle,
     AwaitUpdateGroup,
     BarrierUpdateGroup,
-    BeginTransaction,
     CommitTransaction,
     DestroyUpdateGroup,
     InitUpdateGroup,
@@ -181,7 +180,9 @@ class RolloutEngine:
         # an external-launch follower runs the leader's steps inside generate(): no loop thread
         self._loop = EngineLoop(self.scheduler, self.worker.model_runner.memory_error, start=not self.is_follower)
         self._weights = EngineWeights(self.worker, self.scheduler, self._loop,
-                                      ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup))
+                                      ranks_in_other_processes=isinstance(self.worker, TpWorkerGroup),
+                                      stage_paused_updates=self.config.stage_paused_updates,
+                                      transaction_timeout_s=self.config.weight_update_timeout_s)
         self._call_specs = CallSpecs()
         self._lora = EngineLora(self.worker, self.scheduler, self._loop, self._weights, self.config.lora.max_rank,
                                 self.config.lora.max_memory_mb)
@@ -464,8 +465,8 @@ class RolloutEngine:
         """Resume generation. Update calls staged while it was paused are published first, all of them
         on every rank or none (their result is returned; on failure the old weights keep serving)."""
         result = None
-        if self._weights.opened_by == "implicit":
-            result = self.commit_weight_update(partial=True)
+        if self._weights.lifecycle.opener() is Opener.PAUSED:
+            result = self.commit_weight_update(partial=True, by=Opener.PAUSED)
 
         def resume():
             self._loop.paused = False
@@ -522,7 +523,7 @@ class RolloutEngine:
                 return WeightResult.fail(f"named_tensors[{bad}] is not a (name, tensor) pair; nothing was loaded")
             msg = self._weights.tensors_message(named, check_finite, partial, stage=transaction)
         if transaction:
-            return self._weights.run(msg)
+            return self._weights.lifecycle.staged(self._weights.run(msg))
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
 
     def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",
@@ -614,7 +615,7 @@ class RolloutEngine:
             raise ValueError(f"load_format={load_format!r}: use None/'direct' (one broadcast per tensor), "
                              "'flattened_bucket' (SGLang's), 'packed' (vLLM's) or 'rollout_bucket' (ours)")
         if self._stages(transaction, weight_version, abort_all_requests):  # receive and stage only
-            return self._weights.run(StageDistributed(*spec))
+            return self._weights.lifecycle.staged(self._weights.run(StageDistributed(*spec)))
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
                                     abort_all_requests)
 
@@ -635,63 +636,55 @@ class RolloutEngine:
     # ------------------------------------------------------------------ multi-call transactions
 
     def _stages(self, transaction: bool, weight_version: Optional[str], abort_all_requests: bool) -> bool:
-        """Whether an update call stages into a transaction instead of applying: asked for
-        (``transaction=True``), or generation is paused (slime and AReaL pause, send bucket calls,
-        continue; the transaction opened here is published at ``continue_generation``). A plain call
-        while a ``begin_weight_update`` transaction is open applies and voids it, as before (the HTTP
-        routes stage it instead: miles sends its bucket calls plain). The call's version, if any,
-        becomes the transaction's; ``abort_all_requests`` aborts at once."""
-        w = self._weights
-        if not transaction and w.opened_by != "implicit":
-            if not (w.opened_by is None and self.config.stage_paused_updates
-                    and self._loop.call(lambda: self._loop.paused)):
-                return False
-            opened = w.run(BeginTransaction())
-            if not opened.success:
-                raise ValueError(opened.message)
-            w.opened_by = "implicit"
-        if weight_version is not None:
-            w.transaction_version = weight_version
-        if abort_all_requests:
+        """Whether an update call stages into a transaction instead of applying (``WeightUpdateLifecycle.stages``:
+        asked for, or generation is paused — slime and AReaL pause, send bucket calls, continue). The call's
+        version, if any, becomes the transaction's; ``abort_all_requests`` aborts at once."""
+        staged = self._weights.lifecycle.stages(transaction, weight_version)
+        if staged and abort_all_requests:
             self._loop.abort(None)
-        return True
+        return staged
 
-    def begin_weight_update(self, weight_version: Optional[str] = None,
-                            owner: str = "begin_weight_update") -> WeightResult:
+    def begin_weight_update(self, weight_version: Optional[str] = None, owner: Opener = Opener.API) -> WeightResult:
         """Open a transaction: the following update calls only stage (the engine keeps serving the old
-        weights); ``commit_weight_update`` applies everything on every rank, or nothing. ``owner`` names
-        who opened it (``weight_update_owner``): a server tells one protocol's transaction from another's."""
-        if owner == "implicit":
-            raise InputError('owner="implicit" names the transactions a paused engine opens itself')
-        self._weights.transaction_version = weight_version
-        result = self._weights.run(BeginTransaction())
-        if result.success:
-            self._weights.opened_by = owner
-        return result
+        weights); ``commit_weight_update`` applies everything on every rank, or nothing. ``owner`` (an
+        ``Opener``) names who opens it: a server's route families each open their own. Refused (a failed
+        result naming it, nothing aborted) while another transaction is open."""
+        if not isinstance(owner, Opener) or owner is Opener.PAUSED:
+            raise InputError(f"owner={owner!r}: an Opener (API, SGLANG, VLLM, TRL); a paused engine opens its own")
+        return self._weights.lifecycle.begin(owner, weight_version)
 
     def commit_weight_update(self, flush_cache: bool = True, check_finite: bool = True, partial: bool = False,
-                             abort_all_requests: bool = False, weight_version: Optional[str] = None) -> WeightResult:
+                             abort_all_requests: bool = False, weight_version: Optional[str] = None,
+                             by: Optional[Opener] = None) -> WeightResult:
         """Publish what the open transaction staged, on every rank or none, under ``weight_version``
-        (else the version its calls named, else the next one)."""
-        version, self._weights.transaction_version = self._weights.transaction_version, None
-        version = weight_version if weight_version is not None else version
-        self._weights.opened_by = None
-        return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache, abort_all_requests)
+        (else the version its calls named, else the next one). ``by``: only a transaction that opener owns
+        (refused otherwise, aborting nothing)."""
+        def publish(version: Optional[str]) -> WeightResult:
+            return self._weights.update(CommitTransaction(check_finite, partial), version, flush_cache,
+                                        abort_all_requests)
 
-    def open_weight_update(self) -> Optional[str]:
-        """Who opened the open transaction: "explicit" (``begin_weight_update``), "implicit" (an update
-        call while generation was paused), or None."""
-        opened = self._weights.opened_by
-        return opened if opened in (None, "implicit") else "explicit"
+        return self._weights.lifecycle.commit(publish, by, weight_version)
 
-    def weight_update_owner(self) -> Optional[str]:
-        """The ``owner`` an explicit transaction was opened with; "implicit" or None as ``open_weight_update``."""
-        return self._weights.opened_by
+    def open_weight_update(self) -> Optional[Opener]:
+        """Who opened the open transaction (``Opener.PAUSED``: update calls while generation was paused), or None."""
+        return self._weights.lifecycle.opener()
 
-    def abort_weight_update(self) -> WeightResult:
-        self._weights.transaction_version = None
-        self._weights.opened_by = None
-        return self._weights.run(AbortTransaction())
+    def weight_update_state(self) -> Optional[Transaction]:
+        """The open transaction (who opened it, when, its calls, its first failure), or None."""
+        return self._weights.lifecycle.current()
+
+    def claim_weight_update(self, by: Opener) -> bool:
+        """Whether an update call of route family ``by`` stages into the open transaction (its own); one
+        another family left open is aborted (``WeightUpdateLifecycle.claim``)."""
+        return self._weights.lifecycle.claim(by)
+
+    @property
+    def weight_update_lifecycle(self) -> WeightUpdateLifecycle:
+        return self._weights.lifecycle
+
+    def abort_weight_update(self, by: Optional[Opener] = None) -> WeightResult:
+        """Discard what the open transaction staged (``by``: only a transaction that opener owns)."""
+        return self._weights.lifecycle.abort(by)
 
     # ------------------------------------------------------------------ LoRA adapters (SGLang's names)
 

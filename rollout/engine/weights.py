@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from rollout.engine.lifecycle import WeightUpdateLifecycle
 from rollout.engine.loop import EngineLoop
 from rollout.outputs import WeightResult
 from rollout.scheduler.scheduler import Scheduler
@@ -40,18 +41,17 @@ def check_memory_tags(tags) -> tuple[str, ...]:
 
 
 class EngineWeights:
-    def __init__(self, worker: BaseTpWorker, scheduler: Scheduler, loop: EngineLoop, ranks_in_other_processes: bool):
+    def __init__(self, worker: BaseTpWorker, scheduler: Scheduler, loop: EngineLoop, ranks_in_other_processes: bool,
+                 stage_paused_updates: bool = True, transaction_timeout_s: Optional[float] = None):
         self.worker = worker
         self.scheduler = scheduler
         self.loop = loop
         self.ranks_in_other_processes = ranks_in_other_processes
         self.shm: Optional[SharedMemoryBucket] = None
         self.ipc: Optional[CudaIpcBucket] = None
-        self.transaction_version: Optional[str] = None  # published when the open transaction commits
-        # who opened the open transaction: "implicit" (an update call while generation was paused;
-        # published at continue_generation), or the owner an explicit one was opened with
-        # (begin_weight_update: miles' bracket, vLLM's start_weight_update, TRL's)
-        self.opened_by: Optional[str] = None
+        # the multi-call transactions: who opened the open one, its version, its idle timeout
+        self.lifecycle = WeightUpdateLifecycle(self.run, lambda: loop.call(lambda: loop.paused), stage_paused_updates,
+                                               transaction_timeout_s)
 
     # ------------------------------------------------------------------ running messages
 

@@ -30,7 +30,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.config import InputError
 from rollout.engine.engine import RolloutEngine
-from rollout.server import control_routes, lora_routes, openai_routes, sglang_routes, trl_routes, vllm_routes
+from rollout.server import (
+    areal_routes,
+    control_routes,
+    lora_routes,
+    miles_routes,
+    openai_routes,
+    prime_rl_routes,
+    sglang_routes,
+    skyrl_routes,
+    trl_routes,
+    vllm_routes,
+)
 from rollout.server.auth import BodyLimit, admin, user
 from rollout.server.encoding import JSONResponse
 from rollout.server.service import EngineService, ServerConfig, result_json
@@ -115,6 +126,7 @@ def create_app(engine: RolloutEngine, config: Optional[ServerConfig] = None) -> 
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(InputError, _bad_input)
     app.add_exception_handler(ValidationError, _bad_input)
-    for module in (sglang_routes, openai_routes, control_routes, lora_routes, vllm_routes, trl_routes):
+    for module in (sglang_routes, openai_routes, control_routes, lora_routes, vllm_routes, trl_routes, areal_routes,
+                   skyrl_routes, prime_rl_routes, miles_routes):
         app.include_router(module.router)
     return app

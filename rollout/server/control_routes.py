@@ -14,6 +14,7 @@ from typing import Optional
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from rollout.engine.lifecycle import Opener
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse
@@ -62,14 +63,13 @@ async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: R
                                        transaction=await _staged(body, svc))
 
 
-SGLANG = "begin_weight_update"  # the owner of transactions opened by this family's routes (miles' bracket)
 
 
 async def _staged(body, svc: EngineService) -> bool:
     """Over HTTP a call stages into an open ``/begin_weight_update`` transaction even without
     ``transaction: true``: miles sends its bucket calls plain inside its bracket. One another protocol
     opened and left is aborted first (``EngineService.stages_for``)."""
-    return await svc.stages_for(SGLANG) or body.transaction
+    return await svc.stages_for(Opener.SGLANG) or body.transaction
 
 
 @router.post("/init_weights_update_group", dependencies=ADMIN)
@@ -99,23 +99,15 @@ async def destroy_weights_update_group(body: Optional[P.GroupNameRequest] = None
 @router.post("/begin_weight_update", dependencies=ADMIN)
 async def begin_weight_update(body: P.BeginUpdateRequest, svc: EngineService = Svc):
     async with svc.in_order():
-        await svc.stages_for(SGLANG)  # another protocol's transaction left open: aborted
-        return result_json(await svc.call(svc.engine.begin_weight_update, body.weight_version, SGLANG))
+        return result_json(await svc.call(svc.engine.begin_weight_update, body.weight_version, Opener.SGLANG))
 
 
 @router.post("/commit_weight_update", dependencies=ADMIN)
 async def commit_weight_update(body: P.CommitUpdateRequest, svc: EngineService = Svc):
     async with svc.in_order():
         return await svc.weight_update(svc.engine.commit_weight_update, flush_cache=body.flush_cache,
-                                       partial=body.partial, abort_all_requests=body.abort_all_requests)
-
-
-@router.post("/end_weight_update", dependencies=ADMIN)
-async def end_weight_update(svc: EngineService = Svc):
-    """miles' bracket end (``/begin_weight_update`` ... ``/end_weight_update``): publishes what the
-    calls in between staged, on every rank or none."""
-    async with svc.in_order():
-        return await svc.weight_update(svc.engine.commit_weight_update, partial=True)
+                                       partial=body.partial, abort_all_requests=body.abort_all_requests,
+                                       by=Opener.SGLANG)
 
 
 @router.post("/abort_weight_update", dependencies=ADMIN)

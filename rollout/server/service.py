@@ -24,6 +24,7 @@ from typing import Optional
 from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from rollout.engine.lifecycle import Opener
 from rollout.engine.templates import RenderLimits, render, template_variables
 from rollout.outputs import RolloutOutput, WeightResult
 from rollout.server.chat_sessions import ChatSessions
@@ -387,19 +388,11 @@ class EngineService:
         follows, an update call never runs before the transaction it belongs to is open)."""
         return self._order
 
-    async def stages_for(self, family: str) -> bool:
-        """Whether an update call of protocol ``family`` stages into the open explicit transaction: only
-        into one its own family opened. One another family opened and left (a client that gave up) is
-        stale: it is aborted here, logged, and this call's own sequence decides (its opener, asking to
-        publish later, is told there is nothing to publish)."""
-        owner = self.engine.weight_update_owner()
-        if owner is None or owner == "implicit":
-            return False
-        if owner == family:
-            return True
-        logger.warning("an update call of %s aborts the weight update %s opened and never finished", family, owner)
-        await self.call(self.engine.abort_weight_update)
-        return False
+    async def stages_for(self, family: Opener) -> bool:
+        """Whether an update call of route family ``family`` stages into the open transaction: only into
+        one its own family opened; one another family opened and left is aborted (the engine's
+        ``WeightUpdateLifecycle.claim``, which also says when ``family``'s own expired)."""
+        return await self.call(self.engine.claim_weight_update, family)
 
     async def resume(self) -> Optional[WeightResult]:
         """Continue generation; what was staged while paused is published first (its result, counted;
@@ -412,10 +405,9 @@ class EngineService:
             self.metrics.weight_update(result)
             if not result.success:
                 result = dataclasses.replace(result, message=f"the update staged while paused failed: {result.message}")
-        owner = self.engine.weight_update_owner()
-        if owner is not None and owner != "implicit" and (result is None or result.success):
-            return WeightResult.fail(f"the weight update opened by {owner} is still open: nothing it staged is "
-                                     f"published; finish it (its own publish call) or /abort_weight_update it")
+        lifecycle = self.engine.weight_update_lifecycle
+        if lifecycle.opener() not in (None, Opener.PAUSED) and (result is None or result.success):
+            return WeightResult.fail(f"nothing is published by a continue: {lifecycle.busy_message()}")
         return result
 
     async def update_from_disk(self, path: str, **kwargs) -> WeightResult:

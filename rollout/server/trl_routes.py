@@ -34,6 +34,7 @@ from typing import Any, Literal, Optional
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import Field
 
+from rollout.engine.lifecycle import Opener
 from rollout.outputs import WeightResult
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
@@ -56,7 +57,6 @@ class TrlChannel:
     def __init__(self):
         self.tail: Optional[asyncio.Future] = None
         self.errors: list[str] = []
-        self.staging = False  # a transaction opened by /update_named_param/ is open
 
     def then(self, work: Callable[[], Awaitable[None]]) -> None:
         prev = self.tail
@@ -331,11 +331,8 @@ async def update_named_param(body: NamedParamRequest, request: Request, svc: Eng
     dtype = body.dtype.removeprefix("torch.")
 
     async def receive() -> None:
-        if not ch.staging:
-            if svc.engine.open_weight_update() is not None:
-                await svc.call(svc.engine.abort_weight_update)
-            _failed(await svc.call(svc.engine.begin_weight_update, None, "trl"), ch.errors, "opening the update")
-            ch.staging = True
+        if not await svc.stages_for(Opener.TRL):  # the sync's first parameter: open TRL's transaction
+            _failed(await svc.call(svc.engine.begin_weight_update, None, Opener.TRL), ch.errors, "opening the update")
         try:
             result = await svc.call(svc.engine.update_weights_from_distributed, [body.name], [dtype], [body.shape],
                                     TRL_GROUP, partial=True, transaction=True)
@@ -355,12 +352,11 @@ async def reset_prefix_cache(request: Request, svc: EngineService = Svc):
     ch = channel(request)
     await ch.drained()
     errors, ch.errors = ch.errors, []
-    if ch.staging:
-        ch.staging = False
+    if svc.engine.open_weight_update() is Opener.TRL:
         if errors:
-            await svc.call(svc.engine.abort_weight_update)
+            await svc.call(svc.engine.abort_weight_update, Opener.TRL)
         else:
-            result = await svc.apply_update(svc.engine.commit_weight_update, partial=True)
+            result = await svc.apply_update(svc.engine.commit_weight_update, partial=True, by=Opener.TRL)
             _failed(result, errors, "publishing the update")
     if errors:
         return JSONResponse({"message": "Request received, resetting prefix cache status: False", "errors": errors,
@@ -374,8 +370,7 @@ async def reset_prefix_cache(request: Request, svc: EngineService = Svc):
 async def close_communicator(request: Request, svc: EngineService = Svc):
     ch = channel(request)
     await ch.drained()
-    if ch.staging:
-        ch.staging = False
-        await svc.call(svc.engine.abort_weight_update)
+    if svc.engine.open_weight_update() is Opener.TRL:
+        await svc.call(svc.engine.abort_weight_update, Opener.TRL)
     await svc.call(svc.engine.destroy_weights_update_group, TRL_GROUP)
     return {"message": "Request received, closing communicator"}

@@ -1,8 +1,10 @@
 """vLLM's native RL routes, as vLLM-side frameworks call them (prime-rl, SkyRL, TRL's async GRPO,
 AReaL's vLLM backend): pause and resume with query strings, the weight-transfer engine
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` per tensor or packed,
-``/finish_weight_update``), SkyRL's ``/collective_rpc`` verbs, tokens in and out
-(``/inference/v1/generate``, ``/tokenize``, ``/detokenize``), sleep and wake-up, the prefix cache.
+``/finish_weight_update``: a thin adapter over the engine's ``WeightUpdateLifecycle``, opener
+``Opener.VLLM``), tokens in and out (``/inference/v1/generate``, ``/tokenize``, ``/detokenize``), sleep and
+wake-up, the prefix cache. SkyRL's ``/collective_rpc`` verbs are ``skyrl_routes``, prime-rl's own routes
+``prime_rl_routes``, AReaL's ``areal_routes``.
 ``cache_salt`` partitions the prefix cache (prime-rl and SkyRL salt with the policy version).
 
 Weights: vLLM's trainer is rank 0 of the transfer group (``init_info``: address, port, rank_offset,
@@ -11,8 +13,8 @@ and PyNccl, which needs vLLM; here the group is a torch one — on gloo a traine
 plain ``torch.distributed.init_process_group`` (or SGLang's recipe) joins (``weight_sync.process_group``).
 Calls between ``/start_weight_update`` and ``/finish_weight_update`` are staged and published together;
 a bare ``/update_weights`` applies its tensors at once (vLLM loads any subset), or stages while
-generation is paused (published at ``/resume``). prime-rl's ``/update_weights {"weight_dir"}`` reads a
-folder like ``/update_weights_from_disk`` (same allowed directories).
+generation is paused (published at ``/resume``). prime-rl's ``/update_weights {"weight_dir"}`` body is
+``prime_rl_routes.update_from_weight_dir``.
 """
 
 from __future__ import annotations
@@ -22,17 +24,18 @@ import time
 import uuid
 from typing import Any, Literal, Optional
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field
 
+from rollout.engine.lifecycle import Opener
 from rollout.outputs import RolloutOutput, WeightResult
+from rollout.server import prime_rl_routes
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse, openai_logprob
 from rollout.server.openai_routes import prompt_logprob_dicts
 from rollout.server.service import EngineService, service_of
-from rollout.weights.safetensors_io import FolderNotAllowed
 from weight_sync.distributed import DIRECT, PACKED
 
 router = APIRouter()
@@ -40,7 +43,6 @@ ADMIN = [Depends(admin)]
 USER = [Depends(user)]
 Svc = Depends(service_of)
 VLLM_GROUP = "vllm-weight-transfer"  # the transfer group's name here (vLLM's has none)
-VLLM = "start_weight_update"  # the owner of transactions /start_weight_update opens
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -186,9 +188,7 @@ async def start_weight_update(body: Optional[StartUpdateRequest] = None, svc: En
         raise HTTPException(400, "is_checkpoint_format=false (vLLM's fused parameter names) is not supported: send "
                                  "checkpoint (Hugging Face) names")
     async with svc.in_order():
-        if svc.engine.open_weight_update() == "explicit":
-            await svc.call(svc.engine.abort_weight_update)  # a trainer restarting its update, or one left: start over
-        result = await svc.call(svc.engine.begin_weight_update, None, VLLM)
+        result = await svc.call(svc.engine.begin_weight_update, None, Opener.VLLM)  # refused while one is open
     return _answer(result, "Weight update started")
 
 
@@ -198,9 +198,7 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
         if body.weight_dir is None:
             raise HTTPException(400, "send update_info (vLLM's names, dtype_names, shapes, packed) or weight_dir "
                                      "(a checkpoint folder to read)")
-        async with svc.in_order():
-            result = await svc.update_from_disk(body.weight_dir)
-        return {"status": "ok"} if result.success else _error(400, result.message)
+        return await prime_rl_routes.update_from_weight_dir(body.weight_dir, svc)
     info = body.update_info
     if not info.is_checkpoint_format:
         raise HTTPException(400, "is_checkpoint_format=false (vLLM's fused parameter names) is not supported")
@@ -208,7 +206,7 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
         raise HTTPException(400, f"names ({len(info.names)}), dtype_names ({len(info.dtype_names)}) and shapes "
                                  f"({len(info.shapes)}) must have the same length")
     async with svc.in_order():
-        staged = await svc.stages_for(VLLM)
+        staged = await svc.stages_for(Opener.VLLM)
         result = await svc.apply_update(
             svc.engine.update_weights_from_distributed, info.names, [d.removeprefix("torch.") for d in info.dtype_names],
             info.shapes, VLLM_GROUP, load_format=PACKED if info.packed else DIRECT,
@@ -221,60 +219,14 @@ async def finish_weight_update(body: Optional[FinishUpdateRequest] = None, svc: 
     """Publish what the calls since ``/start_weight_update`` staged, on every rank or none, under
     ``weight_version`` (else the server's next version)."""
     async with svc.in_order():
-        if svc.engine.weight_update_owner() != VLLM:
-            raise HTTPException(400, "no weight update to finish: call /start_weight_update first (one left open "
-                                     "is aborted by another protocol's update calls)")
         result = await svc.apply_update(svc.engine.commit_weight_update, partial=True,
-                                        weight_version=body.weight_version if body else None)
+                                        weight_version=body.weight_version if body else None, by=Opener.VLLM)
     return _answer(result, "Weight update finished")
-
-
-@router.post("/reload_weights", dependencies=ADMIN)
-async def reload_weights(svc: EngineService = Svc):
-    """prime-rl's (older) reset at a from-scratch start: the weights the server started from, under its
-    starting version label, the prefix cache reset (``RolloutEngine.reload_weights``; the body is ignored)."""
-    async with svc.in_order():
-        result = await svc.apply_update(svc.engine.reload_weights)
-    return {"status": "ok", "weight_version": result.weight_version} if result.success else _error(400, result.message)
 
 
 @router.get("/weight_info", dependencies=USER)
 async def weight_info(svc: EngineService = Svc):
     return {"weight_version": svc.engine.get_weight_version()}
-
-
-class CollectiveRpcRequest(P.Lenient):
-    method: str
-    args: list[Any] = Field(default_factory=list)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout: Optional[float] = None
-
-
-_RPC = ("skyrl_start_weight_update", "update_weights_nccl", "skyrl_finish_weight_update")
-
-
-@router.post("/collective_rpc", dependencies=ADMIN)
-async def collective_rpc(body: CollectiveRpcRequest, svc: EngineService = Svc):
-    """SkyRL's weight-sync verbs over vLLM's ``/collective_rpc``, mapped onto the routes above; vLLM
-    answers each worker's result (``{"results": [...]}``). Methods we do not run are refused."""
-    kw = body.kwargs
-    if body.method == "skyrl_start_weight_update":
-        answer = await start_weight_update(StartUpdateRequest(**kw), svc)
-    elif body.method == "update_weights_nccl":
-        info = kw.get("update_info", body.args[0] if body.args else None)
-        try:
-            request = UpdateWeightsRequest(update_info=info)
-        except ValueError as exc:
-            raise HTTPException(400, f"update_weights_nccl: update_info: {exc}") from None
-        answer = await update_weights(request, svc)
-    elif body.method == "skyrl_finish_weight_update":
-        answer = await finish_weight_update(FinishUpdateRequest(**kw), svc)
-    else:
-        raise HTTPException(400, f"collective_rpc method {body.method!r} is not run by this server (CUDA IPC and "
-                                 f"worker extensions are vLLM's); supported: {', '.join(_RPC)}")
-    if isinstance(answer, JSONResponse) and answer.status_code != 200:
-        return answer
-    return {"results": [None] * svc.engine.tp_size}
 
 
 # ------------------------------------------------------------------ sleep and wake up, prefix cache
@@ -547,151 +499,3 @@ def rollout_outputs_by_prompt(outs: list[RolloutOutput]) -> dict[int, list[Rollo
     for o in sorted(outs, key=lambda o: (o.prompt_index, o.sample_index)):
         by.setdefault(o.prompt_index, []).append(o)
     return by
-
-
-# ------------------------------------------------------------------ AReaL's vLLM server extension
-
-
-class ArealGroupRequest(P.Lenient):
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)  # AReaL sends a string
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    backend: Optional[Literal["gloo", "nccl"]] = None
-    group_name: str = "update_weight_group"
-    timeout_s: float = Field(60.0, gt=0, le=3600)  # AReaL sends none: the documented 60 s, end to end
-
-
-class ArealMetaRequest(P.Lenient):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "update_weight_group"
-
-
-class ArealDiskRequest(P.Lenient):
-    model_path: str
-    load_format: Optional[str] = "auto"
-    abort_all_requests: bool = False
-
-
-def _areal(result: WeightResult) -> JSONResponse:
-    """AReaL's answers: ``{"success", "message"}``, 400 on failure."""
-    return JSONResponse({"success": result.success, "message": result.message},
-                        status_code=200 if result.success else 400)
-
-
-@router.post("/areal_pause_generation", dependencies=ADMIN)
-async def areal_pause_generation(svc: EngineService = Svc):
-    await svc.call(svc.engine.pause_generation, "abort")
-    return {"success": True, "message": "Generation paused and all requests aborted"}
-
-
-@router.post("/areal_continue_generation", dependencies=ADMIN)
-async def areal_continue_generation(svc: EngineService = Svc):
-    result = await svc.resume()
-    if result is not None and not result.success:
-        return JSONResponse({"success": False, "message": f"generation continues on the old weights: "
-                             f"{result.message}"}, status_code=400)
-    return {"success": True, "message": "Generation continued"}
-
-
-@router.post("/areal_init_weights_update_group", dependencies=ADMIN)
-async def areal_init_weights_update_group(body: ArealGroupRequest, svc: EngineService = Svc):
-    return _areal(await svc.call(svc.engine.init_weights_update_group, body.master_address, body.master_port,
-                                 body.rank_offset, body.world_size, body.group_name, body.backend, body.timeout_s))
-
-
-@router.post("/areal_set_update_weight_meta", dependencies=ADMIN)
-async def areal_set_update_weight_meta(body: ArealMetaRequest, svc: EngineService = Svc):
-    """What the next ``/areal_update_weights_xccl`` receives (one broadcast per tensor, in this order)."""
-    if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
-        raise HTTPException(400, "names, dtypes and shapes must have the same length")
-    svc.areal_meta = body
-    return {"success": True, "message": f"metadata of {len(body.names)} tensors set"}
-
-
-@router.post("/areal_update_weights_xccl", dependencies=ADMIN)
-async def areal_update_weights_xccl(svc: EngineService = Svc):
-    """Aborts what runs (as AReaL's server does), then receives the tensors the metadata announced."""
-    meta = svc.areal_meta
-    if meta is None:
-        raise HTTPException(400, "no weight metadata: call /areal_set_update_weight_meta first")
-    return _areal(await svc.apply_update(svc.engine.update_weights_from_distributed, meta.names,
-                                         [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes,
-                                         meta.group_name, abort_all_requests=True))
-
-
-@router.post("/areal_update_weights", dependencies=ADMIN)
-async def areal_update_weights(body: ArealDiskRequest, svc: EngineService = Svc):
-    return _areal(await svc.update_from_disk(body.model_path, abort_all_requests=True))
-
-
-class ArealLoraMetaRequest(P.Lenient):
-    """AReaL's ``/areal_set_update_weight_meta_lora`` body (also sent again to
-    ``/areal_update_weights_lora_xccl``; older AReaL sends ``{}`` there)."""
-
-    names: list[str] = Field(min_length=1)
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "update_weight_group"
-    lora_name: str = Field(min_length=1, max_length=256)  # "<name>-v<version>"
-    lora_int_id: Optional[int] = None
-    lora_target_modules: Any = None
-    lora_rank: int = Field(ge=1)
-    lora_alpha: float
-    lora_bias: Optional[str] = "none"
-    base_model_name: Optional[str] = None
-
-    def peft_config(self) -> dict:
-        """The adapter's peft config, from the fields AReaL sends."""
-        return {"peft_type": "LORA", "r": self.lora_rank, "lora_alpha": self.lora_alpha,
-                "target_modules": self.lora_target_modules, "bias": self.lora_bias or "none"}
-
-
-class ArealLoraDiskRequest(P.Lenient):
-    lora_model_path: str = Field(min_length=1)
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_int_id: Optional[int] = None
-    base_model_name: Optional[str] = None
-    load_format: Optional[str] = "auto"
-    abort_all_requests: bool = False
-
-
-@router.post("/areal_set_update_weight_meta_lora", dependencies=ADMIN)
-async def areal_set_update_weight_meta_lora(body: ArealLoraMetaRequest, svc: EngineService = Svc):
-    """What the next ``/areal_update_weights_lora_xccl`` receives: the adapter's tensors (one broadcast
-    each, in this order) and its name and config."""
-    if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
-        raise HTTPException(400, "names, dtypes and shapes must have the same length")
-    svc.areal_lora_meta = body
-    return {"success": True, "message": f"LoRA metadata of {len(body.names)} tensors set for {body.lora_name!r}"}
-
-
-@router.post("/areal_update_weights_lora_xccl", dependencies=ADMIN)
-async def areal_update_weights_lora_xccl(body: Optional[dict[str, Any]] = Body(None), svc: EngineService = Svc):
-    """Receives the adapter the metadata announced (the body, when AReaL sends it again, wins) and
-    loads it as ``lora_name``: AReaL's ``<name>-v<version>`` replaces the name's older versions, which
-    stay routable to it (``lora_versioned_names``). Running requests are not aborted: each finishes
-    on the version it started with."""
-    meta = svc.areal_lora_meta
-    if body and body.get("names"):
-        meta = ArealLoraMetaRequest.model_validate(body)  # a bad body: 400 naming the fields (the app's handler)
-    if meta is None:
-        raise HTTPException(400, "no LoRA metadata: call /areal_set_update_weight_meta_lora first")
-    return _areal(await svc.call(svc.engine.load_lora_adapter_from_distributed, meta.lora_name, meta.peft_config(),
-                                 meta.names, [d.removeprefix("torch.") for d in meta.dtypes], meta.shapes,
-                                 meta.group_name))
-
-
-@router.post("/areal_update_weights_lora", dependencies=ADMIN)
-async def areal_update_weights_lora(body: ArealLoraDiskRequest, svc: EngineService = Svc):
-    """A saved adapter folder (under ``--allowed-weight-dirs``) loaded as ``lora_name``."""
-    if body.abort_all_requests:
-        await svc.call(svc.engine.abort_request, None, True)
-    try:
-        result = await svc.call(svc.engine.load_lora_adapter, body.lora_name, body.lora_model_path, False,
-                                svc.allowed_dirs)
-    except FolderNotAllowed as exc:
-        raise HTTPException(403, str(exc)) from None
-    return _areal(result)
