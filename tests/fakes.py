@@ -22,7 +22,7 @@ class FakeWorker:
 
     def __init__(self, num_blocks: int, next_token: int = 7, context_len: int = 1000, step_s: float = 0.0):
         self.num_kv_blocks = num_blocks
-        self.context_len = context_len
+        self.context_len = self.max_req_len = context_len
         self.next_token = next_token
         self.step_s = step_s
         self.fail_steps = 0

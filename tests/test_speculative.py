@@ -155,6 +155,43 @@ def test_replayed_acceptance_counts_only_guesses_equal_to_the_tokens_drawn():
     assert alone["accepted"] > 15 and first[0].output == out
 
 
+def test_verify_rows_are_decode_rows_and_only_returned_guesses_count_as_accepted():
+    """The Speculator's part of a step: a sequence's last token and its guesses become decode rows over one
+    block-table snapshot, each at its own position and sampled as plain decoding would sample it; the draws
+    are taken up to the first that differs from its guess, and a stop ends the taking (the guesses after it
+    are not counted as accepted)."""
+    from types import SimpleNamespace
+
+    from rollout.speculative.verify import Speculator
+
+    spec = Speculator(max_draft_tokens=3, max_batch=8)
+    req = SimpleNamespace(lora=None, top_logprobs_num=0, return_sampling_mask=False)
+    seq = SimpleNamespace(seq_id=1, req=req, params=SamplingParams(), seed=5, token_ids=[1, 2, 3, 4],
+                          num_prompt_tokens=3, block_table=[10, 11], spec_guesses=[5, 6, 7], num_computed_tokens=3,
+                          spec_verify_ct=0, spec_draft_token_num=0, spec_accept_token_num=0)
+    rows = ([], [], [], [], [])
+    logits_rows, sample_idx, samplers, verifies = [], [], [], []
+    nxt = spec.add_verify_rows(seq, 3, 4, rows, logits_rows, sample_idx, samplers, verifies, row=2)
+    input_ids, tables, lora_slots, ctx_lens, q_lens = rows
+    assert nxt == 6 and input_ids == [4, 5, 6, 7] and ctx_lens == [4, 5, 6, 7] and q_lens == [1] * 4
+    assert tables == [[10, 11]] * 4 and tables[0] is not seq.block_table and lora_slots == [-1] * 4
+    assert logits_rows == [2, 3, 4, 5] and sample_idx == [0, 1, 2, 3] and seq.num_computed_tokens == 7
+    assert [v.token_ids for v in samplers] == [[1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6],
+                                               [1, 2, 3, 4, 5, 6, 7]]
+    assert verifies == [(seq, 0, [5, 6, 7])]
+    taken = []
+
+    def append(s, row):  # the scheduler's: the row's token onto the sequence; a stop at token 6
+        s.token_ids.append([5, 6, 9, 9][row])
+        taken.append(row)
+        return s.token_ids[-1] != 6
+
+    spec.take_verified(seq, 0, [5, 6, 7], [5, 6, 9, 9], append)
+    assert taken == [0, 1] and seq.token_ids == [1, 2, 3, 4, 5, 6]  # stopped at 6: nothing after it
+    assert seq.spec_draft_token_num == 3 and seq.spec_accept_token_num == 2 and spec.num_accepted_tokens == 2
+    assert seq.num_computed_tokens == 5  # KV valid up to the input of the last row taken
+
+
 def test_the_acceptance_benchmark_writes_its_numbers_and_plot(tmp_path):
     from rollout.bench import acceptance
 

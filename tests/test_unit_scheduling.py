@@ -214,3 +214,52 @@ def test_retract_all_sends_running_sequences_back_with_their_kv_dropped():
     assert seq.status == SeqStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
     run(sched)
     assert seq.output_ids == [7] * 10
+
+
+# ---------------------------------------------------------------------------------------------
+# sessions: the scheduler's SessionKv collaborator
+
+
+def _turn(sched, session: str, prompt, max_new_tokens=3) -> Request:
+    req = request(prompt, max_new_tokens=max_new_tokens)
+    req.session_id = session
+    sched.add_request(req)
+    run(sched)
+    return req
+
+
+def test_a_session_keeps_its_history_and_kv_between_turns_and_gives_the_kv_up_as_told():
+    from rollout.scheduler.sessions import SessionError
+
+    sched, _ = make(num_blocks=16, block_size=4)
+    sessions, bm = sched.sessions, sched.block_manager
+    sid = sessions.open("s1")
+    _turn(sched, sid, [1, 2, 3, 4, 5])
+    s = sessions.table.get(sid)
+    assert s.token_ids == [1, 2, 3, 4, 5, 7, 7, 7] and s.num_turns == 1 and s.block_table  # KV held for the history
+    second = _turn(sched, sid, [9, 9])
+    assert second.prompt_ids == [1, 2, 3, 4, 5, 7, 7, 7, 9, 9]
+    assert second.seqs[0].num_cached_tokens >= 7  # adopted: only what the turn appends is prefilled
+    sched.publish_weights("v2")  # new weights: the history's KV is never reused
+    third = _turn(sched, sid, [8])
+    assert third.seqs[0].num_cached_tokens == 0 and sessions.info(sid)["num_turns"] == 3
+    # memory pressure: an idle session's KV goes (history kept), then there is none left to give
+    assert sessions.release_one() and not s.block_table and len(s.token_ids) == 17
+    assert not sessions.release_one()
+    # a session idle past its timeout is closed at the next look
+    quiet = sessions.open("s2", timeout_s=5)
+    sessions.table.get(quiet).last_used -= 10
+    sessions._checked -= 2
+    sessions.expire()
+    with pytest.raises(SessionError, match="no open session"):
+        sessions.info(quiet)
+    # a turn too long for the context ends the episode (refused, the history as it was)
+    long = request([1] * 1000)
+    long.session_id = sid
+    with pytest.raises(SessionError, match="context limit"):
+        sessions.begin_turn(long)
+    assert sessions.info(sid)["num_tokens"] == 17 and not sessions.info(sid)["busy"]
+    _turn(sched, sid, [6])
+    assert s.block_table and bm.num_free_blocks < 16
+    sessions.close(sid)  # its KV freed with it
+    assert bm.num_free_blocks == 16 and not sessions

@@ -447,16 +447,16 @@ class RolloutEngine:
             if not session_id:
                 raise ValueError("external launch: every rank opens the session under the same explicit session_id")
             return session_id
-        return self._loop.call(lambda: self.scheduler.open_session(session_id, timeout_s))
+        return self._loop.call(lambda: self.scheduler.sessions.open(session_id, timeout_s))
 
     def close_session(self, session_id: str) -> None:
         """Forget the session and free its KV (``SessionError``, a ``ValueError``, if it is not open)."""
         if not self.is_follower:
-            self._loop.call(lambda: self.scheduler.close_session(session_id))
+            self._loop.call(lambda: self.scheduler.sessions.close(session_id))
 
     def session_info(self, session_id: str) -> dict:
         """The session's history (``token_ids``), turns, and how much of it has KV held."""
-        return self._loop.call(lambda: self.scheduler.session_info(session_id))
+        return self._loop.call(lambda: self.scheduler.sessions.info(session_id))
 
     def is_paused(self) -> bool:
         return self._loop.call(lambda: self._loop.paused)

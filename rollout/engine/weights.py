@@ -85,7 +85,7 @@ class EngineWeights:
         def drop_kv_users() -> None:
             self.scheduler.retract_all()
             self.scheduler.flush_cache()
-            self.scheduler.drop_session_kv()  # sessions keep their history, recomputed next turn
+            self.scheduler.sessions.drop_all_kv()  # sessions keep their history, recomputed next turn
 
         return self.run(ReleaseMemory(tags, backup_weights), quiet=True,
                         before=drop_kv_users if "kv_cache" in tags else None)

@@ -1,7 +1,10 @@
 """scheduler/: continuous batching, on the engine loop's thread.
 
-- ``scheduler.py``: ``Scheduler`` (queues, token budget, chunked prefill, forking ``n`` samples,
-  preemption, stop checks, publishing weights) and ``SchedulerStats``;
+- ``scheduler.py``: ``Scheduler``, the loop over its collaborators (queues, token budget, chunked prefill,
+  forking ``n`` samples, preemption, batch building, publishing weights) and ``SchedulerStats``;
+- ``results.py``: ``ResultFolder``, a step's result folded into sequences and requests in one place (tokens,
+  logprobs, masks, verified guesses, prompt logprobs, stop checks);
+- ``sessions.py``: ``SessionTable`` and ``SessionKv``, the sessions and the KV each holds between turns;
 - ``block_manager.py``: KV block accounting (ref counts, sharing, the version-keyed prefix cache);
 - ``request.py``: ``Request`` (one prompt, ``n`` samples) and ``Sequence`` (one sample).
 

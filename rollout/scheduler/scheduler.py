@@ -13,14 +13,13 @@ freed and it is recomputed later from its prompt and outputs (tokens are unchang
 depend only on seed and position).
 
 With ``speculative_num_draft_tokens``, a decoding sequence may run its last token and guessed ones as
-decode rows of its own instead (``rollout.speculative.verify``, ``_add_verify_rows``): every position is
+decode rows of its own instead (``rollout.speculative.verify``, ``Speculator.add_verify_rows``): every position is
 sampled as plain decoding samples it, and the tokens kept are plain decoding's, one or more per step
 (under overlap, such a step runs alone).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -35,7 +34,8 @@ from rollout.sampling_params import SamplingParams
 from rollout.scheduler.block_manager import BlockManager
 from rollout.scheduler.lora_registry import LoraRegistry
 from rollout.scheduler.request import Request, SeqStatus, Sequence
-from rollout.scheduler.sessions import Session, SessionError, SessionTable
+from rollout.scheduler.results import ResultFolder
+from rollout.scheduler.sessions import SessionError, SessionKv, SessionTable
 from rollout.speculative.verify import Speculator
 from rollout.worker.tp_worker import BaseTpWorker
 
@@ -104,9 +104,10 @@ class Scheduler:
         # thread that runs forwards and delayed samplings in launch order.
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
-        self.sessions = SessionTable(config.session_timeout_s, config.max_sessions)
+        self.sessions = SessionKv(SessionTable(config.session_timeout_s, config.max_sessions), self.block_manager,
+                                  config.block_size, lambda: self.worker.max_req_len, self._cache_key)
         self.loras = LoraRegistry(config.lora.max_loaded, config.lora.versioned_names)
-        self._sessions_checked = time.monotonic()
+        self.results = ResultFolder(self)
         self.speculator = Speculator(config.speculative.num_draft_tokens, config.speculative.max_batch,
                                      always=config.speculative.policy == "always") \
             if config.speculative.num_draft_tokens else None
@@ -180,7 +181,7 @@ class Scheduler:
                 return
         if req.session_id is not None:
             try:
-                self._begin_turn(req)
+                self.sessions.begin_turn(req)
             except SessionError as exc:
                 self._reject(req, exc)
                 return
@@ -211,7 +212,7 @@ class Scheduler:
             req.pending_followers.clear()
             for seq in req.seqs:
                 if not seq.is_finished:
-                    self._finish(seq, "abort")
+                    self.finish(seq, "abort")
         return len(reqs)
 
     def fail_all(self, error: BaseException) -> None:
@@ -221,107 +222,6 @@ class Scheduler:
             self.abort(req.rid)
 
     # ------------------------------------------------------------------ sessions (rollout.scheduler.sessions)
-
-    def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
-        return self.sessions.open(session_id, timeout_s).sid
-
-    def close_session(self, session_id: str) -> None:
-        """Forget the session and free its KV; a turn still running finishes, and keeps nothing."""
-        s = self.sessions.close(session_id)
-        self._drop_session_kv(s)
-
-    def session_info(self, session_id: str) -> dict:
-        s = self.sessions.get(session_id)
-        return {"session_id": s.sid, "num_tokens": len(s.token_ids), "num_turns": s.num_turns,
-                "num_cached_tokens": s.num_computed if s.block_table else 0, "busy": not s.idle,
-                "token_ids": list(s.token_ids)}
-
-    def drop_session_kv(self) -> None:
-        """Every session's KV freed (the KV cache is being released); histories are kept."""
-        for s in list(self.sessions.sessions.values()):
-            self._drop_session_kv(s)
-
-    def _drop_session_kv(self, s: Session) -> None:
-        self.block_manager.free(s.block_table)
-        s.block_table, s.num_computed, s.cache_key = [], 0, None
-
-    def _begin_turn(self, req: Request) -> None:
-        """A session turn: its prompt becomes the session's history plus the tokens it appends."""
-        s = self.sessions.get(req.session_id)
-        if not s.idle:
-            raise SessionError(f"session {s.sid!r} is running a turn ({s.busy_rid!r}); one turn at a time")
-        history = s.token_ids
-        total = len(history) + len(req.prompt_ids)
-        limit = self.worker.max_req_len  # the context, and what the KV pool can hold for one sequence
-        if total >= limit:
-            raise SessionError(f"session {s.sid!r}: its {len(history)} tokens plus this turn's {len(req.prompt_ids)} "
-                               f"reach the context limit ({limit} tokens): the episode is over")
-        if total + req.params.max_new_tokens > limit:  # the turn ends with finish_reason "length" at the limit
-            req.params = dataclasses.replace(req.params, max_new_tokens=limit - total)
-        req.prompt_ids = history + req.prompt_ids
-        seq = req.seqs[0]
-        seq.token_ids = list(req.prompt_ids)
-        seq.num_prompt_tokens = len(req.prompt_ids)
-        req.logprob_start_len = req.next_input_logprob_pos = len(req.prompt_ids)  # no prompt logprobs in a turn
-        req.input_logprobs, req.input_top_logprobs, req.input_ranks = [], [], []
-        s.busy_rid = req.rid
-        s.last_used = time.monotonic()
-
-    def _adopt_session_kv(self, seq: Sequence, limit: int) -> bool:
-        """Hand the session's KV to its turn if it was computed under the weights (and salt) the turn
-        runs with; otherwise drop it (the history is recomputed). True if adopted."""
-        s = self.sessions.sessions.get(seq.req.session_id)
-        if s is None or not s.block_table:
-            return False
-        if s.cache_key != seq.kv_key:  # computed under other weights: never reused
-            self._drop_session_kv(s)
-            return False
-        n = min(s.num_computed, limit)
-        keep = self._blocks_for(n)
-        self.block_manager.free(s.block_table[keep:])
-        seq.block_table, seq.num_computed_tokens = s.block_table[:keep], n
-        seq.num_cached_tokens = n
-        s.block_table, s.num_computed, s.cache_key = [], 0, None
-        self.block_manager.stats.num_queries += len(seq.token_ids)
-        self.block_manager.stats.num_hit_tokens += n
-        return True
-
-    def _end_turn(self, seq: Sequence) -> None:
-        """A turn ended: a normal end appends its tokens to the history and leaves its KV with the
-        session (if computed under the current weights throughout); an abort or error keeps the
-        history as it was, without KV."""
-        req = seq.req
-        s = self.sessions.sessions.get(req.session_id)
-        if s is None or s.busy_rid != req.rid:
-            return  # closed while the turn ran: the turn's blocks are freed as any request's
-        s.busy_rid, s.last_used = None, time.monotonic()
-        if seq.finish_reason not in ("stop", "length") or req.error is not None:
-            return
-        s.num_turns += 1
-        s.token_ids = list(seq.token_ids)
-        if seq.kv_key != self._cache_key(req) or not seq.block_table:
-            return  # the weights changed during the turn: nothing kept; the next turn recomputes
-        n = min(seq.num_computed_tokens, len(seq.token_ids))
-        keep = self._blocks_for(n)
-        s.block_table, s.num_computed, s.cache_key = seq.block_table[:keep], n, seq.kv_key
-        seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
-
-    def _release_session_kv(self) -> bool:
-        """Free the KV of one session that holds some — idle ones first, least recently used first — (its
-        history stays; its next turn recomputes it)."""
-        holding = self.sessions.holding_kv()
-        if not holding:
-            return False
-        self._drop_session_kv(holding[0])
-        return True
-
-    def _expire_sessions(self) -> None:
-        now = time.monotonic()
-        if now - self._sessions_checked < 1.0:
-            return
-        self._sessions_checked = now
-        for s in self.sessions.expired(now):
-            self.close_session(s.sid)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -412,7 +312,7 @@ class Scheduler:
         if need == 0:
             return True
         blocks = self.block_manager.allocate(need)
-        while blocks is None and self._release_session_kv():  # sessions' held KV goes before any preemption
+        while blocks is None and self.sessions.release_one():  # sessions' held KV goes before any preemption
             blocks = self.block_manager.allocate(need)
         if blocks is None:
             return False
@@ -436,7 +336,7 @@ class Scheduler:
         limit = len(seq.token_ids) - 1  # at least one token must run to produce logits
         if seq.num_output_tokens == 0 and req.needs_input_logprobs:
             limit = min(limit, req.next_input_logprob_pos)
-        if req.session_id is not None and self._adopt_session_kv(seq, limit):
+        if req.session_id is not None and self.sessions.adopt(seq, limit):
             return
         blocks = self.block_manager.match_prefix(seq.token_ids, limit, seq.kv_key)
         seq.block_table = blocks
@@ -445,8 +345,8 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def schedule(self) -> Optional[ScheduledBatch]:
-        if self.sessions.sessions:
-            self._expire_sessions()
+        if self.sessions:
+            self.sessions.expire()
         budget = self.config.max_num_batched_tokens
         if self.speculator is not None:
             self.speculator.new_step(len(self.running))
@@ -514,8 +414,9 @@ class Scheduler:
             end = start + q
             req = seq.req
             if seq.spec_guesses:
-                row = self._add_verify_rows(seq, start, q, (input_ids, tables, lora_slots, ctx_lens, q_lens),
-                                            logits_rows, sample_idx, samplers, verifies, row)
+                row = self.speculator.add_verify_rows(seq, start, q, (input_ids, tables, lora_slots, ctx_lens, q_lens),
+                                                      logits_rows, sample_idx, samplers, verifies, row)
+                self.stats.num_decode_tokens += q
                 continue
             input_ids.extend(seq.token_ids[start:end])
             if end > len(seq.token_ids):  # the pending token: resolved on the device from the future map
@@ -565,31 +466,6 @@ class Scheduler:
             has_placeholders=has_placeholders, lora_slots=lora_slots if any(s >= 0 for s in lora_slots) else None,
         )
         return ScheduledBatch(batch, scheduled, samplers, in_owners, verifies)
-
-    def _add_verify_rows(self, seq: Sequence, start: int, q: int, rows: tuple, logits_rows: list, sample_idx: list,
-                         samplers: list, verifies: list, row: int) -> int:
-        """A verify chunk as ``q`` decode rows of one sequence: its last token and each guess at their own
-        positions over the same block table, each attending to the positions before it (every row's KV is
-        written before any row attends), so the step stays a decode step (the decode kernels, the
-        decode CUDA graphs); every row sampled as plain decoding samples that position."""
-        input_ids, tables, lora_slots, ctx_lens, q_lens = rows
-        snapshot = list(seq.block_table)
-        slot = -1 if seq.req.lora is None else seq.req.lora.slot
-        verifies.append((seq, len(samplers), seq.spec_guesses))
-        tokens = seq.token_ids[start:] + seq.spec_guesses
-        for j, view in enumerate(self.speculator.views(seq, seq.spec_guesses)):
-            input_ids.append(tokens[j])
-            tables.append(snapshot)
-            lora_slots.append(slot)
-            ctx_lens.append(start + 1 + j)
-            q_lens.append(1)
-            logits_rows.append(row)
-            sample_idx.append(len(logits_rows) - 1)
-            samplers.append(view)
-            row += 1
-        self.stats.num_decode_tokens += q
-        seq.num_computed_tokens = start + q
-        return row
 
     def _scoring_inputs(self, scored: list, temps: list[float], owners: list[Request]) -> Optional[SamplingInputs]:
         """Processed rows for a batch that scores given output tokens; plain prompt-logprob rows of
@@ -644,159 +520,13 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def process_batch_result(self, sb: ScheduledBatch, result: GenerationBatchResult) -> None:
-        batch, scheduled, samplers = sb.batch, sb.scheduled, sb.samplers
-        self.stats.num_steps += 1
-        self.stats.forward_time_s += result.forward_time_s
-        if batch.is_decode_only:
-            self.stats.decode_forward_time_s += result.forward_time_s
-            self.stats.decode_sample_time_s += result.sample_time_s
-            if self.speculator is not None:  # the cost of a step by its rows: what speculation decides from
-                self.speculator.observe(len(batch.q_lens), result.forward_time_s + result.sample_time_s)
-        touched: dict[str, list[Sequence]] = {}
-        if result.input_logprobs is not None:
-            self._record_input_logprobs(sb, result)
-        if samplers:
-            self.stats.sample_time_s += result.sample_time_s
-            self.stats.num_sample_steps += 1
-            tokens = result.next_token_ids.tolist()
-            lps = result.next_token_logprobs.tolist()
-            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-            masks = self._masks_by_row(samplers, result)
-            now = time.perf_counter()
-            verified = {row for _, first, guesses in sb.verifies for row in range(first, first + len(guesses) + 1)}
+        self.results.fold(sb, result)
 
-            def append(seq: Sequence, i: int) -> bool:
-                """Row ``i``'s token onto ``seq``; False when the sequence is done (finished or failed)."""
-                seq.token_ids.append(tokens[i])
-                if seq.req.return_logprob:
-                    seq.output_logprobs.append(lps[i])
-                    if seq.req.top_logprobs_num and top_ids is not None:
-                        k = seq.req.top_logprobs_num
-                        seq.output_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])))
-                # an adapter loaded under a version label of its own (a trainer's step): that label
-                seq.output_versions.append(batch.weight_version if seq.req.lora is None or
-                                           seq.req.lora.weight_version is None else seq.req.lora.weight_version)
-                if masks is not None and i in masks:
-                    if masks[i][0] is None:  # the kept set is larger than the cap: this request fails alone
-                        self._fail_request(seq.req, self._mask_too_large())
-                        return False
-                    seq.output_sampling_masks.append(masks[i][0])
-                    seq.output_sampling_logprobs.append(masks[i][1])
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self._check_stop(seq)
-                touched.setdefault(seq.req.rid, []).append(seq)
-                return not seq.is_finished
-
-            for i, seq in enumerate(samplers):
-                if i in verified:
-                    continue
-                seq.num_pending -= 1
-                if seq.is_finished:  # finished or aborted while this step ran: its extra slot is dropped
-                    continue
-                append(seq, i)
-            for seq, first, guesses in sb.verifies:
-                seq.spec_guesses = []
-                if not seq.is_finished:
-                    self._take_verified(seq, first, guesses, tokens, append)
-        for seq, _ in scheduled:
-            req = seq.req
-            if (not seq.is_finished and req.params.max_new_tokens == 0
-                    and seq.num_computed_tokens == seq.num_prompt_tokens):
-                self._finish(seq, "length")
-                touched.setdefault(req.rid, []).append(seq)
-        for rid, seqs in touched.items():
-            req = self.requests.get(rid)
-            if req is not None and req.on_update is not None and not req.is_finished:
-                req.on_update(req, seqs)
-
-    def _take_verified(self, seq: Sequence, first: int, guesses: list[int], tokens: list[int], append) -> None:
-        """A verify chunk's rows (from sample row ``first``) onto ``seq``: each draw up to and including the
-        first that differs from its guess, stopping where the sequence ends; only the guesses returned
-        count as accepted."""
-        n = self.speculator.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
-        seq.spec_verify_ct += 1
-        seq.spec_draft_token_num += len(guesses)
-        kept = 0  # accepted guesses returned: none past a stop
-        for j in range(n + 1):
-            # the KV is valid up to the input of row j (every guess before it accepted); the KV of the token
-            # row j draws is computed next step, and a rejected guess's is never kept — set before the
-            # append, whose stop or length check may end the turn and hand its KV to the session
-            seq.num_computed_tokens = len(seq.token_ids)
-            going = append(seq, first + j)
-            kept += j < n
-            if not going:
-                break
-        seq.spec_accept_token_num += kept
-        self.speculator.count_returned(kept)
-
-    @staticmethod
-    def _masks_by_row(samplers: list[Sequence], result: GenerationBatchResult):
-        """{sample row: (kept ids or None, renormalised logprob)} for the rows that asked for masks."""
-        if result.sampling_masks is None:
-            return None
-        rows = [i for i, s in enumerate(samplers) if s.req.return_sampling_mask]
-        lps = result.sampling_logprobs.tolist()
-        return {row: (mask, lps[row]) for row, mask in zip(rows, result.sampling_masks)}
-
-    def _mask_too_large(self) -> ValueError:
-        return ValueError(f"a sampling mask of this request would hold more than max_sampling_mask_size="
-                          f"{self.config.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, min_p, "
-                          f"allowed_token_ids) or raise the engine's max_sampling_mask_size")
-
-    def _fail_request(self, req: Request, error: BaseException) -> None:
+    def fail_request(self, req: Request, error: BaseException) -> None:
         req.error = error
         self.abort(req.rid)
 
-    def _record_input_logprobs(self, batch: ScheduledBatch, result: GenerationBatchResult) -> None:
-        if result.input_sampling_logprobs is not None:  # replayed scoring
-            lps = result.input_sampling_logprobs.tolist()
-            masks = iter(result.input_sampling_masks or [])
-            for i, req in enumerate(batch.input_owners):
-                if req.score_from is None:
-                    continue
-                req.score_sampling_logprobs.append(lps[i])
-                if req.return_sampling_mask:
-                    mask = next(masks)
-                    if mask is None and req.error is None:
-                        self._fail_request(req, self._mask_too_large())
-                    req.score_masks.append(mask)
-        values = result.input_logprobs.tolist()
-        top_ids = result.input_top_ids.tolist() if result.input_top_ids is not None else None
-        top_lps = result.input_top_logprobs.tolist() if result.input_top_logprobs is not None else None
-        ranks = result.input_ranks.tolist() if result.input_ranks is not None else None
-        for i, req in enumerate(batch.input_owners):
-            req.input_logprobs.append(values[i])
-            if top_ids is not None:
-                k = req.top_logprobs_num
-                req.input_top_logprobs.append(list(zip(top_ids[i][:k], top_lps[i][:k])) if k else [])
-            if ranks is not None and req.top_logprobs_num:
-                req.input_ranks.append(ranks[i])
-
-    def _check_stop(self, seq: Sequence) -> None:
-        p = seq.params
-        tok = seq.token_ids[-1]
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_new_tokens:
-            if not p.ignore_eos and tok in self.eos_ids:
-                return self._finish(seq, "stop", tok)
-            if p.stop_token_ids and tok in p.stop_token_ids:
-                return self._finish(seq, "stop", tok)
-            if p.stop and self.detokenizer is not None:
-                text = self.detokenizer(seq.output_ids, p.skip_special_tokens)
-                tail_from = max(0, len(text) - max(len(s) for s in p.stop) - 16)
-                hits = [(text.find(s, tail_from), s) for s in p.stop]
-                hits = [(pos, s) for pos, s in hits if pos >= 0]
-                if hits:
-                    pos, s = min(hits)
-                    seq.stop_text_offset = pos
-                    seq.text = text[:pos + len(s)] if p.no_stop_trim else text[:pos]
-                    return self._finish(seq, "stop", s)
-        if n_out >= p.max_new_tokens or len(seq.token_ids) >= self.worker.context_len:
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str, matched=None) -> None:
+    def finish(self, seq: Sequence, reason: str, matched=None) -> None:
         seq.finish_reason = reason
         seq.matched_stop = matched
         if self.speculator is not None:
@@ -807,7 +537,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         if seq.req.session_id is not None:
-            self._end_turn(seq)
+            self.sessions.end_turn(seq)
         self.block_manager.free(seq.block_table)
         seq.block_table = []
         req = seq.req

@@ -16,12 +16,18 @@ before any running sequence is preempted); a session idle for its timeout is clo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rollout.config import InputError
+
+if TYPE_CHECKING:
+    from rollout.scheduler.block_manager import BlockManager
+    from rollout.scheduler.request import Request, Sequence
 
 MAX_SESSION_ID_CHARS = 256
 
@@ -90,3 +96,127 @@ class SessionTable:
         waiting holds KV too (it moves to the turn when the turn is admitted): under memory pressure
         it goes like any other, or waiting turns would each pin their history and none be admitted."""
         return sorted((s for s in self.sessions.values() if s.block_table), key=lambda s: (not s.idle, s.last_used))
+
+
+class SessionKv:
+    """The scheduler's sessions: the table and the KV each session holds between turns, on the scheduler's
+    thread. A turn begins (its prompt becomes history + what it appends), adopts the session's KV when it is
+    admitted under the same weights (else the history is recomputed), and ends handing its KV back (a normal
+    end) or leaving the session as it was (an abort or error); held KV is released, idle and least recently
+    used first, when blocks run short; an idle session past its timeout is closed."""
+
+    def __init__(self, table: SessionTable, block_manager: BlockManager, block_size: int,
+                 max_req_len: Callable[[], int], cache_key: Callable[[Request], str]):
+        self.table = table
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.max_req_len = max_req_len  # the context, and what the KV pool can hold for one sequence
+        self.cache_key = cache_key  # a request's prefix-cache key now (weights, adapter, salt)
+        self._checked = time.monotonic()
+
+    def __bool__(self) -> bool:
+        return bool(self.table.sessions)
+
+    def open(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:
+        return self.table.open(session_id, timeout_s).sid
+
+    def close(self, session_id: str) -> None:
+        """Forget the session and free its KV; a turn still running finishes, and keeps nothing."""
+        self.drop_kv(self.table.close(session_id))
+
+    def info(self, session_id: str) -> dict:
+        s = self.table.get(session_id)
+        return {"session_id": s.sid, "num_tokens": len(s.token_ids), "num_turns": s.num_turns,
+                "num_cached_tokens": s.num_computed if s.block_table else 0, "busy": not s.idle,
+                "token_ids": list(s.token_ids)}
+
+    def drop_all_kv(self) -> None:
+        """Every session's KV freed (the KV cache is being released); histories are kept."""
+        for s in list(self.table.sessions.values()):
+            self.drop_kv(s)
+
+    def drop_kv(self, s: Session) -> None:
+        self.block_manager.free(s.block_table)
+        s.block_table, s.num_computed, s.cache_key = [], 0, None
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def begin_turn(self, req: Request) -> None:
+        """A session turn: its prompt becomes the session's history plus the tokens it appends."""
+        s = self.table.get(req.session_id)
+        if not s.idle:
+            raise SessionError(f"session {s.sid!r} is running a turn ({s.busy_rid!r}); one turn at a time")
+        history = s.token_ids
+        total = len(history) + len(req.prompt_ids)
+        limit = self.max_req_len()
+        if total >= limit:
+            raise SessionError(f"session {s.sid!r}: its {len(history)} tokens plus this turn's {len(req.prompt_ids)} "
+                               f"reach the context limit ({limit} tokens): the episode is over")
+        if total + req.params.max_new_tokens > limit:  # the turn ends with finish_reason "length" at the limit
+            req.params = dataclasses.replace(req.params, max_new_tokens=limit - total)
+        req.prompt_ids = history + req.prompt_ids
+        seq = req.seqs[0]
+        seq.token_ids = list(req.prompt_ids)
+        seq.num_prompt_tokens = len(req.prompt_ids)
+        req.logprob_start_len = req.next_input_logprob_pos = len(req.prompt_ids)  # no prompt logprobs in a turn
+        req.input_logprobs, req.input_top_logprobs, req.input_ranks = [], [], []
+        s.busy_rid = req.rid
+        s.last_used = time.monotonic()
+
+    def adopt(self, seq: Sequence, limit: int) -> bool:
+        """Hand the session's KV to its turn if it was computed under the weights (and salt) the turn
+        runs with; otherwise drop it (the history is recomputed). True if adopted."""
+        s = self.table.sessions.get(seq.req.session_id)
+        if s is None or not s.block_table:
+            return False
+        if s.cache_key != seq.kv_key:  # computed under other weights: never reused
+            self.drop_kv(s)
+            return False
+        n = min(s.num_computed, limit)
+        keep = self._blocks_for(n)
+        self.block_manager.free(s.block_table[keep:])
+        seq.block_table, seq.num_computed_tokens = s.block_table[:keep], n
+        seq.num_cached_tokens = n
+        s.block_table, s.num_computed, s.cache_key = [], 0, None
+        self.block_manager.stats.num_queries += len(seq.token_ids)
+        self.block_manager.stats.num_hit_tokens += n
+        return True
+
+    def end_turn(self, seq: Sequence) -> None:
+        """A turn ended: a normal end appends its tokens to the history and leaves its KV with the
+        session (if computed under the current weights throughout); an abort or error keeps the
+        history as it was, without KV."""
+        req = seq.req
+        s = self.table.sessions.get(req.session_id)
+        if s is None or s.busy_rid != req.rid:
+            return  # closed while the turn ran: the turn's blocks are freed as any request's
+        s.busy_rid, s.last_used = None, time.monotonic()
+        if seq.finish_reason not in ("stop", "length") or req.error is not None:
+            return
+        s.num_turns += 1
+        s.token_ids = list(seq.token_ids)
+        if seq.kv_key != self.cache_key(req) or not seq.block_table:
+            return  # the weights changed during the turn: nothing kept; the next turn recomputes
+        n = min(seq.num_computed_tokens, len(seq.token_ids))
+        keep = self._blocks_for(n)
+        s.block_table, s.num_computed, s.cache_key = seq.block_table[:keep], n, seq.kv_key
+        seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
+
+    def release_one(self) -> bool:
+        """Free the KV of one session that holds some — idle ones first, least recently used first — (its
+        history stays; its next turn recomputes it)."""
+        holding = self.table.holding_kv()
+        if not holding:
+            return False
+        self.drop_kv(holding[0])
+        return True
+
+    def expire(self) -> None:
+        """Close the sessions idle past their timeout (looked at once a second at most)."""
+        now = time.monotonic()
+        if now - self._checked < 1.0:
+            return
+        self._checked = now
+        for s in self.table.expired(now):
+            self.close(s.sid)

@@ -228,6 +228,51 @@ class Speculator:
         return [ScoredPosition(seq.params, seq.token_ids + guesses[:j], seq.num_prompt_tokens, seq.req, seq.seed)
                 for j in range(len(guesses) + 1)]
 
+    def add_verify_rows(self, seq, start: int, q: int, rows: tuple, logits_rows: list, sample_idx: list,
+                        samplers: list, verifies: list, row: int) -> int:
+        """A verify chunk as ``q`` decode rows of one sequence, appended to the batch being built (``rows``:
+        its input ids, block tables, LoRA slots, context and query lengths): its last token and each guess at
+        their own positions over the same block table, each attending to the positions before it (every row's
+        KV is written before any row attends), so the step stays a decode step (the decode kernels, the decode
+        CUDA graphs); every row sampled as plain decoding samples that position. Returns the next row."""
+        input_ids, tables, lora_slots, ctx_lens, q_lens = rows
+        snapshot = list(seq.block_table)
+        slot = -1 if seq.req.lora is None else seq.req.lora.slot
+        verifies.append((seq, len(samplers), seq.spec_guesses))
+        tokens = seq.token_ids[start:] + seq.spec_guesses
+        for j, view in enumerate(self.views(seq, seq.spec_guesses)):
+            input_ids.append(tokens[j])
+            tables.append(snapshot)
+            lora_slots.append(slot)
+            ctx_lens.append(start + 1 + j)
+            q_lens.append(1)
+            logits_rows.append(row)
+            sample_idx.append(len(logits_rows) - 1)
+            samplers.append(view)
+            row += 1
+        seq.num_computed_tokens = start + q
+        return row
+
+    def take_verified(self, seq, first: int, guesses: list[int], tokens: list[int], append) -> None:
+        """A verify chunk's rows (from sample row ``first``) onto ``seq`` through ``append(seq, row)`` (False:
+        the sequence ended): each draw up to and including the first that differs from its guess, stopping
+        where the sequence ends; only the guesses returned count as accepted."""
+        n = self.accepted(seq.seq_id, guesses, tokens[first: first + len(guesses)])
+        seq.spec_verify_ct += 1
+        seq.spec_draft_token_num += len(guesses)
+        kept = 0  # accepted guesses returned: none past a stop
+        for j in range(n + 1):
+            # the KV is valid up to the input of row j (every guess before it accepted); the KV of the token
+            # row j draws is computed next step, and a rejected guess's is never kept — set before the
+            # append, whose stop or length check may end the turn and hand its KV to the session
+            seq.num_computed_tokens = len(seq.token_ids)
+            going = append(seq, first + j)
+            kept += j < n
+            if not going:
+                break
+        seq.spec_accept_token_num += kept
+        self.count_returned(kept)
+
     def accepted(self, seq_id: int, guesses: list[int], drawn: list[int]) -> int:
         """How many guesses the draws accept: while each equals the token drawn at its position."""
         n = 0
