@@ -160,3 +160,20 @@ def wildcard_listeners() -> list[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr and ipaddress.ip_address(c.laddr.ip).is_unspecified:
                 found.append(f"{proc.pid} {name} {c.laddr.ip}:{c.laddr.port}")
     return found
+
+
+def learns_after_its_control_arm(logs: list[dict], control_steps: int, spread: float = 0.2,
+                                 rise: float = 0.3) -> tuple[list[dict], list[dict]]:
+    """A run whose first ``control_steps`` rollouts ran on the initial weights (``--control-steps``): their
+    rewards flat (within ``spread``), each step's samples one version older, nothing pushed before the arm's
+    last step; then a rise of ``rise`` over the arm's mean by the mean of the last five steps. Returns the
+    arm's logs and the pushed steps' logs."""
+    control, pushed = logs[:control_steps], logs[control_steps:]
+    flat = [x["reward"] for x in control]
+    rewards = [x["reward"] for x in pushed]
+    assert max(flat) - min(flat) < spread, flat
+    assert sum(rewards[-5:]) / 5 >= sum(flat) / control_steps + rise, (flat, rewards)
+    assert [x["max_sample_staleness"] for x in control] == list(range(control_steps))
+    assert all(x["sync_phases"] == {} for x in control[:-1])
+    assert all(x["max_sample_staleness"] == 0 for x in pushed)
+    return control, pushed

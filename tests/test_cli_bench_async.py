@@ -62,25 +62,25 @@ def test_throughput_benchmark_writes_json_and_png(tmp_path):
 
 
 def test_limits_and_rl_step_benchmarks_and_compare(tmp_path):
-    """``rollout bench limits`` and ``rl-step`` through the command line, then ``--compare``."""
+    """``rollout bench limits`` and ``rl-step`` through the command's dispatch (in this process: the command
+line itself is ``--compare``'s and the other tests'), then ``--compare``."""
+    from rollout.cli import main as cli_main
+
     common = ["--model", "tiny", "--dtype", "float32", "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]
-    out = run_cli("bench", "limits", *common, "--batches", "1,4", "--steps", "3", "--repeats", "1", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert cli_main(["bench", "limits", *common, "--batches", "1,4", "--steps", "3", "--repeats", "1"]) == 0
     res = json.load(open(tmp_path / "limits_tiny_float32_tp1.json"))
     for b in ("1", "4"):
         e = res["engine"][b]
         assert e["num_steps"] >= 2 and e["mean_batch"] == int(b) and e["step_s"] >= e["forward_s"] > 0
         assert res["gemm"][b]["gemm_step_s"] > 0 and res["ratios"][b]["step_over_gemm_step"] > 0
     assert res["memory"]["read_gb_s"] > 0 and res["weight_read_s"] > 0
-    out = run_cli("bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
-                  "--max-new-tokens", "4", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert cli_main(["bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
+                     "--max-new-tokens", "4"]) == 0
     rl = json.load(open(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.json"))
     assert len(rl["steps"]) == 2 and all(s["samples"] == 4 and s["sync_s"] > 0 for s in rl["steps"])
     assert os.path.isfile(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off.png")
-    out = run_cli("bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
-                  "--max-new-tokens", "8", "--speculative", "on", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert cli_main(["bench", "rl-step", *common, "--steps", "2", "--num-prompts", "2", "--n", "2",
+                     "--max-new-tokens", "8", "--speculative", "on"]) == 0
     spec = json.load(open(tmp_path / "rl_step_grpo-short_tiny_float32_tp1_overlap-off_spec-on.json"))
     assert spec["config"]["features"]["speculative"] and all("tokens_per_verify" in s for s in spec["steps"])
     a = tmp_path / "limits_tiny_float32_tp1.json"

@@ -55,6 +55,9 @@ class GRPOConfig:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     push_weights: bool = True  # False: the engine keeps the initial weights (a control run)
+    # a control arm inside the run: the rollouts of the first control_steps steps run on the initial weights
+    # (nothing is pushed until then: their rewards stay flat, their samples one version older each step)
+    control_steps: int = 0
     release_memory: bool = True  # colocated: free the engine's KV and weights while training
     bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES
     push_per_parameter: bool = False  # the baseline most integrations use: one gather + hand-off per parameter
@@ -82,6 +85,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.clip_eps={self.clip_eps}: use 0 <= clip_eps < 1")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"GRPOConfig.tis_cap={self.tis_cap}: must be > 0 (or None: off)")
+        if self.control_steps < 0 or self.control_steps >= self.steps:
+            raise ValueError(f"GRPOConfig.control_steps={self.control_steps}: use 0 <= control_steps < steps")
         if self.max_staleness < 0:
             raise ValueError(f"GRPOConfig.max_staleness={self.max_staleness}: must be >= 0")
         if self.stale_policy not in ("drop", "keep", "tis"):
@@ -323,16 +328,20 @@ class _GRPORun:
                     raise
         raise AssertionError("unreachable")
 
-    def release_engine_memory(self) -> int:
-        """Colocated: the engine's KV cache and weights (LoRA: the KV cache only) freed while the trainer
-        trains; bytes freed."""
+    def pushes_after(self, step: int) -> bool:
+        """Whether the weights trained at 0-based ``step`` are pushed: never in a control run; in a run with a
+        control arm of K steps, from step K - 1 on (the rollouts of steps 0 .. K - 1 ran on the initial weights)."""
+        return self.cfg.push_weights and step >= self.cfg.control_steps - 1
+
+    def release_engine_memory(self, pushing: bool) -> int:
+        """Colocated: the engine's KV cache and weights (LoRA, or a step whose weights are not pushed: the
+        KV cache only) freed while the trainer trains; bytes freed."""
         if not self.cfg.release_memory:
             return 0
-        return int(self.engine.release_memory_occupation(self._released).detail["freed_bytes"])
+        return int(self.engine.release_memory_occupation(self._released(pushing)).detail["freed_bytes"])
 
-    @property
-    def _released(self) -> list[str]:
-        return ["kv_cache"] if self.cfg.lora_name is not None else ["kv_cache", "weights"]
+    def _released(self, pushing: bool) -> list[str]:
+        return ["kv_cache"] if self.cfg.lora_name is not None or not pushing else ["kv_cache", "weights"]
 
     def push_adapter(self, version: str) -> dict:
         """LoRA: the adapter's tensors as a new version of ``cfg.lora_name`` (to a colocated engine, or
@@ -359,17 +368,17 @@ class _GRPORun:
         else:
             self.push(version)
 
-    def sync_weights(self, step: int) -> tuple[dict, Optional[bool]]:
+    def sync_weights(self, step: int, pushing: bool) -> tuple[dict, Optional[bool]]:
         """After a training step: the engine's weights storage back (if released) -> push the new
-        weights as version ``step-{step}`` -> read samples back (``verify_push``) -> the KV cache back.
-        Returns the push's phases and whether the samples matched (None: not checked)."""
+        weights as version ``step-{step}`` (``pushing``) -> read samples back (``verify_push``) -> the KV
+        cache back. Returns the push's phases and whether the samples matched (None: not checked)."""
         cfg = self.cfg
-        if cfg.release_memory and cfg.lora_name is None:
+        if "weights" in self._released(pushing) and cfg.release_memory:
             self.engine.resume_memory_occupation(["weights"])
         phases, verified = {}, None
-        if cfg.push_weights and cfg.lora_name is not None:
+        if pushing and cfg.lora_name is not None:
             phases = self.push_adapter(f"step-{step}")
-        elif cfg.push_weights:
+        elif pushing:
             pushed = self.push(f"step-{step}")
             if not pushed.result.success:
                 raise RuntimeError(f"weight push failed at step {step}: {pushed.result.message}")
@@ -427,14 +436,15 @@ class _GRPORun:
         rewards = self.rewards(outs)
         # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
         ages = [[step - _version_step(v) for v in self.token_versions(o)] for o in outs]
-        released = self.release_engine_memory()
+        pushing = self.pushes_after(step)
+        released = self.release_engine_memory(pushing)
         peak = rss_mb()
         t1 = time.perf_counter()
         loss, mismatch = self.train(ro, outs, group_advantages(rewards, self.cfg.n), ages)
         peak = max(peak, rss_mb())
         train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        phases, verified = self.sync_weights(step + 1)
+        phases, verified = self.sync_weights(step + 1, pushing)
         sync_s = time.perf_counter() - t2
         peak = max(peak, rss_mb())
         mm = mismatch.reduced()
@@ -467,7 +477,7 @@ class _GRPORun:
         try:
             for step in range(cfg.steps):
                 t_step = time.perf_counter()
-                if cfg.push_weights and self.target.heal():  # e.g. a replica came back: it gets the current weights
+                if self.pushes_after(step) and self.target.heal():  # e.g. a replica came back: it gets the current weights
                     self.events.append(f"step {step + 1}: the weight group was rebuilt; pushing step-{step} again")
                     self.push_current(f"step-{step}")
                 t_wait = time.perf_counter()

@@ -35,6 +35,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--kl-coef", type=float, default=0.0)
     ap.add_argument("--tis-cap", type=float, default=None)
     ap.add_argument("--no-push", action="store_true", help="control run: never push weights to the engine")
+    ap.add_argument("--control-steps", type=int, default=0, metavar="K",
+                    help="a control arm inside the run: the rollouts of the first K steps run on the initial "
+                         "weights (nothing pushed until then; their rewards stay flat)")
     ap.add_argument("--push-per-parameter", action="store_true",
                     help="gather and push one parameter at a time (the slow baseline) instead of buckets")
     ap.add_argument("--bucket-mb", type=int, default=64, help="push bucket size")
@@ -119,6 +122,7 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
     return GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, n=args.n,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
                       kl_coef=args.kl_coef, tis_cap=args.tis_cap, push_weights=not args.no_push,
+                      control_steps=args.control_steps,
                       top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                       repetition_penalty=args.repetition_penalty,
                       release_memory=release_memory and not args.no_push, seed=args.seed,
