@@ -344,3 +344,17 @@ def test_the_listener_check_sees_a_wildcard_listener_of_a_child():
         child.kill()
         child.wait(10)
     assert not wildcard_listeners()
+
+
+def test_a_pause_wait_whose_caller_leaves_is_withdrawn(ctl):
+    """/pause?mode=wait awaits the engine's quiet point as an event; a caller that leaves before it (a client
+    timeout) withdraws it: the generation in flight finishes and the engine is not paused afterwards."""
+    box: dict = {}
+    t = _long_generation(ctl, box)
+    with pytest.raises(httpx.TimeoutException):
+        ctl.post("/pause?mode=wait", timeout=0.3)
+    t.join()
+    assert box["gen"].status_code == 200 and box["gen"].json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert ctl.get("/is_paused").json()["is_paused"] is False
+    r = ctl.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200  # the door is open again

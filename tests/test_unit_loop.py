@@ -67,3 +67,27 @@ def test_a_failed_step_fails_its_requests_and_the_loop_keeps_serving():
     loop.stop()
     with pytest.raises(EngineDeadError):
         loop.check_alive()
+
+
+def test_a_posted_quiet_call_is_an_event_to_await_and_can_be_withdrawn_until_it_starts():
+    """``post``: a call queued without blocking (vLLM's pause?mode=wait waits on its ``done`` event instead of
+    polling). Withdrawn while requests still run, it never runs — not even once they finish; one left in place
+    runs at the quiet point; withdrawing one that ran says so."""
+    loop, worker = _loop()
+    req = _request(400)
+    loop.submit(req)
+    while len(worker.batches) < 3:
+        time.sleep(0.001)
+    ran: list[str] = []
+    withdrawn = loop.post(lambda: ran.append("withdrawn"), quiet=True)
+    assert not withdrawn.done.wait(0.05)  # requests run: it waits
+    assert withdrawn.cancel() and withdrawn.done.is_set()
+    kept = loop.post(lambda: ran.append("kept") or "paused", quiet=True)
+    assert kept.done.wait(30) and kept.outcome() == "paused"
+    assert req.done.is_set() and ran == ["kept"]  # the withdrawn call never ran
+    assert not kept.cancel()  # it ran: nothing to withdraw
+    failing = loop.post(lambda: 1 / 0)
+    assert failing.done.wait(5)
+    with pytest.raises(ZeroDivisionError):
+        failing.outcome()
+    loop.stop()

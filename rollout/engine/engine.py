@@ -435,6 +435,14 @@ class RolloutEngine:
             self._loop.paused = True
         self._loop.call(pause)
 
+    def pause_when_idle(self):
+        """vLLM's ``pause?mode=wait``: a pause that takes effect once no request runs or waits (the engine
+        loop's quiet point; nothing is aborted). Returns at once with the pending call: its ``done`` event is
+        set when the engine is paused; ``cancel()`` withdraws it while it waits (True: nothing was paused)."""
+        def pause():
+            self._loop.paused = True
+        return self._loop.post(pause, quiet=True)
+
     # ------------------------------------------------------------------ sessions (rollout.scheduler.sessions)
 
     def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:

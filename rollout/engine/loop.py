@@ -44,11 +44,31 @@ class _Abort:
 
 @dataclass
 class _Call:
+    """A function run on the loop thread; ``done`` is set once it ran, failed or was withdrawn."""
+
     fn: Callable[[], Any]
     quiet: bool
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: Optional[BaseException] = None
+    started: bool = False
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> bool:
+        """Withdraw the call if it has not started: True (it never runs), False (it ran or is running)."""
+        with self.lock:
+            if self.started:
+                return False
+            self.cancelled = True
+        self.done.set()
+        return True
+
+    def outcome(self) -> Any:
+        """Its result once done (its error raised)."""
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 @dataclass
@@ -84,13 +104,21 @@ class EngineLoop:
         self.check_alive()
         if self._thread is None:  # external-launch follower: no loop of its own
             return fn()
-        cmd = _Call(fn, quiet)
-        self._commands.put(cmd)
+        cmd = self.post(fn, quiet)
         if not cmd.done.wait(timeout):
             raise TimeoutError("the engine loop did not answer in time")
-        if cmd.error is not None:
-            raise cmd.error
-        return cmd.result
+        return cmd.outcome()
+
+    def post(self, fn: Callable[[], Any], quiet: bool = False) -> _Call:
+        """Queue ``fn`` as ``call`` does and return at once: the caller waits on ``done`` (an event, set once
+        it ran) or withdraws it with ``cancel()`` while it has not started."""
+        self.check_alive()
+        cmd = _Call(fn, quiet)
+        if self._thread is None:
+            self._execute(cmd)
+        else:
+            self._commands.put(cmd)
+        return cmd
 
     def check_alive(self) -> None:
         if self.fatal is not None:
@@ -161,6 +189,10 @@ class EngineLoop:
         elif isinstance(cmd, _Abort):
             self.scheduler.abort(cmd.rid, cmd.prefix)
         elif isinstance(cmd, _Call):
+            with cmd.lock:
+                if cmd.cancelled:  # withdrawn while it waited: it never runs
+                    return
+                cmd.started = True
             try:
                 self.scheduler.drain()
                 cmd.result = cmd.fn()

@@ -20,7 +20,6 @@ generation is paused (published at ``/resume``). prime-rl's ``/update_weights {"
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any, Literal, Optional
 
@@ -69,8 +68,7 @@ async def pause(request: Request, mode: Literal["abort", "wait", "keep"] = "abor
                                      "pause with mode=abort")
         svc.admission.clear()
         try:
-            await _drain(svc, request)
-            await svc.call(svc.engine.pause_generation, "abort")  # nothing runs: aborts nothing
+            await _pause_once_idle(svc, request)
         finally:
             svc.admission.set()  # what waited now queues in the paused engine until /resume
     else:
@@ -80,20 +78,30 @@ async def pause(request: Request, mode: Literal["abort", "wait", "keep"] = "abor
     return {"status": "paused"}
 
 
-async def _drain(svc: EngineService, request: Request, poll_s: float = 0.05) -> None:
-    """Until nothing runs or waits; 499 if the caller leaves, 504 past the server's request timeout (the
-    door opens again either way)."""
+async def _pause_once_idle(svc: EngineService, request: Request) -> None:
+    """Pause once nothing runs or waits: the engine's quiet point, awaited as an event (no polling). 499 if the
+    caller leaves first, 504 past the server's request timeout; either way the pause is withdrawn and nothing
+    was paused (unless it had already taken effect: then it stands, as it would have a moment later)."""
+    pending = svc.engine.pause_when_idle()
+    paused = asyncio.get_running_loop().run_in_executor(None, pending.done.wait)
+    left = asyncio.ensure_future(_disconnected(request))
     limit = svc.config.request_timeout_s
-    deadline = None if limit is None else time.monotonic() + limit
-    while True:
-        stats = await svc.read(svc.engine.get_stats)
-        if stats["num_running"] + stats["num_waiting"] == 0:
-            return
-        if await request.is_disconnected():
+    try:
+        done, _ = await asyncio.wait({paused, left}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if paused not in done and pending.cancel():
+        if left in done:
             raise HTTPException(499, "client disconnected")
-        if deadline is not None and time.monotonic() > deadline:
-            raise HTTPException(504, f"the requests in flight did not finish within {limit}s; nothing was paused")
-        await asyncio.sleep(poll_s)
+        raise HTTPException(504, f"the requests in flight did not finish within {limit}s; nothing was paused")
+    await paused
+    pending.outcome()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the server's ``http.disconnect``; this route reads no body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post("/resume", dependencies=ADMIN)
