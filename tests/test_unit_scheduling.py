@@ -130,6 +130,30 @@ def test_n_samples_fork_off_one_prefill():
     assert sched.block_manager.num_free_blocks == 64
 
 
+def test_every_sample_counts_against_max_num_seqs_followers_wait_their_turn():
+    """n samples past ``max_num_seqs``: as many fork off the prefill as fit, the others wait at the front of the
+    queue (ahead of later requests) and run as sequences finish — never more sequences in a step than the
+    limit; every sample finishes, sharing the prompt's cached blocks."""
+    sched, worker = make(max_num_seqs=4, block_size=4)
+    req = request(range(1, 9), n=8, max_new_tokens=3)  # 8 tokens: two full blocks
+    later = request([20, 21, 22], max_new_tokens=2)
+    sched.add_request(req)
+    sched.step()  # the prompt's prefill: the leader and as many forks as fit
+    sched.add_request(later)
+    most = len(sched.running)
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        sched.step()
+        most = max(most, len(sched.running))
+        assert len(worker.batches[-1].ctx_lens) <= 4
+    assert most == 4 and sched.stats.num_forked_samples == 3  # the leader and three forks filled the limit
+    assert all(s.finish_reason == "length" and s.output_ids == [7, 7, 7] for s in req.seqs)
+    assert later.seqs[0].finish_reason == "length"
+    assert later.seqs[0].first_token_time > max(s.first_token_time for s in req.seqs)  # the followers went first
+    assert req.done.is_set() and sched.block_manager.num_free_blocks == 64
+
+
 def test_preemption_when_blocks_run_out_then_recompute():
     sched, worker = make(num_blocks=6, block_size=2, enable_prefix_caching=False)
     reqs = [request([1, 2, 3], max_new_tokens=4), request([4, 5, 6], max_new_tokens=4),

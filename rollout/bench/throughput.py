@@ -228,7 +228,7 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
         elapsed = time.perf_counter() - t0
         stats = engine.get_stats()
     delta = {k: stats[k] - base[k] for k in ("num_sample_steps", "sample_time_s", "forward_time_s", "num_decode_steps",
-                                             "decode_step_time_s", "decode_step_batch")}
+                                             "decode_step_time_s", "decode_step_batch", "num_preemptions")}
     steps = max(delta["num_sample_steps"], 1)
     lengths = sorted(len(o.output_token_ids) for o in outs)
     return {"tokens": sum(lengths), "seconds": elapsed, "tokens_per_s": sum(lengths) / elapsed,
@@ -237,6 +237,7 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
             "decode_step_ms": 1e3 * delta["decode_step_time_s"] / max(delta["num_decode_steps"], 1),
             "decode_steps": delta["num_decode_steps"], "decode_seconds": delta["decode_step_time_s"],
             "mean_decode_batch": delta["decode_step_batch"] / max(delta["num_decode_steps"], 1),
+            "preemptions": delta["num_preemptions"],
             "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1], **spec_stats(base, stats)}
 
 

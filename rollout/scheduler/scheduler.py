@@ -489,12 +489,17 @@ class Scheduler:
             self.block_manager.register(seq.block_table[i], hashes[i])
 
     def _fork_followers(self, leader: Sequence, copies: list[tuple[int, int]]) -> list[Sequence]:
-        """Followers share the leader's full prompt blocks and copy its partial last block."""
+        """Followers share the leader's full prompt blocks and copy its partial last block — as many as
+        ``max_num_seqs`` leaves room for (every sample counts against it); the rest wait at the front of the
+        queue, ahead of later requests, and prefill on their own as room frees (their prompt's full blocks
+        from the prefix cache)."""
         req = leader.req
         n_full = leader.num_prompt_tokens // self.block_size
         partial = leader.num_prompt_tokens % self.block_size != 0
         forked = []
         for seq in list(req.pending_followers):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             dst = None
             if partial:
                 dst = self.block_manager.allocate(1)
@@ -512,8 +517,8 @@ class Scheduler:
             forked.append(seq)
         self.stats.num_forked_samples += len(forked)
         self.stats.num_shared_prefill_tokens += len(forked) * leader.num_prompt_tokens
-        for seq in req.pending_followers:  # no block for them now: queue them as ordinary sequences
-            self.waiting.append(seq)
+        # no room or no block for them now: queued as ordinary sequences, first in line
+        self.waiting.extendleft(reversed(req.pending_followers))
         req.pending_followers = []
         return forked
 

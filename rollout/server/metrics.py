@@ -35,6 +35,8 @@ class _EngineCollector:
         yield gauge("step_sample_seconds", "Mean sampling time per sampling step",
                     stats["sample_time_s"] / max(1, stats["num_sample_steps"]))
         yield gauge("num_steps", "Scheduler steps run", stats["num_steps"])
+        yield gauge("num_preemptions", "Sequences preempted (their KV dropped, recomputed later)",
+                    stats["num_preemptions"])
         if "spec_verify_ct" in stats:  # speculative decoding on (SGLang's counter names)
             yield gauge("spec_verify_ct", "Speculative verify steps run", stats["spec_verify_ct"])
             yield gauge("spec_draft_token_num", "Guessed tokens verified", stats["spec_draft_token_num"])
