@@ -209,13 +209,16 @@ class EngineConfig:
         given = {k: v for k, v in kwargs.items() if k in known}
         for name, group in GROUPS.items():
             base = given.get(name)
-            if isinstance(base, dict) or base is None:
-                base = KernelChoice.of(base) if group is KernelChoice else group(**(base or {}))
-            elif not isinstance(base, group):
+            if isinstance(base, group):
+                base = {f: getattr(base, f) for f in group.__dataclass_fields__}
+            elif not isinstance(base, (dict, type(None))):
                 raise ValueError(f"engine option {name}={base!r}: a {group.__name__} or a dict of its fields")
-            if groups.get(name):
-                base = group(**{**{f: getattr(base, f) for f in group.__dataclass_fields__}, **groups[name]})
-            given[name] = base
+            fields_given = {**(base or {}), **groups.get(name, {})}
+            unknown_fields = sorted(set(fields_given) - set(group.__dataclass_fields__))
+            if unknown_fields:
+                raise ValueError(f"engine option {name}: unknown field(s) {unknown_fields}; known: "
+                                 f"{sorted(group.__dataclass_fields__)}")
+            given[name] = group(**fields_given)
         deprecated = {k: v for k, v in kwargs.items() if k in DEPRECATED_OPTIONS}
         given["kernels"] = given["kernels"].with_deprecated(deprecated)
         return cls(model_path=model_path, **given)

@@ -574,7 +574,7 @@ def test_the_fused_sampler_draws_what_the_torch_path_draws(qwen_path):
     for fused in (True, False):
         kw = {} if fused else dict(kernel_unfused=("sampler",))
         with RolloutEngine(qwen_path, dtype="float32", kv_cache_tokens=1024, **kw) as e:
-            assert e.worker.model_runner.fused_sampler == fused
+            assert e.worker.model_runner.kernels.sampler == fused
             assert all(layer.mlp.fused_act for layer in e.worker.model_runner.model.model.layers)  # the default
             outs = e.generate(input_ids=prompts, sampling_params=sp)
             got[fused] = ([o.output_token_ids for o in outs], [o.output_logprobs for o in outs], _scores(e))

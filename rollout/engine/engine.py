@@ -531,7 +531,7 @@ class RolloutEngine:
                 return WeightResult.fail(f"named_tensors[{bad}] is not a (name, tensor) pair; nothing was loaded")
             msg = self._weights.tensors_message(named, check_finite, partial, stage=transaction)
         if transaction:
-            return self._weights.lifecycle.staged(self._weights.run(msg))
+            return self._weights.stage(msg)
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
 
     def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",
@@ -623,7 +623,7 @@ class RolloutEngine:
             raise ValueError(f"load_format={load_format!r}: use None/'direct' (one broadcast per tensor), "
                              "'flattened_bucket' (SGLang's), 'packed' (vLLM's) or 'rollout_bucket' (ours)")
         if self._stages(transaction, weight_version, abort_all_requests):  # receive and stage only
-            return self._weights.lifecycle.staged(self._weights.run(StageDistributed(*spec)))
+            return self._weights.stage(StageDistributed(*spec))
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
                                     abort_all_requests)
 

@@ -86,11 +86,15 @@ class WeightUpdateLifecycle:
         self.timeout_s = timeout_s
         self.clock = clock
         self.open: Optional[Transaction] = None
-        self.state = State.IDLE
+        self._publishing = False
         self.expired: Optional[Transaction] = None  # the last transaction the idle timeout aborted
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def state(self) -> State:
+        return State.PUBLISHING if self._publishing else State.OPEN if self.open is not None else State.IDLE
 
     def current(self) -> Optional[Transaction]:
         with self._lock:
@@ -103,10 +107,12 @@ class WeightUpdateLifecycle:
 
     def busy_message(self) -> str:
         """What is open, and how to end it (for a refusal)."""
-        assert self.open is not None
-        timeout = f", or it is aborted after {self.timeout_s:g} s idle" if self.timeout_s else ""
-        return (f"{self.open.describe(self.clock())} is still open: finish it with its own publish call or "
-                f"/abort_weight_update it{timeout}")
+        with self._lock:
+            if self.open is None:
+                return "no weight update is open"
+            timeout = f", or it is aborted after {self.timeout_s:g} s idle" if self.timeout_s else ""
+            return (f"{self.open.describe(self.clock())} is still open: finish it with its own publish call or "
+                    f"/abort_weight_update it{timeout}")
 
     # ------------------------------------------------------------------ moves
 
@@ -119,7 +125,7 @@ class WeightUpdateLifecycle:
             result = self.run(BeginTransaction())
             if result.success:
                 now = self.clock()
-                self.open, self.state, self.expired = Transaction(by, version, now, now), State.OPEN, None
+                self.open, self.expired = Transaction(by, version, now, now), None
             return result
 
     def claim(self, by: Opener) -> bool:
@@ -183,11 +189,11 @@ class WeightUpdateLifecycle:
             if by is not None and self.open.opener is not by:
                 return WeightResult.fail(f"{by.value} cannot publish {self.open.describe(self.clock())}: "
                                          f"nothing was aborted")
-            txn, self.state = self.open, State.PUBLISHING
+            txn, self._publishing = self.open, True
             try:
                 return publish(version if version is not None else txn.version)
             finally:  # published or not, the ranks dropped it
-                self.open, self.state = None, State.IDLE
+                self.open, self._publishing = None, False
 
     def abort(self, by: Optional[Opener] = None) -> WeightResult:
         """OPEN -> IDLE, discarding what was staged (``by``: only a transaction that opener owns)."""
@@ -201,13 +207,13 @@ class WeightUpdateLifecycle:
     # ------------------------------------------------------------------ internals
 
     def _discard(self) -> WeightResult:
-        self.open, self.state = None, State.IDLE
+        self.open = None
         return self.run(AbortTransaction())
 
     def _expire(self) -> None:
         """Abort the open transaction if it has been idle past the timeout (a client that went away)."""
         txn = self.open
-        if txn is None or not self.timeout_s or self.state is State.PUBLISHING:
+        if txn is None or not self.timeout_s or self._publishing:
             return
         if self.clock() - txn.last_call_at > self.timeout_s:
             logger.warning("%s was idle past %g s: aborted", txn.describe(self.clock()), self.timeout_s)

@@ -101,8 +101,8 @@ class EngineLoop:
     def call(self, fn: Callable[[], Any], timeout: Optional[float] = None, quiet: bool = False) -> Any:
         """Run ``fn`` on the loop thread at a step boundary (``quiet``: once no request runs, or
         generation is paused) and return its result (or raise its error)."""
-        self.check_alive()
         if self._thread is None:  # external-launch follower: no loop of its own
+            self.check_alive()
             return fn()
         cmd = self.post(fn, quiet)
         if not cmd.done.wait(timeout):

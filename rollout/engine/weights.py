@@ -72,6 +72,11 @@ class EngineWeights:
 
         return self.loop.call(on_loop, quiet=quiet)
 
+    def stage(self, msg) -> WeightResult:
+        """A staging message into the open transaction, at the next step boundary; its outcome recorded by the
+        lifecycle (a failure marks the transaction failed)."""
+        return self.lifecycle.staged(self.run(msg))
+
     def update(self, msg, weight_version: Optional[str] = None, flush_cache: bool = True,
                abort_all_requests: bool = False) -> WeightResult:
         """An update: at a quiet point, published only if every rank committed."""

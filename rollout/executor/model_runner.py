@@ -147,7 +147,6 @@ class ModelRunner:
         # decode attention from the block cache: Triton's on CUDA; on CPU the C++ kernel (fp32 softmax and
         # sums, one rounding) for every cache dtype, where the kernel plan has it
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or self.kernels.paged_attention
-        self.fused_sampler = self.kernels.sampler
         self._stack_tensors = self.model.model.stack_tensors  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora.backend, device), slots=config.lora.max_loaded)
@@ -273,7 +272,7 @@ class ModelRunner:
 
     def _sampling_info(self, sampling: SamplingInputs) -> SamplingBatchInfo:
         info = sampling.to_device(self.model_config.vocab_size, self.device)
-        info.fused_draw = self.fused_sampler
+        info.fused_draw = self.kernels.sampler
         return info
 
     @torch.inference_mode()

@@ -75,21 +75,6 @@ class KernelChoice:
         if self.adapt_threads not in (None, True, False):
             raise _bad("adapt_threads", self.adapt_threads, "must be None (by dtype), true or false")
 
-    @classmethod
-    def of(cls, value: Any) -> KernelChoice:
-        """A choice from itself, a dict of its fields (JSON, the CLI) or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-            if unknown:
-                raise ValueError(f"engine option kernels: unknown field(s) {unknown}; known: "
-                                 f"{sorted(cls.__dataclass_fields__)}")
-            return cls(**value)
-        raise ValueError(f"engine option kernels={value!r}: a KernelChoice or a dict of its fields")
-
     def with_deprecated(self, flat: dict[str, Any]) -> KernelChoice:
         """This choice with the old flat ``cpu_*`` options applied (each named in one DeprecationWarning)."""
         if not flat:

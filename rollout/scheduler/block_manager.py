@@ -31,6 +31,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with refcount 0, LRU first
         self.stats = PrefixCacheStats()
 
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks) + len(self.evictable)

@@ -105,7 +105,7 @@ class Scheduler:
         self._inflight: Optional[tuple[ScheduledBatch, Future]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-forward") if config.enable_overlap else None
         self.sessions = SessionKv(SessionTable(config.session_timeout_s, config.max_sessions), self.block_manager,
-                                  config.block_size, lambda: self.worker.max_req_len, self._cache_key)
+                                  lambda: self.worker.max_req_len, self._cache_key)
         self.loras = LoraRegistry(config.lora.max_loaded, config.lora.versioned_names)
         self.results = ResultFolder(self)
         self.speculator = Speculator(config.speculative.num_draft_tokens, config.speculative.max_batch,
@@ -301,11 +301,8 @@ class Scheduler:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def _slots_needed(self, seq: Sequence, upto: int) -> int:
-        return max(0, self._blocks_for(upto) - len(seq.block_table))
+        return max(0, self.block_manager.blocks_for(upto) - len(seq.block_table))
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         need = self._slots_needed(seq, upto)

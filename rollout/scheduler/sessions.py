@@ -105,11 +105,10 @@ class SessionKv:
     end) or leaving the session as it was (an abort or error); held KV is released, idle and least recently
     used first, when blocks run short; an idle session past its timeout is closed."""
 
-    def __init__(self, table: SessionTable, block_manager: BlockManager, block_size: int,
-                 max_req_len: Callable[[], int], cache_key: Callable[[Request], str]):
+    def __init__(self, table: SessionTable, block_manager: BlockManager, max_req_len: Callable[[], int],
+                 cache_key: Callable[[Request], str]):
         self.table = table
         self.block_manager = block_manager
-        self.block_size = block_size
         self.max_req_len = max_req_len  # the context, and what the KV pool can hold for one sequence
         self.cache_key = cache_key  # a request's prefix-cache key now (weights, adapter, salt)
         self._checked = time.monotonic()
@@ -138,9 +137,6 @@ class SessionKv:
     def drop_kv(self, s: Session) -> None:
         self.block_manager.free(s.block_table)
         s.block_table, s.num_computed, s.cache_key = [], 0, None
-
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
 
     def begin_turn(self, req: Request) -> None:
         """A session turn: its prompt becomes the session's history plus the tokens it appends."""
@@ -174,7 +170,7 @@ class SessionKv:
             self.drop_kv(s)
             return False
         n = min(s.num_computed, limit)
-        keep = self._blocks_for(n)
+        keep = self.block_manager.blocks_for(n)
         self.block_manager.free(s.block_table[keep:])
         seq.block_table, seq.num_computed_tokens = s.block_table[:keep], n
         seq.num_cached_tokens = n
@@ -199,7 +195,7 @@ class SessionKv:
         if seq.kv_key != self.cache_key(req) or not seq.block_table:
             return  # the weights changed during the turn: nothing kept; the next turn recomputes
         n = min(seq.num_computed_tokens, len(seq.token_ids))
-        keep = self._blocks_for(n)
+        keep = self.block_manager.blocks_for(n)
         s.block_table, s.num_computed, s.cache_key = seq.block_table[:keep], n, seq.kv_key
         seq.block_table = seq.block_table[keep:]  # the rest is freed with the sequence
 

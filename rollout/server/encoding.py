@@ -52,3 +52,8 @@ class JSONResponse(_StarletteJSON):
 def sse(obj: Any) -> str:
     """One server-sent event."""
     return f"data: {dumps(obj)}\n\n"
+
+
+def vllm_error(status: int, message: str) -> JSONResponse:
+    """vLLM's control routes answer failures as ``{"error": ...}`` (vLLM's, prime-rl's and SkyRL's routes)."""
+    return JSONResponse({"error": message}, status_code=status)

@@ -7,17 +7,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from rollout.server.auth import admin
-from rollout.server.encoding import JSONResponse
+from rollout.server.encoding import vllm_error as _error
 from rollout.server.service import EngineService, service_of
 
 router = APIRouter()
 ADMIN = [Depends(admin)]
 Svc = Depends(service_of)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    """vLLM's control routes answer failures as ``{"error": ...}``."""
-    return JSONResponse({"error": message}, status_code=status)
 
 
 async def update_from_weight_dir(weight_dir: str, svc: EngineService):

@@ -370,7 +370,6 @@ async def reset_prefix_cache(request: Request, svc: EngineService = Svc):
 async def close_communicator(request: Request, svc: EngineService = Svc):
     ch = channel(request)
     await ch.drained()
-    if svc.engine.open_weight_update() is Opener.TRL:
-        await svc.call(svc.engine.abort_weight_update, Opener.TRL)
+    await svc.call(svc.engine.abort_weight_update, Opener.TRL)  # TRL's own transaction only, if one is open
     await svc.call(svc.engine.destroy_weights_update_group, TRL_GROUP)
     return {"message": "Request received, closing communicator"}

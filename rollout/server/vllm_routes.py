@@ -33,6 +33,7 @@ from rollout.server import prime_rl_routes
 from rollout.server import protocol as P
 from rollout.server.auth import admin, user
 from rollout.server.encoding import JSONResponse, openai_logprob
+from rollout.server.encoding import vllm_error as _error
 from rollout.server.openai_routes import prompt_logprob_dicts
 from rollout.server.service import EngineService, service_of
 from weight_sync.distributed import DIRECT, PACKED
@@ -42,11 +43,6 @@ ADMIN = [Depends(admin)]
 USER = [Depends(user)]
 Svc = Depends(service_of)
 VLLM_GROUP = "vllm-weight-transfer"  # the transfer group's name here (vLLM's has none)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    """vLLM's control routes answer failures as ``{"error": ...}``."""
-    return JSONResponse({"error": message}, status_code=status)
 
 
 # ------------------------------------------------------------------ pause, resume, world size
@@ -100,8 +96,9 @@ async def _pause_once_idle(svc: EngineService, request: Request) -> None:
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client goes away (the server's ``http.disconnect``; this route reads no body)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
 
 
 @router.post("/resume", dependencies=ADMIN)
