@@ -89,6 +89,16 @@ def worker_device(config: EngineConfig, rank: int) -> EngineConfig:
     return replace(config, device=f"cuda:{(device.index or 0) + rank}")
 
 
+
+def _has_exited(p) -> bool:
+    """Whether a rank's process is gone. Its sentinel closes as the kernel tears the process down, a moment
+    before it can be reaped, so ``is_alive()`` alone can still say alive just after a peer's sockets reset;
+    a closed sentinel counts as exited and the process is reaped briefly for its exit code."""
+    if not connection.wait([p.sentinel], timeout=0):
+        return False
+    p.join(timeout=2.0)
+    return True
+
 def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     try:
@@ -241,8 +251,9 @@ class TpWorkerGroup(LeaderWorker):
                         errors.append(f"rank {rank}: {payload.strip().splitlines()[-1]}")
             except (EOFError, OSError):
                 pass  # a dead pipe says nothing more; the exit code below does
-            if not p.is_alive():
-                errors.append(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+            if _has_exited(p):
+                code = "" if p.exitcode is None else f" with code {p.exitcode}"
+                errors.append(f"rank {rank} (pid {p.pid}) exited{code}")
         return errors
 
     def _check_alive(self) -> None:
@@ -266,7 +277,7 @@ class TpWorkerGroup(LeaderWorker):
             # a peer that died closed its sockets before it could be reaped: give it a moment to be
             # seen dead, so that the failure names the rank rather than only the collective (a killed
             # process takes seconds to be torn down on a loaded machine; a live one costs this wait once)
-            connection.wait([p.sentinel for p in self.procs], timeout=5.0)
+            connection.wait([p.sentinel for p in self.procs], timeout=10.0)
             errors = self._collect_errors()
             if errors or isinstance(exc, (RuntimeError, dist.DistBackendError)):
                 self._fail("; ".join(errors) or f"collective failed: {exc}")
