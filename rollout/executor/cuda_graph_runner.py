@@ -7,14 +7,23 @@ one position) and replayed when it fits. ``capture()`` frees old graphs before c
 ones, so a recapture never holds two sets. ``StorageAudit`` records the storage addresses the
 graphs depend on (parameters and the KV pool) so callers can tell whether a recapture is needed:
 in-place weight updates keep every address; a memory release/resume that moves storage does not.
+
+A step is two parts. ``stage`` is the host's: the batch's block tables, positions and slots computed with
+numpy into pinned staging buffers and copied to the static device buffers ``non_blocking`` (no per-row
+tensor, no blocking copy, only the block-table columns this step reads). ``run`` is the device's, what a
+graph captures: the forward over the static buffers, as a plain decode step (``all_decode``: no row
+selection; no mask when the paged kernel reads the cache). ``run`` has no host synchronisation — the suite
+runs it on CPU under ``rollout.kernels.audit.StepAudit``, which refuses one and counts its launches.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rollout.layers.attention import AttentionMetadata
@@ -37,6 +46,8 @@ class StorageAudit:
 
 class CudaGraphRunner:
     def __init__(self, runner, max_batch_size: int, batch_sizes=DEFAULT_BATCH_SIZES):
+        """``runner``: the ``ModelRunner`` (its model, KV pool and device). Nothing is captured until
+        ``capture()`` (CUDA only); ``stage`` and ``run`` work on any device."""
         self.runner = runner
         self.batch_sizes = sorted(b for b in batch_sizes if b <= max_batch_size) or [1]
         self.max_bs = self.batch_sizes[-1]
@@ -47,6 +58,13 @@ class CudaGraphRunner:
         self.slot_mapping = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, device=device)
         self.ctx_lens = torch.ones(self.max_bs, dtype=torch.long, device=device)
+        # host side: pinned (on CUDA) staging the static buffers are copied from, one row of each per sequence;
+        # the event of the last copies out of it, waited on before it is written again
+        pin = device.type == "cuda"
+        self.staged = torch.zeros(3, self.max_bs, dtype=torch.long, pin_memory=pin)  # positions, slots, ctx
+        self.staged_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, pin_memory=pin)
+        self._staged_event = torch.cuda.Event() if pin else None
+        self._rows = torch.arange(self.max_bs, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -62,19 +80,24 @@ class CudaGraphRunner:
         return [] if self.audit is None else self.audit.changed(self.graph_tensors())
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        bsz = self.runner.block_size
-        keys = torch.arange(self.max_blocks * bsz, device=self.ctx_lens.device).unsqueeze(0)
-        lens = self.ctx_lens[:bs].unsqueeze(1)
-        mask = keys < lens
         window = self.runner.model_config.sliding_window
-        if window is not None:
-            mask &= keys > lens - 1 - window
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], decode_rows=torch.arange(bs, device=keys.device),
-                                 decode_blocks=self.block_tables[:bs], decode_mask=mask.view(bs, 1, 1, -1),
-                                 decode_ctx_lens=self.ctx_lens[:bs], use_paged_kernel=self.runner.use_paged_kernel,
+        lens = self.ctx_lens[:bs]
+        mask = None
+        if not self.runner.use_paged_kernel or window is not None:  # the gather + SDPA path reads a mask
+            bsz = self.runner.block_size
+            keys = torch.arange(self.max_blocks * bsz, device=lens.device).unsqueeze(0)
+            mask = keys < lens.unsqueeze(1)
+            if window is not None:
+                mask &= keys > lens.unsqueeze(1) - 1 - window
+            mask = mask.view(bs, 1, 1, -1)
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], decode_rows=self._rows[:bs],
+                                 decode_blocks=self.block_tables[:bs], decode_mask=mask, decode_ctx_lens=lens,
+                                 all_decode=True, use_paged_kernel=self.runner.use_paged_kernel,
                                  sliding_window=window)
 
-    def _run(self, bs: int) -> torch.Tensor:
+    def run(self, bs: int) -> torch.Tensor:
+        """The device work of a decode step of ``bs`` rows over the static buffers (what a graph captures):
+        logits [bs, vocab]."""
         model = self.runner.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)
@@ -99,10 +122,10 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool
                 for _ in range(2):
-                    self._run(bs)  # warm-up (allocator, autotuning) outside the graph
+                    self.run(bs)  # warm-up (allocator, autotuning) outside the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[bs] = self._run(bs)
+                    self.outputs[bs] = self.run(bs)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs] = graph
@@ -117,6 +140,36 @@ class CudaGraphRunner:
                 and not batch.input_logprob_idx and len(batch.logits_rows) == len(batch.q_lens)
                 and max(len(t) for t in batch.block_tables) <= self.max_blocks)
 
+    def stage(self, batch, input_ids: torch.Tensor) -> tuple[int, int]:
+        """The host's part of a decode step: the batch (all q_len == 1) into the static buffers, padded to
+        the next captured size (padding rows write to the scratch block and attend to one position).
+        ``input_ids`` [n] on the device. Returns (n, the padded size)."""
+        n = len(batch.q_lens)
+        bs = next(b for b in self.batch_sizes if b >= n)
+        bsz = self.runner.block_size
+        scratch = self.runner.kv.scratch_block
+        widths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
+        width = int(widths.max())
+        flat = np.fromiter(itertools.chain.from_iterable(batch.block_tables), dtype=np.int64, count=int(widths.sum()))
+        if self._staged_event is not None:
+            self._staged_event.synchronize()  # the last step's copies out of the staging buffers are done
+        tables = self.staged_tables.numpy()[:bs, :width]
+        tables.fill(scratch)
+        tables[:n][np.arange(width) < widths[:, None]] = flat
+        pos, slots, ctx = self.staged.numpy()[:, :bs]
+        ctx.fill(1)
+        ctx[:n] = batch.ctx_lens
+        np.subtract(ctx, 1, out=pos)
+        np.add(tables[np.arange(bs), pos // bsz] * bsz, pos % bsz, out=slots)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.input_ids[n:bs].zero_()
+        for dst, src in ((self.positions, 0), (self.slot_mapping, 1), (self.ctx_lens, 2)):
+            dst[:bs].copy_(self.staged[src, :bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(self.staged_tables[:bs, :width], non_blocking=True)
+        if self._staged_event is not None:
+            self._staged_event.record()
+        return n, bs
+
     @torch.inference_mode()
     def replay(self, batch, input_ids: torch.Tensor) -> torch.Tensor:
         """Decode ``batch`` (all q_len == 1) with a captured graph; returns logits [B, vocab].
@@ -124,23 +177,6 @@ class CudaGraphRunner:
         The logits are a view of the graph's static output: read them (sample) before the next
         replay. The worker samples each step before the next forward is launched, also under
         overlap (one forward thread, in launch order)."""
-        n = len(batch.q_lens)
-        bs = next(b for b in self.batch_sizes if b >= n)
-        bsz = self.runner.block_size
-        scratch = self.runner.kv.scratch_block
-        tables = torch.full((bs, self.max_blocks), scratch, dtype=torch.long)
-        for i, t in enumerate(batch.block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        ctx = torch.ones(bs, dtype=torch.long)
-        ctx[:n] = torch.tensor(batch.ctx_lens, dtype=torch.long)
-        pos = ctx - 1
-        slots = tables[torch.arange(bs), pos // bsz] * bsz + pos % bsz
-        slots[n:] = scratch * bsz
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.input_ids[n:bs].zero_()
-        self.positions[:bs].copy_(pos, non_blocking=True)
-        self.slot_mapping[:bs].copy_(slots, non_blocking=True)
-        self.block_tables[:bs].copy_(tables, non_blocking=True)
-        self.ctx_lens[:bs].copy_(ctx, non_blocking=True)
+        n, bs = self.stage(batch, input_ids)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

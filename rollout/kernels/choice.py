@@ -13,6 +13,12 @@ The CPU fusion ladder is one value, each rung containing the one below it:
 - ``stack`` (the default): also every layer of a decode step in one call with one team of threads, at
   the few rows where each linear takes the small-batch GEMM.
 
+On CUDA the layer's small ops are Triton kernels (``rollout.kernels.triton.fused``: the residual add with
+RMSNorm, rotary with the K/V cache write, SiLU·up; decode attention from the paged cache): ``triton``
+(``None``: on CUDA where Triton is installed and ``fusion`` is not ``torch``; ``True`` on a CPU runs that
+path under Triton's interpreter, ``TRITON_INTERPRET=1`` set before Triton is imported — how the suite
+tests the CUDA path here; fp32 and bf16 models).
+
 The GEMMs are chosen separately, per weight shape and number of rows (``rollout.kernels.cpu.plan``):
 ``gemm`` pins one kernel at every row count (``linear``: plain ``F.linear``, no weight copies), and
 ``fp32_gemm_rows`` / ``small_gemm_rows`` bound where the fp32-copy and the small-batch kernels may serve
@@ -58,6 +64,7 @@ class KernelChoice:
     fp32_gemm_rows: Optional[int] = None
     small_gemm_rows: Optional[int] = None
     adapt_threads: Optional[bool] = None
+    triton: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_LEVELS:
@@ -74,6 +81,8 @@ class KernelChoice:
                 raise _bad(name, value, "must be None (measured) or an integer >= 0 (0: never)")
         if self.adapt_threads not in (None, True, False):
             raise _bad("adapt_threads", self.adapt_threads, "must be None (by dtype), true or false")
+        if self.triton not in (None, True, False):
+            raise _bad("triton", self.triton, "must be None (on CUDA), true or false")
 
     def with_deprecated(self, flat: dict[str, Any]) -> KernelChoice:
         """This choice with the old flat ``cpu_*`` options applied (each named in one DeprecationWarning)."""
@@ -104,8 +113,10 @@ class KernelChoice:
     def resolve(self, *, device: torch.device, built: bool, tp_size: int, qk_norm: bool, dtype: torch.dtype,
                 deterministic: bool) -> KernelPlan:
         """What serves on this engine: the choice where the device, the CPU build and the model allow it."""
-        cpu = device.type == "cpu" and built  # the C++ kernels exist on this machine (no compiler: torch serves)
         level = FUSION_LEVELS.index(self.fusion)
+        if self._triton(device, level, dtype):
+            return KernelPlan(paged_attention=True, triton=True)
+        cpu = device.type == "cpu" and built  # the C++ kernels exist on this machine (no compiler: torch serves)
         ops = {op: cpu and level >= 1 and op not in self.unfused for op in FUSED_OPS}
         ops["rope"] = ops["rope"] and ops["paged_attention"]  # K/V the kernel reads is written by the same call
         layer = (level >= 2 and all(ops[op] for op in _LAYER_OPS) and tp_size == 1 and not qk_norm
@@ -113,12 +124,26 @@ class KernelChoice:
         adapt = self.adapt_threads if self.adapt_threads is not None else dtype == torch.bfloat16 and not deterministic
         return KernelPlan(**ops, layer=layer, stack=layer and level >= 3, adapt_threads=device.type == "cpu" and adapt)
 
+    def _triton(self, device: torch.device, level: int, dtype: torch.dtype) -> bool:
+        if self.triton is False or (self.triton is None and (device.type != "cuda" or level == 0)):
+            return False
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("triton") is None:
+            if self.triton:
+                raise _bad("triton", True, "needs Triton installed (pip install triton)")
+            return False
+        if self.triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise _bad("triton", True, "needs CUDA, or on a CPU TRITON_INTERPRET=1 set before Triton is imported")
+        return dtype in (torch.float32, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class KernelPlan:
     """The kernels that serve one engine (``KernelChoice.resolve``): each op's own C++ call, a decoder layer
-    in one call, the whole stack in one call, and whether forwards adapt their thread count. All off on
-    CUDA (its kernels are decided by the device: Triton's paged decode, CUDA graphs)."""
+    in one call, the whole stack in one call, and whether forwards adapt their thread count — or, on CUDA,
+    ``triton``: the layer's small ops and decode attention as Triton kernels (the C++ ones then off)."""
 
     paged_attention: bool = False
     norm: bool = False
@@ -128,6 +153,7 @@ class KernelPlan:
     layer: bool = False
     stack: bool = False
     adapt_threads: bool = False
+    triton: bool = False
 
     def describe(self) -> str:
         on = [name for name in self.__dataclass_fields__ if getattr(self, name)]

@@ -95,8 +95,9 @@ def _prefill_span(row: int, q_len: int, ctx_len: int, table: torch.Tensor, block
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, triton: bool = False):
         super().__init__()
+        self.triton = triton  # decode from the paged cache with the Triton kernel on any device (KernelPlan.triton)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
@@ -142,7 +143,7 @@ class PagedAttention(nn.Module):
         if not meta.use_paged_kernel or meta.decode_rows is None:
             return None
         args = (k_cache, v_cache, meta.decode_blocks, meta.decode_ctx_lens, self.scale)
-        if q.is_cuda:
+        if q.is_cuda or self.triton:
             if meta.sliding_window is not None:
                 return None
             from rollout.kernels.triton.paged_decode import paged_decode_attention

@@ -22,6 +22,13 @@ from rollout.models.config import ModelConfig
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _triton_op(name: str):
+    """A fused op of ``rollout.kernels.triton.fused`` (imported only where the plan runs Triton)."""
+    from rollout.kernels.triton import fused as triton_fused
+
+    return getattr(triton_fused, name)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
         super().__init__()
@@ -32,11 +39,14 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
         self.qk_norm = cfg.qk_norm
-        self.fused_rope = kernels.rope  # CPU decode steps: rotary and the K/V write in one call
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        # decode steps: rotary and the K/V write in one call (CPU: C++; CUDA: Triton)
+        self.fused_rope = kernels.rope or kernels.triton
+        self.rope_and_cache = _triton_op("rope_and_cache") if kernels.triton else ops.rope_and_cache
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                                   triton=kernels.triton)
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata):
         """rope: ``RotaryEmbedding.tables`` of this forward's positions."""
@@ -44,8 +54,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if self.fused_rope and meta.all_decode and meta.use_paged_kernel and not self.qk_norm:
             # a CPU decode step: rotary and the K/V write in one call, attention from the cache
-            q = ops.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
-                                        self.num_kv_heads)
+            q = self.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+                                    self.num_kv_heads)
             return self.o_proj(self.attn.decode_from_cache(q, kv_cache[0], kv_cache[1], meta))
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -64,12 +74,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
                                                  shard_ids=[0, 1], params_dtype=dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
-        self.fused_act = kernels.silu  # CPU: silu(gate) * up in one call
+        self.fused_act = kernels.silu or kernels.triton  # silu(gate) * up in one call (CPU: C++; CUDA: Triton)
+        self.silu_mul = _triton_op("silu_mul") if kernels.triton else ops.silu_mul
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.fused_act:
-            return self.down_proj(ops.silu_mul(gate_up))
+            return self.down_proj(self.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -79,12 +90,21 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, dtype, kernels)
         self.mlp = LlamaMLP(cfg, dtype, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm,
+                                                kernels.triton)
 
     def forward(self, rope, hidden, kv_cache, meta):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_carried(self, rope, hidden, residual, kv_cache, meta):
+        """The layer with its residual adds carried into the next norm (each add and the RMSNorm after it
+        one launch): ``hidden + residual`` is this layer's input; returns (mlp output, the residual it adds
+        to). The same sums, in the same dtype, as ``forward``."""
+        x, residual = self.input_layernorm.add_forward(hidden, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(rope, x, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -93,7 +113,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, kernels) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
+        self.carry_residual = kernels.triton  # each residual add fused into the norm after it
         self.fused_decode = kernels.layer  # CPU decode steps: each layer in one call (rollout.kernels.cpu.fused)
         self.fused_stack = kernels.stack  # the same, every layer in one call where the GEMM plans allow
         self.stack_tensors: dict = {}  # rollout.layers.fused.decode_stack's arguments, emptied by the runner
@@ -111,6 +132,11 @@ class LlamaModel(nn.Module):
             not runs else None
         if out is not None:
             return self.norm(out)
+        if self.carry_residual:
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                hidden, residual = layer.forward_carried(rope, hidden, residual, kv, meta)
+            return self.norm.add_forward(hidden, residual)[0]
         for layer, kv in zip(self.layers, kv_caches):
             out = fused.decode_layer(layer, rope, hidden, kv, meta, runs) if one_call else None
             hidden = layer(rope, hidden, kv, meta) if out is None else out

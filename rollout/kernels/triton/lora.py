@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.audit import triton_launch
+
 BLOCK_M = 16  # rows per program (tl.dot needs 16)
 BLOCK_N = 64  # output columns per program
 BLOCK_K = 64  # input features per step of the shrink
@@ -69,6 +71,8 @@ def lora_segments(y: torch.Tensor, x: torch.Tensor, segments, tables) -> None:
         return
     assert x.stride(-1) == 1 and y.stride(-1) == 1
     grid = (starts.numel(), triton.cdiv(longest, BLOCK_M), triton.cdiv(y.shape[1], BLOCK_N))
-    _lora_segments_kernel[grid](x, y, rows, starts, lens, slots, a_table, b_table, rank_table, x.stride(0),
-                                y.stride(0), x.shape[1], y.shape[1], R_P2=max(16, triton.next_power_of_2(top_rank)),
-                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    with triton_launch("lora_segments"):
+        _lora_segments_kernel[grid](x, y, rows, starts, lens, slots, a_table, b_table, rank_table, x.stride(0),
+                                    y.stride(0), x.shape[1], y.shape[1],
+                                    R_P2=max(16, triton.next_power_of_2(top_rank)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                    BLOCK_K=BLOCK_K)

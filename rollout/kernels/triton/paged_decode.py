@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.kernels.audit import triton_launch
+
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
@@ -60,10 +62,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        D_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
+    with triton_launch("paged_decode"):
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, ctx_lens, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+            D_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
     return out

@@ -1,0 +1,204 @@
+"""The CUDA path's code, run on this CPU: device randomness, the Triton kernels under ``TRITON_INTERPRET=1``
+(set by conftest.py), the decode step's device work without a host synchronisation, and its launches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.random import device_uniforms, seed_tensor, uniforms
+
+U64 = st.integers(min_value=0, max_value=2**64 - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(U64 | st.integers(min_value=-2**70, max_value=2**70), st.integers(0, 2**40)),
+                min_size=1, max_size=64))
+def test_device_uniforms_are_the_host_uniforms_bit_for_bit(pairs):
+    seeds, positions = [s for s, _ in pairs], [p for _, p in pairs]
+    host = uniforms(seeds, positions)
+    dev = device_uniforms(seed_tensor(seeds), torch.tensor(positions, dtype=torch.int64)).numpy()
+    assert (host.view(np.uint64) == dev.view(np.uint64)).all()
+    # and the float32 the sampler draws with, rounded the same way on both sides
+    assert torch.equal(torch.from_numpy(host).float(), torch.from_numpy(dev).float())
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest distance between two same-dtype tensors in units of ``b``'s last place."""
+    mantissa = 7 if b.dtype == torch.bfloat16 else 23
+    _, exp = torch.frexp(b.float())
+    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float32), exp - 1 - mantissa)
+    return float(((a.float() - b.float()).abs() / ulp).max())
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_add_rms_norm_is_the_residual_add_then_the_layers_norm(dtype, hidden):
+    from rollout.kernels.triton.fused import add_rms_norm
+    from rollout.layers.layernorm import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-6, dtype)
+    norm.weight.data = torch.randn(hidden, dtype=dtype)
+    x, r = torch.randn(5, hidden, dtype=dtype), torch.randn(5, hidden, dtype=dtype) * 3
+    out, res = add_rms_norm(x, r, norm.weight, 1e-6)
+    assert torch.equal(res, x + r)  # the residual stored exactly as the layer adds it
+    # the sum of squares is reduced in another order than torch's (fp32): a last place at most
+    assert _ulps(out, norm(x + r)) <= (1 if dtype == torch.bfloat16 else 4)
+    out1, res1 = add_rms_norm(x, None, norm.weight, 1e-6)
+    assert res1 is x and _ulps(out1, norm(x)) <= (1 if dtype == torch.bfloat16 else 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache_rotates_q_and_writes_k_and_v_to_their_slots(dtype):
+    from rollout.kernels.triton.fused import rope_and_cache
+    from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(1)
+    hq, hkv, d, t = 4, 2, 32, 6
+    rope = RotaryEmbedding(d, 128, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 63, 64, 127])
+    cos, sin = rope.tables(positions, dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype)
+    kc, vc = torch.zeros(10, 8, hkv, d, dtype=dtype), torch.zeros(10, 8, hkv, d, dtype=dtype)
+    slots = torch.tensor([3, 9, 17, 40, 41, 79])
+    q = rope_and_cache(qkv, cos, sin, kc, vc, slots, hq, hkv)
+    qk = apply_rotary(qkv[:, : (hq + hkv) * d].view(t, -1, d), cos, sin)
+    assert torch.equal(q, qk[:, :hq])  # every op rounded where torch rounds: the same bits
+    assert torch.equal(kc.view(-1, hkv, d)[slots], qk[:, hq:])
+    assert torch.equal(vc.view(-1, hkv, d)[slots], qkv[:, (hq + hkv) * d:].view(t, hkv, d))
+    untouched = torch.ones(80, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.view(-1, hkv, d)[untouched].any() and not vc.view(-1, hkv, d)[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_mlps_activation(dtype):
+    import torch.nn.functional as F
+
+    from rollout.kernels.triton.fused import silu_mul
+
+    torch.manual_seed(2)
+    gate_up = torch.randn(7, 2 * 1500, dtype=dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    # Triton's exp is not torch's (fp32: a few last places; bf16: where that crosses a rounding, one)
+    assert _ulps(silu_mul(gate_up), F.silu(gate) * up) <= (1 if dtype == torch.bfloat16 else 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_triton_layer_path_gives_transformers_greedy_tokens_and_logprobs(model_dir, arch):
+    """The CUDA kernel plan (fused Triton ops, Triton paged decode) run on this CPU: greedy tokens equal
+    transformers token for token (fp32) and logprobs match its forward, batched = alone."""
+    from helpers import hf_greedy, output_ref_logprobs, random_prompts
+
+    from rollout import RolloutEngine, SamplingParams
+
+    path = model_dir("llama-default", "llama") if arch == "llama" else model_dir("qwen3-gpu-path", arch, seed=4)
+    prompts = random_prompts(300, [5, 11, 8], seed=3)
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=512, kernels={"triton": True}) as engine:
+        assert engine.worker.model_runner.kernels.triton
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        alone = engine.generate(input_ids=prompts[1], sampling_params=sp)
+    for prompt, out in zip(prompts, outs):
+        ref, margin = hf_greedy(path, prompt, 6)
+        assert out.output_token_ids == ref, margin
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, output_ref_logprobs(path, prompt, ref))) < 1e-4
+    assert alone[0].output_token_ids == outs[1].output_token_ids
+
+
+def _decode_batch(ctx_lens: list[int], block_size: int):
+    from rollout.batch import ModelWorkerBatch
+
+    tables, start = [], 0
+    for c in ctx_lens:
+        n = -(-c // block_size)
+        tables.append(list(range(start, start + n)))
+        start += n
+    n = len(ctx_lens)
+    return ModelWorkerBatch(input_ids=[7 + i for i in range(n)], block_tables=tables, ctx_lens=list(ctx_lens),
+                            q_lens=[1] * n, logits_rows=list(range(n)), sample_logits_idx=list(range(n)),
+                            sampling=None)
+
+
+@pytest.fixture(scope="module")
+def triton_engine(model_dir):
+    from rollout import RolloutEngine
+
+    path = model_dir("qwen2-gpu-path", "qwen2", seed=9, num_layers=3)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, kernels={"triton": True}) as engine:
+        yield engine
+
+
+def test_the_decode_steps_device_work_has_no_host_sync_and_few_launches_a_layer(triton_engine):
+    """The body a CUDA graph captures (``CudaGraphRunner.run``), on the CUDA kernel plan, run on this CPU under
+    ``StepAudit``: no host synchronisation, at most 12 launches a layer, and the logits of the eager forward."""
+    from rollout.executor.cuda_graph_runner import CudaGraphRunner
+    from rollout.kernels.audit import StepAudit
+
+    runner = triton_engine.worker.model_runner
+    graphs = CudaGraphRunner(runner, 8, batch_sizes=(1, 2, 4, 8))
+    batch = _decode_batch([5, 19, 33], runner.block_size)
+    layer = runner.model.model.layers[1]
+    per_layer = {}
+    carried = layer.forward_carried
+
+    def counted(*args, **kw):
+        before = dict(audit.launches)
+        out = carried(*args, **kw)
+        per_layer.update({k: v - before.get(k, 0) for k, v in audit.launches.items() if v - before.get(k, 0)})
+        return out
+
+    with torch.inference_mode():
+        eager = runner.forward(batch)
+        n, bs = graphs.stage(batch, torch.tensor(batch.input_ids))
+        assert (n, bs) == (3, 4)
+        layer.forward_carried = counted
+        try:
+            with StepAudit() as audit:
+                logits = graphs.run(bs)
+        finally:
+            del layer.forward_carried
+    assert audit.syncs == []
+    print("launches in one layer:", per_layer)
+    assert sum(per_layer.values()) <= 12, per_layer
+    assert {"triton:add_rms_norm", "triton:rope_and_cache", "triton:paged_decode", "triton:silu_mul"} <= set(per_layer)
+    torch.testing.assert_close(logits[:n], eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_host_sync_added_inside_the_step_is_refused(triton_engine):
+    from rollout.executor.cuda_graph_runner import CudaGraphRunner
+    from rollout.kernels.audit import HostSyncError, StepAudit
+
+    runner = triton_engine.worker.model_runner
+    graphs = CudaGraphRunner(runner, 4, batch_sizes=(1, 2, 4))
+    mlp = runner.model.model.layers[0].mlp
+    plain = mlp.forward
+    syncs = {
+        "item": lambda x: x.sum().item(),
+        "tolist": lambda x: x[0, :2].tolist(),
+        "bool": lambda x: bool((x > 0).any()),
+        "nonzero": lambda x: (x[0] > 0).nonzero(),
+        "boolean index": lambda x: x[x > 0],
+        "cpu": lambda x: x.cpu(),
+        "host tensor": lambda x: torch.tensor([1, 2]),
+    }
+    with torch.inference_mode():
+        _, bs = graphs.stage(_decode_batch([4, 9], runner.block_size), torch.tensor([3, 4]))
+        for name, sync in syncs.items():
+            mlp.forward = lambda x, sync=sync: (sync(x), plain(x))[1]
+            try:
+                with pytest.raises(HostSyncError):
+                    with StepAudit():
+                        graphs.run(bs)
+            finally:
+                del mlp.forward
+        with StepAudit() as audit:  # and without one, the same step passes
+            graphs.run(bs)
+    assert audit.num_launches > 0 and not audit.syncs
