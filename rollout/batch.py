@@ -80,6 +80,16 @@ class SamplingInputs:
     raw_logprobs: bool = False
     mask_rows: Optional[list[int]] = None  # rows whose kept-token set is returned
     max_mask_size: int = 0
+    seeds: Optional[list[int]] = None  # what each row's uniform is drawn from (on the device: sample_static)
+    draw_positions: Optional[list[int]] = None
+
+    @property
+    def fits_static(self) -> bool:
+        """Whether ``rollout.layers.sampler.sample_static`` samples these rows (inside a CUDA graph): no
+        processors, masks or top logprobs, and the seeds known."""
+        return (self.seeds is not None and self.bias is None and self.allowed is None and self.repetition is None
+                and self.additive_penalty is None and self.banned is None and self.mask_rows is None
+                and self.top_logprobs_num == 0)
 
     @staticmethod
     def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool, max_mask_size: int = 0) -> SamplingInputs:
@@ -88,6 +98,7 @@ class SamplingInputs:
         info = SamplingInputs(
             temperatures=[p.temperature for p in params],
             uniforms=uniforms([s.seed for s in seqs], [s.num_output_tokens for s in seqs]).tolist(),
+            seeds=[s.seed for s in seqs], draw_positions=[s.num_output_tokens for s in seqs],
             top_logprobs_num=max((s.req.top_logprobs_num for s in seqs), default=0),
             raw_logprobs=raw_logprobs,
         )
@@ -144,7 +155,7 @@ class SamplingInputs:
             repetition=rows_of(self.repetition), additive_penalty=rows_of(self.additive_penalty),
             banned=rows_of(self.banned), top_logprobs_num=self.top_logprobs_num, raw_logprobs=self.raw_logprobs,
             mask_rows=[0] if self.mask_rows is not None and i in self.mask_rows else None,
-            max_mask_size=self.max_mask_size)
+            max_mask_size=self.max_mask_size, seeds=pick(self.seeds), draw_positions=pick(self.draw_positions))
 
     def to_device(self, vocab_size: int, device: torch.device) -> SamplingBatchInfo:
         def t(x, dtype):

@@ -112,6 +112,10 @@ class EngineConfig:
     # memory
     kv_cache_tokens: Optional[int] = None  # KV pool size in tokens; None: from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.15  # of free device memory (CPU: available RAM)
+    # CUDA, vLLM's meaning (SGLang's mem_fraction_static is taken as this): the fraction of the device's
+    # memory this engine may hold; the KV pool gets what is left of it after the weights and a reserve for
+    # the graphs' and forwards' activations. None: kv_cache_memory_fraction of free memory
+    gpu_memory_utilization: Optional[float] = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     # scheduling
@@ -149,7 +153,7 @@ class EngineConfig:
     # kernels
     kernels: KernelChoice = KernelChoice()  # CPU: the fusion ladder, the GEMM plan's bounds (rollout.kernels.choice)
     enable_cuda_graph: bool = True  # CUDA only: capture decode graphs (eager on CPU)
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int = 512  # graphs are captured up to min(this, max_num_seqs) rows
     # CUDA: wait for the device before reading a step's forward and sampling times, so that the
     # stats split a step by what the GPU spent (a replayed graph returns at once, and its time
     # otherwise lands in the sampler's first read); loses the host's run-ahead — for benchmarks
@@ -175,6 +179,8 @@ class EngineConfig:
             bad("kv_cache_tokens", "must be a positive integer or None")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             bad("kv_cache_memory_fraction", "must be in (0, 0.95]")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 0.98:
+            bad("gpu_memory_utilization", "must be in (0, 0.98] (None: kv_cache_memory_fraction of free memory)")
         if self.logprob_mode not in ("processed", "raw"):
             bad("logprob_mode", "must be 'processed' or 'raw'")
         if self.launch not in ("auto", "spawn", "external"):
@@ -198,6 +204,12 @@ class EngineConfig:
         (``flat_options()``), a group whole (an instance or a dict of its fields), and the deprecated
         ``cpu_*`` kernel flags (mapped onto ``kernels``, with a warning)."""
         known = {f.name for f in fields(cls)}
+        if "mem_fraction_static" in kwargs:  # SGLang's name for the share of the GPU the engine holds
+            if kwargs.get("gpu_memory_utilization") is not None:
+                raise ValueError("engine options mem_fraction_static and gpu_memory_utilization are one option: "
+                                 "give one")
+            kwargs = {**kwargs, "gpu_memory_utilization": kwargs["mem_fraction_static"]}
+            del kwargs["mem_fraction_static"]
         unknown = sorted(set(kwargs) - known - set(_FLAT) - set(DEPRECATED_OPTIONS))
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model_path'} | set(_FLAT))}")

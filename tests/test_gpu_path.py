@@ -194,11 +194,121 @@ def test_a_host_sync_added_inside_the_step_is_refused(triton_engine):
         for name, sync in syncs.items():
             mlp.forward = lambda x, sync=sync: (sync(x), plain(x))[1]
             try:
-                with pytest.raises(HostSyncError):
-                    with StepAudit():
-                        graphs.run(bs)
+                with pytest.raises(HostSyncError), StepAudit():
+                    graphs.run(bs)
+                    pytest.fail(f"{name}: not refused")
             finally:
                 del mlp.forward
         with StepAudit() as audit:  # and without one, the same step passes
             graphs.run(bs)
     assert audit.num_launches > 0 and not audit.syncs
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_the_static_sampler_gives_the_samplers_tokens_and_logprobs_without_a_sync(data):
+    """``sample_static`` (what a CUDA graph captures) against ``sample`` on the same rows: every token and
+    every logprob's bits, greedy, temperature, top-k, top-p and min-p mixed in one batch; no host sync."""
+    from rollout.batch import SamplingInputs
+    from rollout.kernels.audit import StepAudit
+    from rollout.layers.sampler import StaticSampling, sample, sample_static
+    from rollout.random import uniforms as host_uniforms
+
+    n = data.draw(st.integers(1, 6))
+    vocab = data.draw(st.sampled_from([50, 300]))
+    rows = data.draw(st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 1.3]), st.sampled_from([0, 1, 5, 40]),
+                                        st.sampled_from([1.0, 0.9, 0.3, 0.0]), st.sampled_from([0.0, 0.1]),
+                                        st.integers(0, 2**64 - 1), st.integers(0, 500)), min_size=n, max_size=n))
+    raw = data.draw(st.booleans())
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))) * 3
+    temps, ks, ps, mins, seeds, positions = (list(c) for c in zip(*rows))
+    sampling = SamplingInputs(temperatures=temps, uniforms=host_uniforms(seeds, positions).tolist(),
+                              top_ks=ks if any(k > 0 for k in ks) else None,
+                              top_ps=ps if any(p < 1 for p in ps) else None,
+                              min_ps=mins if any(m > 0 for m in mins) else None, raw_logprobs=raw, seeds=seeds,
+                              draw_positions=positions)
+    assert sampling.fits_static
+    want = sample(logits, sampling.to_device(vocab, torch.device("cpu")))
+    bs = n + data.draw(st.integers(0, 2))  # padded rows, as a graph's batch size pads
+    static = StaticSampling(8, torch.device("cpu"))
+    static.stage(sampling, bs)
+    padded = torch.cat([logits, torch.randn(bs - n, vocab)])
+    plain = sampling.top_ks is None and sampling.top_ps is None and sampling.min_ps is None
+    for filtered in (True, False) if plain else (True,):
+        with StepAudit():
+            tokens, logprobs = sample_static(padded, static, raw_logprobs=raw, filtered=filtered)
+        assert torch.equal(tokens[:n], want.token_ids)
+        assert torch.equal(logprobs[:n], want.logprobs)
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_graph_runners_sampler_samples_its_forwards_rows_as_the_sampler_does(triton_engine, filtered):
+    """``CudaGraphRunner.replay`` then ``sample`` (the graphs' path, run eagerly on this CPU): the tokens and
+    logprobs of ``ModelRunner.sample`` on the same logits; inputs it does not serve go back to that path."""
+    from rollout.batch import SamplingInputs
+    from rollout.executor.cuda_graph_runner import CudaGraphRunner
+    from rollout.kernels.audit import StepAudit
+    from rollout.layers.sampler import sample
+    from rollout.random import uniforms as host_uniforms
+
+    runner = triton_engine.worker.model_runner
+    graphs = CudaGraphRunner(runner, 8, batch_sizes=(1, 2, 4, 8))
+    batch = _decode_batch([6, 17, 30, 2, 9], runner.block_size)
+    seeds, positions = [11, 2**63 + 5, 7, 7, 0], [0, 3, 9, 10, 200]
+    sampling = SamplingInputs(temperatures=[1.0, 0.7, 0.0, 1.0, 1.2],
+                              uniforms=host_uniforms(seeds, positions).tolist(), seeds=seeds,
+                              draw_positions=positions)
+    if filtered:
+        sampling.top_ks, sampling.top_ps, sampling.min_ps = [0, 5, 0, 2, 0], [0.8, 1.0, 1.0, 0.5, 1.0], None
+    vocab = runner.model_config.vocab_size
+    with torch.inference_mode():
+        logits = graphs.replay(batch, torch.tensor(batch.input_ids))
+        assert graphs.samples(logits, sampling)
+        want = sample(logits, sampling.to_device(vocab, runner.device))
+        with StepAudit():
+            graphs.run_sampler(8, filtered)
+        got = graphs.sample(sampling)
+        assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.logprobs, want.logprobs)
+        sampling.top_logprobs_num = 2  # not the graph's: the eager sampler takes it
+        assert not graphs.samples(logits, sampling)
+        assert not graphs.samples(logits[:3], SamplingInputs([1.0] * 3, [0.5] * 3, seeds=[1] * 3,
+                                                             draw_positions=[0] * 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_ragged_attention_is_each_sequences_causal_attention_over_its_paged_context(dtype, window):
+    """One launch for a batch mixing fresh prompts, chunks behind a cached prefix and decode rows, against
+    causal SDPA per sequence over the same context gathered from the cache."""
+    import torch.nn.functional as F
+
+    from rollout.kernels.triton.prefill import ragged_paged_attention
+
+    torch.manual_seed(5)
+    hq, hkv, d, bsz = 4, 2, 16, 8
+    q_lens, ctx_lens = [5, 1, 20, 1, 3], [5, 9, 37, 1, 40]
+    kc = torch.randn(30, bsz, hkv, d, dtype=dtype)
+    vc = torch.randn(30, bsz, hkv, d, dtype=dtype)
+    perm = torch.randperm(30).tolist()
+    tables, start = [], 0
+    for c in ctx_lens:
+        n = -(-c // bsz)
+        tables.append(perm[start: start + n] + [0] * (6 - n))
+        start += n
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    starts = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+    out = ragged_paged_attention(q, kc, vc, starts, torch.tensor(q_lens), torch.tensor(ctx_lens),
+                                 torch.tensor(tables), max(q_lens), d ** -0.5, window)
+    for s, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
+        slots = torch.tensor([tables[s][p // bsz] * bsz + p % bsz for p in range(c)])
+        k = kc.view(-1, hkv, d)[slots].float().transpose(0, 1)
+        v = vc.view(-1, hkv, d)[slots].float().transpose(0, 1)
+        qs = q[int(starts[s]): int(starts[s]) + ql].float().transpose(0, 1)
+        pos = torch.arange(c - ql, c).unsqueeze(1)
+        mask = torch.arange(c).unsqueeze(0) <= pos
+        if window is not None:
+            mask &= torch.arange(c).unsqueeze(0) > pos - window
+        ref = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
+        got = out[int(starts[s]): int(starts[s]) + ql].float().transpose(0, 1)
+        torch.testing.assert_close(got, ref, atol=1e-5 if dtype == torch.float32 else 3e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 3e-2)

@@ -315,8 +315,12 @@ def test_ops_routes(server):
     for name in ("rollout_requests_total", "rollout_generation_tokens_total", "rollout_prompt_tokens_total",
                  "rollout_kv_cache_usage", "rollout_num_running_seqs", "rollout_num_queued_seqs",
                  "rollout_prefix_cache_hit_rate", "rollout_step_forward_seconds", "rollout_weight_version_info",
-                 "rollout_weight_updates_total", "rollout_weight_update_seconds"):
+                 "rollout_weight_updates_total", "rollout_weight_update_seconds", "rollout_num_preemptions",
+                 "rollout_num_graph_replays", "rollout_num_eager_decode_steps", "rollout_num_graph_samples"):
         assert name in text, name
+    client.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
+    stats = client.get_server_info()["stats"]  # on this CPU every decode step runs eagerly, none from a graph
+    assert stats["num_eager_decode_steps"] > 0 and stats["num_graph_replays"] == stats["num_graph_samples"] == 0
 
 
 def test_a_client_that_disconnects_aborts_its_request(server):

@@ -61,7 +61,28 @@ def test_rotary_with_the_cache_write_follows_the_paged_kernel_and_the_sampler_is
 
 def test_nothing_of_the_cpu_kernels_serves_without_the_build_or_on_cuda():
     assert plan(built=False) == KernelPlan(adapt_threads=True)  # no compiler: torch serves, threads still adapt
-    assert plan(device=CUDA) == KernelPlan()
+    assert plan(device=CUDA, built=False) == KernelPlan(paged_attention=True, triton=True)  # CUDA: Triton's kernels
+    assert plan(KernelChoice(fusion="torch"), device=CUDA) == KernelPlan()
+    assert plan(KernelChoice(triton=False), device=CUDA) == KernelPlan()
+    assert plan(device=CUDA, dtype=torch.float16) == KernelPlan()  # the fused kernels round as fp32 / bf16 only
+
+
+def test_the_cuda_plan_runs_on_a_cpu_only_under_tritons_interpreter(monkeypatch):
+    assert plan(KernelChoice(triton=True), dtype=torch.float32) == KernelPlan(paged_attention=True, triton=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="kernels.triton=True: needs CUDA, or on a CPU TRITON_INTERPRET=1"):
+        plan(KernelChoice(triton=True))
+    with pytest.raises(ValueError, match="kernels.triton='yes'"):
+        KernelChoice(triton="yes")
+
+
+def test_gpu_memory_utilization_is_vllms_option_and_sglangs_mem_fraction_static():
+    assert EngineConfig.from_kwargs("m", mem_fraction_static=0.8).gpu_memory_utilization == 0.8
+    assert EngineConfig.from_kwargs("m", gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
+    with pytest.raises(ValueError, match="one option"):
+        EngineConfig.from_kwargs("m", mem_fraction_static=0.8, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig.from_kwargs("m", gpu_memory_utilization=1.5)
 
 
 def test_threads_adapt_by_default_for_bf16_outside_the_batch_invariant_mode():

@@ -9,13 +9,21 @@ Workloads (fixed and named, so results can be cited; ``--num-prompts`` etc. over
 - ``score``: prefill-only logprobs of given sequences (64 prompts x 8 completions of 256 tokens,
   the scoring pass of an RL step): the engine's ``score`` against a ``transformers`` forward +
   log-softmax in micro-batches of ``--hf-batch`` sequences;
+- ``nano-vllm``: the recipe vLLM-class engines publish (nano-vllm's bench): 256 sequences of random
+  token ids, input and output lengths each uniform in [100, 1024], ``ignore_eos``; engine only by default
+  (``--baselines`` adds them), a figure to set beside vLLM's published ones;
+- ``grpo``: 64 chat prompts x n=8, up to 1024 new tokens, temperature 1, EOS on (a model whose answers
+  end: ``smollm2``), against ``generate`` and ``transformers``' continuous batching (``generate_batch``,
+  what TRL's GRPO trainer uses now) in the same run;
 - ``agentic``: 16 episodes x 6 turns, each turn appending a 48-token tool result and sampling 32
   tokens: sessions against resending the whole history each turn with the prefix cache on, in one
   engine (``rollout.bench.agentic``; no ``transformers`` side).
 
-Generation on the ``transformers`` side is one ``generate`` call over all prompts (``n`` as
+Generation on the ``transformers`` side (``generate``) is one call over all prompts (``n`` as
 ``num_return_sequences``; left padding), so padding and finished rows it keeps computing are
-counted as they cost. Useful tokens are the tokens up to and including EOS on both sides.
+counted as they cost; ``generate_batch`` gets every sample as its own prompt (one generation config: the
+longest output where lengths vary). Useful tokens are the tokens up to and including EOS (or a
+sequence's own length) on every side.
 
 Engine feature switches, each recorded in the result: ``--overlap``, ``--prefix`` (off: no prefix
 cache and every sample submitted as its own prompt, no shared prefill), ``--tp-size``, ``--graphs``
@@ -63,14 +71,19 @@ class Workload:
     score: bool = False  # prefill-only logprobs of prompt + max_new_tokens given tokens
     turns: int = 0  # agentic: turns per episode
     tool_len: int = 0  # agentic: tokens each tool result appends
+    lengths: tuple[int, int] = (0, 0)  # random prompts: input and output lengths uniform in this range
+    baselines: tuple[str, ...] = ("generate",)  # the transformers sides run beside the engine
 
 
 WORKLOADS = {
     "grpo-short": Workload("grpo-short", 64, 8, 256),
     "grpo-long": Workload("grpo-long", 16, 8, 1024),
     "score": Workload("score", 64, 8, 256, score=True),
-    "agentic": Workload("agentic", 16, 1, 32, ignore_eos=True, turns=6, tool_len=48),
+    "agentic": Workload("agentic", 16, 1, 32, ignore_eos=True, turns=6, tool_len=48, baselines=()),
+    "nano-vllm": Workload("nano-vllm", 256, 1, 1024, ignore_eos=True, lengths=(100, 1024), baselines=()),
+    "grpo": Workload("grpo", 64, 8, 1024, baselines=("generate", "generate_batch")),
 }
+BASELINES = ("generate", "generate_batch")
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,15 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
+def random_requests(w: Workload, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The ``lengths`` workloads' prompts (random ids) and each one's number of new tokens, from a fixed seed."""
+    gen = torch.Generator().manual_seed(0)
+    lo, hi = w.lengths
+    ins = torch.randint(lo, hi + 1, (w.num_prompts,), generator=gen).tolist()
+    outs = torch.randint(lo, min(hi, w.max_new_tokens) + 1, (w.num_prompts,), generator=gen).tolist()
+    return [torch.randint(10, min(vocab, 10000), (n,), generator=gen).tolist() for n in ins], outs
+
+
 def completions(prompts: list[list[int]], n: int, length: int, vocab: int) -> list[tuple[list[int], list[int]]]:
     """(prompt, completion) pairs to score: ``n`` random completions of ``length`` tokens per prompt."""
     gen = torch.Generator().manual_seed(0)
@@ -132,7 +154,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dict:
+def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch, out_lens=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     dev = auto_device()  # where the engine runs: never a GPU engine against a CPU baseline
@@ -152,14 +174,62 @@ def run_hf_generate(path, dtype, prompts, w: Workload, eos_ids, hf_batch) -> dic
             kwargs["min_new_tokens"] = w.max_new_tokens
         else:
             kwargs["eos_token_id"] = sorted(eos_ids)
+        if out_lens is not None:  # one length for the chunk: its longest; each counts its own
+            kwargs["max_new_tokens"] = max(out_lens[i: i + hf_batch])
+            if w.ignore_eos:
+                kwargs["min_new_tokens"] = kwargs["max_new_tokens"]
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, **kwargs)
-        total += sum(useful_lengths(out[:, width:], eos_ids, w.ignore_eos))
+        useful = useful_lengths(out[:, width:], eos_ids, w.ignore_eos)
+        if out_lens is not None:
+            useful = [min(u, out_lens[i + j // w.n]) for j, u in enumerate(useful)]
+        total += sum(useful)
         steps += out.shape[1] - width
     _sync(dev)
     elapsed = time.perf_counter() - t0
     return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed, "decode_steps": steps,
             "padded_tokens": steps * len(prompts) * w.n, "device": str(dev)}
+
+
+def run_hf_continuous(path, dtype, prompts, w: Workload, eos_ids, out_lens=None) -> dict:
+    """``transformers``' continuous batching (``generate_batch``): every sample its own request, the same
+    sampling, one call timed whole — how a trainer calls it each step, its own warm-up (CUDA graph capture)
+    inside; ``call_fixed_cost_s`` is a two-request call's time, that cost alone."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dev = auto_device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else next(iter(eos_ids))
+    longest = max(out_lens) if out_lens is not None else w.max_new_tokens
+    config = GenerationConfig(max_new_tokens=longest, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              pad_token_id=pad, eos_token_id=-1 if w.ignore_eos else sorted(eos_ids))
+    requests = [p for p in prompts for _ in range(w.n)]
+    cb = None
+    if dev.type == "cpu":  # its cache is sized from free memory otherwise: seconds to allocate on a CPU
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        page = 32
+        need = sum(-(-(len(p) + longest) // page) for p in requests)
+        cb = ContinuousBatchingConfig(num_blocks=need, page_size=page)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        t0 = time.perf_counter()  # a call's fixed cost (manager, cache, graph capture), measured alone
+        model.generate_batch(requests[:2], generation_config=GenerationConfig(
+            max_new_tokens=2, do_sample=True, pad_token_id=pad, eos_token_id=-1), continuous_batching_config=cb)
+        _sync(dev)
+        warmup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = model.generate_batch(requests, generation_config=config, continuous_batching_config=cb)
+        _sync(dev)
+    elapsed = time.perf_counter() - t0
+    total = 0
+    for i, key in enumerate(sorted(outs, key=lambda k: int(k.rsplit("_", 1)[-1]))):
+        toks = list(outs[key].generated_tokens)
+        n = len(toks) if w.ignore_eos else next((j + 1 for j, t in enumerate(toks) if t in eos_ids), len(toks))
+        total += min(n, out_lens[i // w.n]) if out_lens is not None else n
+    return {"tokens": total, "seconds": elapsed, "tokens_per_s": total / elapsed, "requests": len(requests),
+            "call_fixed_cost_s": warmup_s, "device": str(dev)}
 
 
 def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
@@ -189,18 +259,21 @@ def run_hf_score(path, dtype, pairs, hf_batch) -> dict:
 def _engine(path, dtype, features: Features, max_seqs: int, kv_tokens: int, engine_args: dict | None = None):
     from rollout import RolloutEngine
 
+    engine_args = {k: v for k, v in (engine_args or {}).items() if k != "kv_cache_tokens"}
     return RolloutEngine(path, dtype=dtype, tp_size=features.tp_size, enable_overlap=features.overlap,
                          enable_prefix_caching=features.prefix, enable_cuda_graph=features.graphs,
                          kv_cache_tokens=kv_tokens, max_num_seqs=max_seqs, use_generation_config=False,
                          speculative_num_draft_tokens=SPEC_DRAFT_TOKENS if features.speculative else 0,
-                         **(engine_args or {}))
+                         **engine_args)
 
 
 def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_seqs: int,
-               engine_args: dict | None = None) -> dict:
+               engine_args: dict | None = None, out_lens=None) -> dict:
     from rollout import SamplingParams
 
     kv_tokens = min(len(prompts) * w.n, max_num_seqs) * (max(map(len, prompts)) + w.max_new_tokens + 32)
+    if engine_args and engine_args.get("kv_cache_tokens"):
+        kv_tokens = engine_args["kv_cache_tokens"]
     if w.turns:
         kv_tokens = len(prompts) * (max(map(len, prompts)) + w.turns * (w.max_new_tokens + w.tool_len) + 64)
     with _engine(path, dtype, features, max_num_seqs, kv_tokens, engine_args) as engine:
@@ -221,6 +294,8 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
         n, todo = (w.n, prompts) if features.prefix else (1, [p for p in prompts for _ in range(w.n)])
         sp = SamplingParams(max_new_tokens=w.max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0, n=n, seed=0,
                             ignore_eos=w.ignore_eos)
+        if out_lens is not None:  # one request per prompt, each with its own length
+            sp = [replace(sp, max_new_tokens=k, seed=i) for i, k in enumerate(out_lens)]
         engine.generate(input_ids=prompts[:1], sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
         base = engine.get_stats()
         t0 = time.perf_counter()
@@ -228,7 +303,8 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
         elapsed = time.perf_counter() - t0
         stats = engine.get_stats()
     delta = {k: stats[k] - base[k] for k in ("num_sample_steps", "sample_time_s", "forward_time_s", "num_decode_steps",
-                                             "decode_step_time_s", "decode_step_batch", "num_preemptions")}
+                                             "decode_step_time_s", "decode_step_batch", "num_preemptions",
+                                             "num_graph_replays", "num_eager_decode_steps", "num_graph_samples")}
     steps = max(delta["num_sample_steps"], 1)
     lengths = sorted(len(o.output_token_ids) for o in outs)
     return {"tokens": sum(lengths), "seconds": elapsed, "tokens_per_s": sum(lengths) / elapsed,
@@ -237,43 +313,55 @@ def run_engine(path, dtype, prompts, w: Workload, features: Features, max_num_se
             "decode_step_ms": 1e3 * delta["decode_step_time_s"] / max(delta["num_decode_steps"], 1),
             "decode_steps": delta["num_decode_steps"], "decode_seconds": delta["decode_step_time_s"],
             "mean_decode_batch": delta["decode_step_batch"] / max(delta["num_decode_steps"], 1),
-            "preemptions": delta["num_preemptions"],
+            "preemptions": delta["num_preemptions"], "graph_replays": delta["num_graph_replays"],
+            "eager_decode_steps": delta["num_eager_decode_steps"], "graph_samples": delta["num_graph_samples"],
             "output_len_mean": sum(lengths) / len(lengths), "output_len_max": lengths[-1], **spec_stats(base, stats)}
 
 
 def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bfloat16", features: Features = Features(),
         skip_hf: bool = False, hf_batch: int = 0, max_num_seqs: int = 256, out_dir: str = "benchmarks/results",
         workdir: str = DEFAULT_WORKDIR, overrides: dict | None = None, engine_args: dict | None = None,
-        tag: str = "", hf_dtype: str | None = None) -> dict:
+        tag: str = "", hf_dtype: str | None = None, baselines: tuple[str, ...] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from rollout.models import ModelConfig
 
     w = replace(WORKLOADS[workload], **{k: v for k, v in (overrides or {}).items() if v is not None})
+    baselines = () if skip_hf or w.turns else tuple(w.baselines if baselines is None else baselines)
+    if unknown := set(baselines) - set(BASELINES):
+        raise ValueError(f"baselines {sorted(unknown)}: choose among {', '.join(BASELINES)}")
     path = build_model(model, workdir)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = make_prompts(tokenizer, w.num_prompts)
+    out_lens = None
+    if w.lengths != (0, 0):
+        prompts, out_lens = random_requests(w, ModelConfig.from_pretrained(path).vocab_size)
+    else:
+        prompts = make_prompts(tokenizer, w.num_prompts)
     eos_ids = set(ModelConfig.from_pretrained(path).eos_token_ids) | {tokenizer.eos_token_id}
     label = model_label(model)
     result = {"benchmark": "throughput", "machine": machine(),
               "config": {"model": label, "dtype": dtype, "hf_dtype": hf_dtype or dtype, "workload": asdict(w),
                          "features": asdict(features),
                          "max_num_seqs": max_num_seqs, "hf_batch": hf_batch or (16 if w.score else w.num_prompts),
-                         "engine_args": engine_args or {}}}
+                         "engine_args": engine_args or {}, "baselines": list(baselines)}}
     from tqdm import tqdm
 
-    with tqdm(total=1 if skip_hf else 2, desc=f"throughput {w.name} {label}") as bar:
-        result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs, engine_args)
+    hf_type = getattr(torch, hf_dtype or dtype)
+    with tqdm(total=1 + len(baselines), desc=f"throughput {w.name} {label}") as bar:
+        result["engine"] = run_engine(path, dtype, prompts, w, features, max_num_seqs, engine_args, out_lens)
         bar.update(1)
-        if not skip_hf and not w.turns:
-            hf_b = result["config"]["hf_batch"]
+        hf_b = result["config"]["hf_batch"]
+        if "generate" in baselines:  # the score workload's side is a forward + log-softmax
             if w.score:
                 vocab = ModelConfig.from_pretrained(path).vocab_size
-                result["hf"] = run_hf_score(path, getattr(torch, hf_dtype or dtype),
-                                            completions(prompts, w.n, w.max_new_tokens, vocab), hf_b)
+                result["hf"] = run_hf_score(path, hf_type, completions(prompts, w.n, w.max_new_tokens, vocab), hf_b)
             else:
-                result["hf"] = run_hf_generate(path, getattr(torch, hf_dtype or dtype), prompts, w, eos_ids, hf_b)
+                result["hf"] = run_hf_generate(path, hf_type, prompts, w, eos_ids, hf_b, out_lens)
             result["ratio"] = result["engine"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+            bar.update(1)
+        if "generate_batch" in baselines:
+            result["hf_continuous"] = run_hf_continuous(path, hf_type, prompts, w, eos_ids, out_lens)
+            result["ratio_continuous"] = result["engine"]["tokens_per_s"] / result["hf_continuous"]["tokens_per_s"]
             bar.update(1)
     f = features
     hf_part = f"_hf-{hf_dtype}" if hf_dtype and hf_dtype != dtype else ""
@@ -291,10 +379,12 @@ def run(model: str = "smollm2", workload: str = "grpo-short", dtype: str = "bflo
 def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
-    systems = [("engine", "rollout-worker")] + ([("hf", "transformers")] if "hf" in result else [])
+    systems = [(k, label) for k, label in (("engine", "rollout-worker"), ("hf", "transformers generate"),
+                                           ("hf_continuous", "transformers generate_batch")) if k in result]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     vals = [result[k]["tokens_per_s"] for k, _ in systems]
-    bars = ax.bar([label for _, label in systems], vals, color=["tab:blue", "tab:gray"][: len(systems)])
+    bars = ax.bar([label for _, label in systems], vals,
+                  color=["tab:blue", "tab:gray", "tab:olive"][: len(systems)])
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     cfg, w = result["config"], result["config"]["workload"]
     ratio = f", {result['ratio']:.2f}x" if "ratio" in result else ""
@@ -336,6 +426,8 @@ def main(argv=None) -> dict:
                     help="prompts per generate call (default all: one call), sequences per scoring forward (16)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    ap.add_argument("--baselines", default=None,
+                    help=f"comma list among {', '.join(BASELINES)} (default: the workload's; nano-vllm none, grpo both)")
     ap.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32"],
                     help="transformers' dtype (default: --dtype); e.g. float32 where the CPU has no native bf16, "
                          "its fastest dtype there")
@@ -349,7 +441,7 @@ def main(argv=None) -> dict:
                  "ignore_eos": args.ignore_eos}
     res = run(args.model, args.workload, args.dtype, features_from(args), args.skip_hf, args.hf_batch,
               args.max_num_seqs, args.out_dir, args.workdir, overrides, parse_engine_args(args.engine_arg), args.tag,
-              args.hf_dtype)
+              args.hf_dtype, None if args.baselines is None else tuple(b for b in args.baselines.split(",") if b))
     e = res["engine"]
     line = f"{args.workload}: engine {e['tokens_per_s']:.0f} tok/s"
     if "sessions" in e:
@@ -358,6 +450,9 @@ def main(argv=None) -> dict:
                  f"{e['same_tokens']})")
     if "hf" in res:
         line += f", transformers {res['hf']['tokens_per_s']:.0f} tok/s, ratio {res['ratio']:.2f}x"
+    if "hf_continuous" in res:
+        line += (f", transformers generate_batch {res['hf_continuous']['tokens_per_s']:.0f} tok/s, ratio "
+                 f"{res['ratio_continuous']:.2f}x")
     print(line)
     return res
 

@@ -12,7 +12,12 @@ A step is two parts. ``stage`` is the host's: the batch's block tables, position
 numpy into pinned staging buffers and copied to the static device buffers ``non_blocking`` (no per-row
 tensor, no blocking copy, only the block-table columns this step reads). ``run`` is the device's, what a
 graph captures: the forward over the static buffers, as a plain decode step (``all_decode``: no row
-selection; no mask when the paged kernel reads the cache). ``run`` has no host synchronisation — the suite
+selection; no mask when the paged kernel reads the cache). Sampling is a graph of its own per batch size,
+replayed when the step samples (under overlap, later, with the inputs known then) and only for rows without
+processors, masks or top logprobs (``SamplingInputs.fits_static``): ``sample_static`` over the forward
+graph's logits, the uniforms drawn on the device from each row's seed and position; two variants, with
+and without top-k / top-p / min-p (whose sorts a temperature-only batch does not pay).
+``run`` and ``run_sampler`` have no host synchronisation — the suite
 runs it on CPU under ``rollout.kernels.audit.StepAudit``, which refuses one and counts its launches.
 """
 
@@ -27,10 +32,11 @@ import numpy as np
 import torch
 
 from rollout.layers.attention import AttentionMetadata
+from rollout.layers.sampler import SampleOutput, StaticSampling, sample_static
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class StorageAudit:
@@ -58,15 +64,21 @@ class CudaGraphRunner:
         self.slot_mapping = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, device=device)
         self.ctx_lens = torch.ones(self.max_bs, dtype=torch.long, device=device)
-        # host side: pinned (on CUDA) staging the static buffers are copied from, one row of each per sequence;
-        # the event of the last copies out of it, waited on before it is written again
+        # host side: pinned (on CUDA) staging the static buffers are copied from, two sets used in turn; each
+        # set's event marks its copies, waited on before the set is written again (two steps later: done)
         pin = device.type == "cuda"
-        self.staged = torch.zeros(3, self.max_bs, dtype=torch.long, pin_memory=pin)  # positions, slots, ctx
-        self.staged_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, pin_memory=pin)
-        self._staged_event = torch.cuda.Event() if pin else None
+        self._staging = [(torch.zeros(3, self.max_bs, dtype=torch.long, pin_memory=pin),  # positions, slots, ctx
+                          torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, pin_memory=pin),
+                          torch.cuda.Event() if pin else None) for _ in range(2)]
+        self._turn = 0
         self._rows = torch.arange(self.max_bs, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.sampling = StaticSampling(self.max_bs, device)
+        self.raw_logprobs = runner.config.logprob_mode == "raw"
+        self.sampler_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.sampled: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last: Optional[tuple[int, int]] = None  # (rows, padded size) of the last forward
         self.pool = None
         self.audit: Optional[StorageAudit] = None
 
@@ -102,9 +114,16 @@ class CudaGraphRunner:
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)
 
+    def run_sampler(self, bs: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device work of sampling the last forward's ``bs`` logits rows (what a sampler graph captures)."""
+        return sample_static(self.outputs[bs], self.sampling, self.raw_logprobs, filtered=filtered)
+
     def free(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.sampler_graphs.clear()
+        self.sampled.clear()
+        self.last = None
         self.pool = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -129,6 +148,12 @@ class CudaGraphRunner:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs] = graph
+                for filtered in (False, True):
+                    self.run_sampler(bs, filtered)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self.sampled[bs, filtered] = self.run_sampler(bs, filtered)
+                    self.sampler_graphs[bs, filtered] = graph
         torch.cuda.current_stream().wait_stream(stream)
         self.audit = StorageAudit(self.graph_tensors())
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -151,12 +176,14 @@ class CudaGraphRunner:
         widths = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
         width = int(widths.max())
         flat = np.fromiter(itertools.chain.from_iterable(batch.block_tables), dtype=np.int64, count=int(widths.sum()))
-        if self._staged_event is not None:
-            self._staged_event.synchronize()  # the last step's copies out of the staging buffers are done
-        tables = self.staged_tables.numpy()[:bs, :width]
+        staged, staged_tables, copied = self._staging[self._turn]
+        self._turn ^= 1
+        if copied is not None:
+            copied.synchronize()  # this set's copies of two steps ago are done (they were long since)
+        tables = staged_tables.numpy()[:bs, :width]
         tables.fill(scratch)
         tables[:n][np.arange(width) < widths[:, None]] = flat
-        pos, slots, ctx = self.staged.numpy()[:, :bs]
+        pos, slots, ctx = staged.numpy()[:, :bs]
         ctx.fill(1)
         ctx[:n] = batch.ctx_lens
         np.subtract(ctx, 1, out=pos)
@@ -164,10 +191,10 @@ class CudaGraphRunner:
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.input_ids[n:bs].zero_()
         for dst, src in ((self.positions, 0), (self.slot_mapping, 1), (self.ctx_lens, 2)):
-            dst[:bs].copy_(self.staged[src, :bs], non_blocking=True)
-        self.block_tables[:bs, :width].copy_(self.staged_tables[:bs, :width], non_blocking=True)
-        if self._staged_event is not None:
-            self._staged_event.record()
+            dst[:bs].copy_(staged[src, :bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(staged_tables[:bs, :width], non_blocking=True)
+        if copied is not None:
+            copied.record()
         return n, bs
 
     @torch.inference_mode()
@@ -178,5 +205,34 @@ class CudaGraphRunner:
         replay. The worker samples each step before the next forward is launched, also under
         overlap (one forward thread, in launch order)."""
         n, bs = self.stage(batch, input_ids)
-        self.graphs[bs].replay()
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+        else:  # not captured (a CPU test of this path): the same device work, eagerly
+            self.outputs[bs] = self.run(bs)
+        self.last = (n, bs)
         return self.outputs[bs][:n]
+
+    def samples(self, logits: torch.Tensor, sampling) -> bool:
+        """Whether ``sample`` serves these logits and inputs: the last forward's whole output, rows that
+        ``sample_static`` handles, the engine's logprob mode."""
+        if self.last is None or sampling is None:
+            return False
+        n, bs = self.last
+        out = self.outputs.get(bs)
+        return (out is not None and logits.shape[0] == n and logits.data_ptr() == out.data_ptr()
+                and len(sampling.temperatures) == n and sampling.fits_static
+                and sampling.raw_logprobs == self.raw_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, sampling) -> SampleOutput:
+        """Sample the last forward's rows (``samples`` said yes) with the sampler graph: the tokens and
+        logprobs ``rollout.layers.sampler.sample`` gives, copied out of the graph's buffers."""
+        n, bs = self.last
+        filtered = sampling.top_ks is not None or sampling.top_ps is not None or sampling.min_ps is not None
+        self.sampling.stage(sampling, bs)
+        if (bs, filtered) in self.sampler_graphs:
+            self.sampler_graphs[bs, filtered].replay()
+            tokens, logprobs = self.sampled[bs, filtered]
+        else:
+            tokens, logprobs = self.run_sampler(bs, filtered)
+        return SampleOutput(token_ids=tokens[:n].clone(), logprobs=logprobs[:n].clone())

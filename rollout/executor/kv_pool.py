@@ -33,6 +33,21 @@ def num_kv_blocks(tokens: Optional[int], block_size: int, bytes_per_token: int, 
     return max(2, -(-tokens // block_size))
 
 
+def kv_tokens_for_utilization(device: torch.device, utilization: float, bytes_per_token: int,
+                              reserve_bytes: int) -> int:
+    """CUDA: the KV tokens that fit in ``utilization`` of the device's memory once what is allocated now
+    (weights, by this and any other process) and ``reserve_bytes`` (activations, graphs) are counted; at least
+    one block's worth is left to the caller's minimum."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * utilization) - (total - free) - reserve_bytes
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization}: {total * utilization / 2**30:.1f} GiB of this "
+                         f"{total / 2**30:.1f} GiB device leave no room for a KV cache: {(total - free) / 2**30:.1f} "
+                         f"GiB are in use and {reserve_bytes / 2**30:.1f} GiB are kept for activations; raise it "
+                         "or set kv_cache_tokens")
+    return budget // bytes_per_token
+
+
 class KvPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

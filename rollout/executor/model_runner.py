@@ -21,7 +21,7 @@ from torch import nn
 from rollout.batch import ModelWorkerBatch, SamplingInputs
 from rollout.config import EngineConfig
 from rollout.executor.cpu_threads import ThreadGovernor
-from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, num_kv_blocks
+from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, kv_tokens_for_utilization, num_kv_blocks
 from rollout.executor.param_storage import ParameterStorage, return_free_heap_to_os
 from rollout.kernels.cpu import build as cpu_build
 from rollout.kernels.cpu.capability import cpu_capability
@@ -62,7 +62,8 @@ class ForwardBatch:
                  future_token_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
         device = runner.device
         positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens,
-                                                   runner.block_size, device, runner.model_config.sliding_window)
+                                                   runner.block_size, device, runner.model_config.sliding_window,
+                                                   ragged=runner.kernels.triton)
         return ForwardBatch(
             input_ids=_input_ids(batch, device, future_token_ids),
             positions=positions,
@@ -111,6 +112,18 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
                       head_shape=tuple(model.lm_head.weight.shape), kernel=choice.gemm)
 
 
+def _activation_reserve(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes kept out of the KV pool under ``gpu_memory_utilization``: the sampler's fp32 rows over the
+    vocabulary (logits, sorts, cumsums and their indices: ~40 bytes an entry) for the most rows a step holds,
+    a prefill chunk's activations (the MLP's widest, a few copies), and 512 MiB for the graphs and the
+    allocator's slack."""
+    rows = max(config.max_num_seqs, min(config.cuda_graph_max_bs, config.max_num_seqs))
+    item = torch.empty((), dtype=dtype).element_size()
+    sampler = rows * model_config.vocab_size * 40
+    chunk = config.max_num_batched_tokens * (4 * model_config.intermediate_size + 8 * model_config.hidden_size) * item
+    return sampler + chunk + (512 << 20)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
@@ -140,9 +153,14 @@ class ModelRunner:
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
         self.max_model_len = max_model_len
         layers, kv_heads = model_config.num_hidden_layers, self.model.model.layers[0].self_attn.num_kv_heads
-        blocks = num_kv_blocks(config.kv_cache_tokens, self.block_size,
-                               kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype), device,
-                               config.kv_cache_memory_fraction, config.max_num_seqs * max_model_len)
+        per_token = kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype)
+        tokens = config.kv_cache_tokens
+        if tokens is None and device.type == "cuda" and config.gpu_memory_utilization is not None:
+            tokens = min(kv_tokens_for_utilization(device, config.gpu_memory_utilization, per_token,
+                                                   _activation_reserve(config, model_config, dtype)),
+                         config.max_num_seqs * max_model_len)
+        blocks = num_kv_blocks(tokens, self.block_size, per_token, device, config.kv_cache_memory_fraction,
+                               config.max_num_seqs * max_model_len)
         self.kv = KvPool(layers, blocks, self.block_size, kv_heads, model_config.head_dim, dtype, device)
         # decode attention from the block cache: Triton's on CUDA; on CPU the C++ kernel (fp32 softmax and
         # sums, one rounding) for every cache dtype, where the kernel plan has it
@@ -167,6 +185,9 @@ class ModelRunner:
         # CPU: all of torch's threads alone on the cores, one while another process computes on them
         # (by default for bf16 engines outside the batch-invariant mode: see KernelChoice.adapt_threads)
         self.threads = ThreadGovernor(torch.get_num_threads()) if self.kernels.adapt_threads else None
+        # decode forwards replayed from a graph, decode forwards run eagerly (no graph fits, or none), and
+        # samplings done by a sampler graph: what /metrics and the benchmarks report
+        self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
         self.graph_runner = None
         if device.type == "cuda" and config.enable_cuda_graph:
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
@@ -228,7 +249,10 @@ class ModelRunner:
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
+            self.counts["num_graph_replays"] += 1
             return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
+        if all(q == 1 for q in batch.q_lens):
+            self.counts["num_eager_decode_steps"] += 1
         fb = ForwardBatch.init_new(batch, self, future_token_ids)
         fb.attn.use_paged_kernel = self.use_paged_kernel
         self.lora_context.batch = LoraBatch.from_sequences(batch.lora_slots, batch.q_lens, self.device)
@@ -266,6 +290,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
+        if self.graph_runner is not None and self.graph_runner.samples(logits, sampling):
+            self.counts["num_graph_samples"] += 1
+            return self.graph_runner.sample(sampling)  # the sampler graph over the forward graph's logits
         if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
             return sample_one_by_one(logits, sampling, self._sampling_info)
         return sample(logits, self._sampling_info(sampling))

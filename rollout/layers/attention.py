@@ -40,14 +40,29 @@ class AttentionMetadata:
     use_paged_kernel: bool = False  # read paged KV in place (CUDA: Triton; CPU: C++) instead of gather + SDPA
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
+    ragged: Optional[RaggedBatch] = None  # the one-launch path's view of every sequence (build ..., ragged=True)
+
+
+@dataclass
+class RaggedBatch:
+    """Every sequence of a step for ``rollout.kernels.triton.prefill.ragged_paged_attention``: where its rows
+    start, how many, its context after the step and its blocks (device tensors), and the longest run of rows."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    ctx_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_q_len: int
 
 
 def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
-                             block_size: int, device: torch.device,
-                             sliding_window: Optional[int] = None) -> tuple[torch.Tensor, AttentionMetadata]:
+                             block_size: int, device: torch.device, sliding_window: Optional[int] = None,
+                             ragged: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """Per sequence: its block table, its context length after this step and its number of new
     tokens (the last ``q_len`` positions). Returns (positions [T], metadata); rows follow the
     sequences in order. Slots are computed from block tables with tensor arithmetic, not lists.
+    ``ragged``: a step with prefill rows is attended in one launch (``RaggedBatch``), no per-sequence
+    spans or host masks built.
     """
     num_seqs = len(block_tables)
     tables = torch.zeros(num_seqs, max(len(t) for t in block_tables), dtype=torch.long)
@@ -75,6 +90,9 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
         meta.decode_ctx_lens = lens.to(device)
         meta.decode_mask = mask.view(len(idx), 1, 1, -1).to(device)
         meta.all_decode = len(idx) == num_seqs
+    if ragged and not meta.all_decode:
+        meta.ragged = RaggedBatch(row_start.to(device), q.to(device), ctx.to(device), tables.to(device), max(q_lens))
+        return positions.to(device), meta
     for i in (~is_decode).nonzero().squeeze(1).tolist():
         meta.prefills.append(_prefill_span(int(row_start[i]), q_lens[i], ctx_lens[i], tables[i], block_size,
                                            device, sliding_window))
@@ -109,6 +127,13 @@ class PagedAttention(nn.Module):
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.ragged is not None:  # every sequence's rows in one launch, from the cache
+            from rollout.kernels.triton.prefill import ragged_paged_attention
+
+            r = meta.ragged
+            out = ragged_paged_attention(q, k_cache, v_cache, r.q_starts, r.q_lens, r.ctx_lens, r.block_tables,
+                                         r.max_q_len, self.scale, meta.sliding_window)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         kernel = self._paged_kernel(q, k_cache, v_cache, meta)
         if kernel is not None and meta.all_decode:  # a plain decode step: no rows to select or scatter
             return self._decode_all(kernel, q)

@@ -227,6 +227,96 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     return out
 
 
+class StaticSampling:
+    """The per-row sampling inputs of up to ``max_rows`` rows in fixed device buffers, so that
+    ``sample_static`` over them can be captured in a CUDA graph with the forward: temperature (0 = greedy),
+    top-k (<= 0: off), top-p (>= 1: off), min-p (0: off), and each row's seed and output position, from which
+    the uniform is drawn on the device (``rollout.random.device_uniforms``, the host's bits). ``stage`` fills
+    them from the host through a pinned buffer with ``non_blocking`` copies."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.host = torch.zeros(3, max_rows, dtype=torch.float32, pin_memory=pin)  # temperatures, top_ps, min_ps
+        self.host_ids = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pin)  # top_ks, seeds, positions
+        self.copied = torch.cuda.Event() if pin else None  # the last copies out of the host buffers
+        self.temperatures = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_ps = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.min_ps = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.top_ks = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+
+    def stage(self, sampling, bs: int) -> None:
+        """``sampling`` (the scheduler's ``SamplingInputs`` of n <= bs rows, ``fits_static``) into the first
+        ``bs`` rows; padding rows are greedy."""
+        from rollout.random import as_int64
+
+        n = len(sampling.temperatures)
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies are done (its tokens were read since)
+        floats = self.host.numpy()[:3, :bs]
+        ids = self.host_ids.numpy()[:, :bs]
+        floats[:, n:] = ((0.0,), (1.0,), (0.0,))
+        ids[:, n:] = 0
+        floats[0, :n] = sampling.temperatures
+        floats[1, :n] = sampling.top_ps if sampling.top_ps is not None else 1.0
+        floats[2, :n] = sampling.min_ps if sampling.min_ps is not None else 0.0
+        ids[0, :n] = sampling.top_ks if sampling.top_ks is not None else 0
+        ids[1, :n] = [as_int64(x) for x in sampling.seeds]
+        ids[2, :n] = sampling.draw_positions
+        for dst, row in ((self.temperatures, 0), (self.top_ps, 1), (self.min_ps, 2)):
+            dst[:bs].copy_(self.host[row, :bs], non_blocking=True)  # rounded to float32 as to_device rounds
+        for dst, row in ((self.top_ks, 0), (self.seeds, 1), (self.positions, 2)):
+            dst[:bs].copy_(self.host_ids[row, :bs], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool = False,
+                  filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` for rows without processors, masks or top logprobs, with fixed shapes and no host
+    synchronisation (every row goes through every step; an option a row does not use leaves it as it was):
+    logits [B, V] fp32 and the first B rows of ``st`` -> (tokens [B], logprobs [B]) — the tokens and the bits
+    ``sample`` gives. One full-vocabulary sort serves top-k and top-p where ``sample`` takes ``topk`` and a
+    candidate set: the same values in the same order. ``filtered=False``: rows without top-k, top-p and
+    min-p only (no sorts)."""
+    from rollout.random import device_uniforms
+
+    b, vocab = logits.shape
+    temps = st.temperatures[:b]
+    greedy = temps <= 0
+    x = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
+    dist = _filtered(x, st, b, vocab) if filtered else x
+    u = device_uniforms(st.seeds[:b], st.positions[:b]).float().clamp_(max=1 - 2**-24)
+    row_max, cdf = _exp_cumsum(dist)
+    total = cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1).clamp_(max=vocab - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    drawn_lp = (dist.gather(1, tokens.unsqueeze(1)) - row_max - total.log()).squeeze(1)
+    raw_lp = token_logprob(logits, tokens)
+    return tokens, raw_lp if raw_logprobs else torch.where(greedy, raw_lp, drawn_lp)
+
+
+def _filtered(x: torch.Tensor, st: StaticSampling, b: int, vocab: int) -> torch.Tensor:
+    """Top-k, then top-p, then min-p on every row (a row's off value leaves it as it was)."""
+    top_ks = st.top_ks[:b]
+    use_k = top_ks > 0
+    ordered = x.sort(dim=-1, descending=True).values
+    k = torch.where(use_k, top_ks, 1).clamp(max=vocab)
+    kth = torch.where(use_k.unsqueeze(1), ordered.gather(1, (k - 1).unsqueeze(1)), float("-inf"))
+    x = x.masked_fill(x < kth, float("-inf"))
+    top_ps = st.top_ps[:b]
+    probs = x.softmax(dim=-1)
+    sp, si = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sp.cumsum(-1) - sp) < top_ps.unsqueeze(1)
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(1, si, keep_sorted) | (top_ps >= 1).unsqueeze(1)
+    x = x.masked_fill(~keep, float("-inf"))
+    probs = x.softmax(dim=-1)
+    threshold = st.min_ps[:b].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
 def sample_one_by_one(logits: torch.Tensor, sampling, to_info) -> SampleOutput:
     """``sample`` one row at a time (the batch-invariant mode), the outputs stacked as one batch's.
     ``sampling`` is the scheduler's ``SamplingInputs`` (``row(i)``, ``mask_rows``), ``to_info`` turns

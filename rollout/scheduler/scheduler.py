@@ -148,7 +148,7 @@ class Scheduler:
         return {**vars(self.stats), "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "prefix_cache_queries": bm.stats.num_queries,
                 "prefix_cache_hit_tokens": bm.stats.num_hit_tokens, "num_free_blocks": bm.num_free_blocks,
-                "num_blocks": bm.num_blocks,
+                "num_blocks": bm.num_blocks, **self.worker.model_runner.counts,
                 **({} if self.worker.model_runner.threads is None else self.worker.model_runner.threads.stats()),
                 **({} if self.speculator is None else {
                     "spec_verify_ct": self.speculator.num_verify_steps,

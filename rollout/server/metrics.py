@@ -37,6 +37,10 @@ class _EngineCollector:
         yield gauge("num_steps", "Scheduler steps run", stats["num_steps"])
         yield gauge("num_preemptions", "Sequences preempted (their KV dropped, recomputed later)",
                     stats["num_preemptions"])
+        yield gauge("num_graph_replays", "Decode steps replayed from a captured CUDA graph", stats["num_graph_replays"])
+        yield gauge("num_eager_decode_steps", "Decode steps run eagerly (no captured graph fits them, or none)",
+                    stats["num_eager_decode_steps"])
+        yield gauge("num_graph_samples", "Sampling steps done by a captured sampler graph", stats["num_graph_samples"])
         if "spec_verify_ct" in stats:  # speculative decoding on (SGLang's counter names)
             yield gauge("spec_verify_ct", "Speculative verify steps run", stats["spec_verify_ct"])
             yield gauge("spec_draft_token_num", "Guessed tokens verified", stats["spec_draft_token_num"])
