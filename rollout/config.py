@@ -124,6 +124,9 @@ class EngineConfig:
     # QueueFullError (the server: 503) instead of queueing without bound. None: no bound
     max_queued_requests: Optional[int] = None
     max_num_batched_tokens: int = 4096  # tokens in one forward; longer prompts are chunked
+    # admission keeps KV free for the running sequences to grow: this share of each one's remaining new
+    # tokens (SGLang's new_token_ratio, fixed), so preemption is the exception; 0: admit while the chunk fits
+    decode_reserve_ratio: float = 0.3
     enable_overlap: bool = False
     deterministic: bool = False  # batch-invariant: every token in a forward of its own (bitwise, much slower)
     request_timeout_s: Optional[float] = None  # generate() waits at most this long (None: forever)
@@ -179,6 +182,8 @@ class EngineConfig:
             bad("kv_cache_tokens", "must be a positive integer or None")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             bad("kv_cache_memory_fraction", "must be in (0, 0.95]")
+        if not 0 <= self.decode_reserve_ratio <= 1:
+            bad("decode_reserve_ratio", "must be in [0, 1]")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 0.98:
             bad("gpu_memory_utilization", "must be in (0, 0.98] (None: kv_cache_memory_fraction of free memory)")
         if self.logprob_mode not in ("processed", "raw"):

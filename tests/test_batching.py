@@ -58,6 +58,24 @@ def test_preemption_keeps_tokens(llama_path, engine):
     assert sum(o.num_preemptions for o in outs) > 0
 
 
+def test_admission_keeps_room_for_decode_so_preemption_is_the_exception(llama_path, engine):
+    """``decode_reserve_ratio``: admission leaves free the KV the running sequences grow into (that share of
+    their remaining new tokens). Reserving all of it, a pool too small for every sequence at once runs them in
+    waves with no preemption; reserving none preempts; the tokens are the same."""
+    prompts = random_prompts(300, [20, 25, 30, 18, 22, 27], seed=9)
+    params = sp(max_new_tokens=40, seed=21)
+    ref = engine.generate(input_ids=prompts, sampling_params=params)
+    runs = {}
+    for ratio in (0.0, 1.0):
+        with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=128, max_model_len=128,
+                           decode_reserve_ratio=ratio) as small:
+            runs[ratio] = (small.generate(input_ids=prompts, sampling_params=params),
+                           small.get_stats()["num_preemptions"])
+    assert runs[0.0][1] > 0 and runs[1.0][1] == 0
+    for outs, _ in runs.values():
+        assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in ref]
+
+
 def test_seed_independent_of_batch_composition(engine):
     target, *others = random_prompts(300, [12, 30, 7, 25], seed=10)
     alone = engine.generate(input_ids=target, sampling_params=sp(seed=42))[0]

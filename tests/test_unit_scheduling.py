@@ -155,7 +155,7 @@ def test_every_sample_counts_against_max_num_seqs_followers_wait_their_turn():
 
 
 def test_preemption_when_blocks_run_out_then_recompute():
-    sched, worker = make(num_blocks=6, block_size=2, enable_prefix_caching=False)
+    sched, worker = make(num_blocks=6, block_size=2, enable_prefix_caching=False, decode_reserve_ratio=0)
     reqs = [request([1, 2, 3], max_new_tokens=4), request([4, 5, 6], max_new_tokens=4),
             request([7, 8, 9], max_new_tokens=4)]
     for r in reqs:

@@ -104,8 +104,11 @@ def gemm_steps(shapes, batches, dtype: torch.dtype, repeats: int, device: torch.
     weights as a step has of it (so they stream from memory as in the model, not from cache):
     seconds and FLOP/s. The GEMM-only step takes the fastest kernel of each shape."""
     out = {str(b): {"gemm_step_s": 0.0, "shapes": {}} for b in batches}
+    every: list[torch.Tensor] = []
     for name, out_f, in_f, count in shapes:
         weights = [torch.randn(out_f, in_f, dtype=dtype, device=device) for _ in range(count)]
+        if device.type == "cuda":
+            every.extend(weights)
         kernels = [_kernels(w, device) for w in weights]
         for b in batches:
             x = torch.randn(b, in_f, dtype=dtype, device=device)
@@ -117,7 +120,40 @@ def gemm_steps(shapes, batches, dtype: torch.dtype, repeats: int, device: torch.
             out[str(b)]["gemm_step_s"] += times[best]
         if progress is not None:
             progress.update(1)
+    if device.type == "cuda":  # the floor: every GEMM of a step replayed from one graph, timed by events
+        for b in batches:
+            out[str(b)]["gemm_step_loop_s"] = out[str(b)]["gemm_step_s"]  # launched from Python, synced
+            out[str(b)]["gemm_step_s"] = graphed_gemm_step(every, b, repeats)
     return out
+
+
+@torch.inference_mode()
+def graphed_gemm_step(weights: list[torch.Tensor], rows: int, repeats: int) -> float:
+    """CUDA: seconds of one decode step's GEMMs alone (``rows`` x every weight, in order), captured in a graph
+    and timed with events over ``repeats`` replays: what the forward cannot beat, with no launch cost in it."""
+    device = weights[0].device
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=device) for w in weights}
+
+    def step():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int, tp_size: int, overlap: bool,
@@ -165,6 +201,17 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
             if progress is not None:
                 progress.update(1)
     return out
+
+
+def step_events(path: str, dtype: str, batches, context: int, engine_args: dict | None = None) -> dict:
+    """CUDA: host staging, forward graph and sampler graph of a decode step at each batch, by events."""
+    from rollout import RolloutEngine
+    from rollout.bench.step import measure
+
+    max_b = max(batches)
+    args = {"max_num_seqs": max_b, "cuda_graph_max_bs": max_b, **(engine_args or {})}
+    with RolloutEngine(path, dtype=dtype, kv_cache_tokens=max_b * (context + 32) + 64, **args) as engine:
+        return measure(engine, tuple(batches), ctx_len=context, profile_rows=None)
 
 
 def _profile(engine, batch: int, context: int, steps: int, out_dir: str) -> str:
@@ -268,6 +315,8 @@ def run(model: str, dtype: str = "bfloat16", batches=DEFAULT_BATCHES, context: i
             result["engine_kernels"] = {}
             result["engine"] = engine_decode_steps(path, dtype, batches, context, steps, tp_size, overlap, prof_dir,
                                                    bar, engine_args, result["engine_kernels"])
+            if device.type == "cuda" and tp_size == 1:  # the step split by CUDA events (rollout.bench.step)
+                result["step_events"] = step_events(path, dtype, batches, context, engine_args)
         if engine and busy_neighbour_on:  # the same decode steps again, beside a process computing on its own threads
             nb = [b for b in batches if b in NEIGHBOUR_BATCHES] or list(batches)
             neighbour = busy_neighbour(torch.get_num_threads())

@@ -128,18 +128,17 @@ def measure(engine, rows_list=(1, 64, 256, 512), ctx_len: int = 256, repeat: int
         if max(t[-1] for t in batch.block_tables) >= runner.kv.num_blocks:
             out["rows"][rows] = {"skipped": "the KV pool is too small for this many rows"}
             continue
-        ids = torch.tensor(batch.input_ids, device=runner.device)
         sampling = rl_sampling(rows)
         with torch.inference_mode():
-            graphs.replay(batch, ids)  # warm
+            graphs.replay(batch)  # warm
             n, bs = graphs.last
             t0 = time.perf_counter()
             for _ in range(repeat):
-                graphs.stage(batch, ids)
+                graphs.stage(batch)
             stage_s = (time.perf_counter() - t0) / repeat
-            forward_s = timer(lambda: graphs.replay(batch, ids), repeat)
+            forward_s = timer(lambda: graphs.replay(batch), repeat)
             sampler_s = timer(lambda: graphs.sample(sampling), repeat)
-            step_s = timer(lambda: (graphs.replay(batch, ids), graphs.sample(sampling)), repeat)
+            step_s = timer(lambda: (graphs.replay(batch), graphs.sample(sampling)), repeat)
             syncs = None
             if runner.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -147,7 +146,7 @@ def measure(engine, rows_list=(1, 64, 256, 512), ctx_len: int = 256, repeat: int
                     warnings.simplefilter("always")
                     torch.cuda.set_sync_debug_mode("warn")
                     try:
-                        graphs.replay(batch, ids)
+                        graphs.replay(batch)
                         graphs.sample(sampling)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")

@@ -67,7 +67,7 @@ class CudaGraphRunner:
         # host side: pinned (on CUDA) staging the static buffers are copied from, two sets used in turn; each
         # set's event marks its copies, waited on before the set is written again (two steps later: done)
         pin = device.type == "cuda"
-        self._staging = [(torch.zeros(3, self.max_bs, dtype=torch.long, pin_memory=pin),  # positions, slots, ctx
+        self._staging = [(torch.zeros(4, self.max_bs, dtype=torch.long, pin_memory=pin),  # pos, slots, ctx, ids
                           torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, pin_memory=pin),
                           torch.cuda.Event() if pin else None) for _ in range(2)]
         self._turn = 0
@@ -165,10 +165,11 @@ class CudaGraphRunner:
                 and not batch.input_logprob_idx and len(batch.logits_rows) == len(batch.q_lens)
                 and max(len(t) for t in batch.block_tables) <= self.max_blocks)
 
-    def stage(self, batch, input_ids: torch.Tensor) -> tuple[int, int]:
+    def stage(self, batch, future_token_ids: Optional[torch.Tensor] = None) -> tuple[int, int]:
         """The host's part of a decode step: the batch (all q_len == 1) into the static buffers, padded to
-        the next captured size (padding rows write to the scratch block and attend to one position).
-        ``input_ids`` [n] on the device. Returns (n, the padded size)."""
+        the next captured size (padding rows write to the scratch block and attend to one position). Input
+        ids < 0 are the previous step's samples (overlap): read on the device from ``future_token_ids``.
+        Returns (n, the padded size)."""
         n = len(batch.q_lens)
         bs = next(b for b in self.batch_sizes if b >= n)
         bsz = self.runner.block_size
@@ -183,28 +184,31 @@ class CudaGraphRunner:
         tables = staged_tables.numpy()[:bs, :width]
         tables.fill(scratch)
         tables[:n][np.arange(width) < widths[:, None]] = flat
-        pos, slots, ctx = staged.numpy()[:, :bs]
+        pos, slots, ctx, ids = staged.numpy()[:, :bs]
         ctx.fill(1)
         ctx[:n] = batch.ctx_lens
+        ids.fill(0)
+        ids[:n] = batch.input_ids
         np.subtract(ctx, 1, out=pos)
         np.add(tables[np.arange(bs), pos // bsz] * bsz, pos % bsz, out=slots)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.input_ids[n:bs].zero_()
-        for dst, src in ((self.positions, 0), (self.slot_mapping, 1), (self.ctx_lens, 2)):
+        for dst, src in ((self.positions, 0), (self.slot_mapping, 1), (self.ctx_lens, 2), (self.input_ids, 3)):
             dst[:bs].copy_(staged[src, :bs], non_blocking=True)
+        if batch.has_placeholders:  # the previous step's tokens, never seen by the host
+            raw = self.input_ids[:n]
+            raw.copy_(torch.where(raw < 0, future_token_ids[(-raw - 1).clamp(min=0)], raw))
         self.block_tables[:bs, :width].copy_(staged_tables[:bs, :width], non_blocking=True)
         if copied is not None:
             copied.record()
         return n, bs
 
     @torch.inference_mode()
-    def replay(self, batch, input_ids: torch.Tensor) -> torch.Tensor:
+    def replay(self, batch, future_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode ``batch`` (all q_len == 1) with a captured graph; returns logits [B, vocab].
 
         The logits are a view of the graph's static output: read them (sample) before the next
         replay. The worker samples each step before the next forward is launched, also under
         overlap (one forward thread, in launch order)."""
-        n, bs = self.stage(batch, input_ids)
+        n, bs = self.stage(batch, future_token_ids)
         if bs in self.graphs:
             self.graphs[bs].replay()
         else:  # not captured (a CPU test of this path): the same device work, eagerly

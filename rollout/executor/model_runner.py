@@ -250,7 +250,7 @@ class ModelRunner:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
             self.counts["num_graph_replays"] += 1
-            return self.graph_runner.replay(batch, _input_ids(batch, self.device, future_token_ids))
+            return self.graph_runner.replay(batch, future_token_ids)
         if all(q == 1 for q in batch.q_lens):
             self.counts["num_eager_decode_steps"] += 1
         fb = ForwardBatch.init_new(batch, self, future_token_ids)

@@ -8,11 +8,26 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from rollout.batch import GenerationBatchResult
 from rollout.scheduler.request import Sequence
 
 if TYPE_CHECKING:
     from rollout.scheduler.scheduler import ScheduledBatch, Scheduler
+
+
+def read_back(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A step's sampled tokens and their logprobs on the host in one device-to-host copy (one synchronisation
+    on a GPU, not one per tensor): both as float64 (exact for token ids and fp32 values), through pinned memory."""
+    if token_ids.device.type == "cpu":
+        return token_ids.tolist(), logprobs.tolist()
+    both = torch.stack([token_ids.to(torch.float64), logprobs.to(torch.float64)])
+    host = torch.empty(both.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(both, non_blocking=True)
+    torch.cuda.current_stream(both.device).synchronize()
+    rows = host.tolist()
+    return [int(t) for t in rows[0]], rows[1]
 
 
 class ResultFolder:
@@ -36,8 +51,7 @@ class ResultFolder:
         if samplers:
             self.s.stats.sample_time_s += result.sample_time_s
             self.s.stats.num_sample_steps += 1
-            tokens = result.next_token_ids.tolist()
-            lps = result.next_token_logprobs.tolist()
+            tokens, lps = read_back(result.next_token_ids, result.next_token_logprobs)
             top_ids = result.top_ids.tolist() if result.top_ids is not None else None
             top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
             masks = self._masks_by_row(samplers, result)

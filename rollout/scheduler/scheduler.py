@@ -21,6 +21,7 @@ sampled as plain decoding samples it, and the tokens kept are plain decoding's, 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -304,6 +305,17 @@ class Scheduler:
     def _slots_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, self.block_manager.blocks_for(upto) - len(seq.block_table))
 
+    def _decode_reserve(self, seq: Sequence, upto: Optional[int] = None) -> int:
+        """Blocks ``seq`` is expected to take beyond ``upto`` tokens (default: what it holds) to grow by
+        ``decode_reserve_ratio`` of its remaining new tokens (within the context)."""
+        ratio = self.config.decode_reserve_ratio
+        if ratio <= 0:
+            return 0
+        left = max(0, seq.params.max_new_tokens - seq.num_output_tokens)
+        end = min(seq.total_len + math.ceil(ratio * left), self.worker.context_len)
+        have = len(seq.block_table) if upto is None else max(len(seq.block_table), self.block_manager.blocks_for(upto))
+        return max(0, self.block_manager.blocks_for(end) - have)
+
     def _grow(self, seq: Sequence, upto: int) -> bool:
         need = self._slots_needed(seq, upto)
         if need == 0:
@@ -373,15 +385,20 @@ class Scheduler:
             scheduled.append((seq, q))
             in_batch.add(seq.seq_id)
             budget -= q
+        reserve = sum(self._decode_reserve(s) for s in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 self._admit_prefix(seq)
             q = min(seq.total_len - seq.num_computed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + q):
+            own = self._decode_reserve(seq, seq.num_computed_tokens + q)
+            # the running sequences' growth (and this one's) stays free: admitting past it would only preempt
+            if (self.running and self.block_manager.num_free_blocks < self._slots_needed(seq, seq.num_computed_tokens + q)
+                    + reserve + own) or not self._grow(seq, seq.num_computed_tokens + q):
                 self.block_manager.free(seq.block_table)
                 seq.block_table, seq.num_computed_tokens = [], 0
                 break
+            reserve += own
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
