@@ -366,3 +366,29 @@ def test_the_graph_runner_stages_a_step_on_the_host_and_reads_placeholders_on_th
     assert graphs.slot_mapping[:4].tolist() == [tables[0][0] * bsz + 4, tables[1][2] * bsz + 2,
                                                 tables[2][0] * bsz + bsz - 1, scratch * bsz]
     assert graphs.block_tables[1, :3].tolist() == tables[1] and graphs.block_tables[3, 0] == scratch
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model_dir, overlap):
+    """A whole engine on the CUDA path (fused kernels, the graph runner's staging and its sampler, bodies run
+    eagerly here) against the torch path: the same tokens and logprobs sampled with temperature, top-k / top-p,
+    n > 1 and a repetition penalty (which the sampler graph leaves to the eager sampler), overlap on or off."""
+    from helpers import random_prompts
+
+    from rollout import RolloutEngine, SamplingParams
+
+    path = model_dir("llama-default", "llama")
+    prompts = random_prompts(300, [6, 13, 9, 4], seed=12)
+    params = [SamplingParams(max_new_tokens=7, temperature=1.0, seed=3, n=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, top_p=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=7, temperature=1.0, repetition_penalty=1.3, seed=5, ignore_eos=True)]
+    runs = {}
+    for kernels in ({"triton": True}, {"fusion": "torch"}):
+        with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, kernels=kernels, enable_overlap=overlap) as e:
+            runs[kernels.get("triton", False)] = e.generate(input_ids=prompts, sampling_params=params)
+            if kernels.get("triton"):
+                assert e.worker.model_runner.graph_runner is not None and e.get_stats()["num_graph_replays"] == 0
+    assert [o.output_token_ids for o in runs[True]] == [o.output_token_ids for o in runs[False]]
+    for a, b in zip(runs[True], runs[False]):
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4

@@ -53,12 +53,14 @@ class StorageAudit:
 class CudaGraphRunner:
     def __init__(self, runner, max_batch_size: int, batch_sizes=DEFAULT_BATCH_SIZES):
         """``runner``: the ``ModelRunner`` (its model, KV pool and device). Nothing is captured until
-        ``capture()`` (CUDA only); ``stage`` and ``run`` work on any device."""
+        ``capture()``; off CUDA nothing ever is (``eager``): every step runs the graphs' bodies eagerly —
+        how a CPU engine on the CUDA kernel plan runs, and tests, this path."""
         self.runner = runner
         self.batch_sizes = sorted(b for b in batch_sizes if b <= max_batch_size) or [1]
         self.max_bs = self.batch_sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
         device = runner.device
+        self.eager = device.type != "cuda"
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.slot_mapping = torch.zeros(self.max_bs, dtype=torch.long, device=device)
@@ -125,13 +127,16 @@ class CudaGraphRunner:
         self.sampled.clear()
         self.last = None
         self.pool = None
-        gc.collect()
-        torch.cuda.empty_cache()
+        if not self.eager:
+            gc.collect()
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def capture(self) -> None:
         """(Re)capture every batch size; old graphs are freed first so memory never holds two sets."""
         self.free()
+        if self.eager:
+            return
         scratch = self.runner.kv.scratch_block
         self.block_tables.fill_(scratch)
         self.slot_mapping.fill_(scratch * self.runner.block_size)
@@ -161,7 +166,7 @@ class CudaGraphRunner:
     recapture = capture
 
     def can_run(self, batch) -> bool:
-        return (bool(self.graphs) and len(batch.q_lens) <= self.max_bs and all(q == 1 for q in batch.q_lens)
+        return ((self.eager or bool(self.graphs)) and len(batch.q_lens) <= self.max_bs and all(q == 1 for q in batch.q_lens)
                 and not batch.input_logprob_idx and len(batch.logits_rows) == len(batch.q_lens)
                 and max(len(t) for t in batch.block_tables) <= self.max_blocks)
 

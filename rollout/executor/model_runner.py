@@ -189,7 +189,8 @@ class ModelRunner:
         # samplings done by a sampler graph: what /metrics and the benchmarks report
         self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
         self.graph_runner = None
-        if device.type == "cuda" and config.enable_cuda_graph:
+        # CUDA: decode graphs; a CPU engine on the CUDA kernel plan runs the same runner, its bodies eagerly
+        if config.enable_cuda_graph and (device.type == "cuda" or self.kernels.triton):
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
@@ -249,7 +250,7 @@ class ModelRunner:
         if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
         if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
-            self.counts["num_graph_replays"] += 1
+            self.counts["num_eager_decode_steps" if self.graph_runner.eager else "num_graph_replays"] += 1
             return self.graph_runner.replay(batch, future_token_ids)
         if all(q == 1 for q in batch.q_lens):
             self.counts["num_eager_decode_steps"] += 1
@@ -291,7 +292,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
         if self.graph_runner is not None and self.graph_runner.samples(logits, sampling):
-            self.counts["num_graph_samples"] += 1
+            self.counts["num_graph_samples"] += not self.graph_runner.eager
             return self.graph_runner.sample(sampling)  # the sampler graph over the forward graph's logits
         if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
             return sample_one_by_one(logits, sampling, self._sampling_info)
