@@ -37,6 +37,48 @@ class ScoredPosition:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def penalty_capacity(max_num_seqs: int) -> int:
+    """Slots of the device's penalty state: twice the sequences a step can hold (a step's rows never evict
+    each other)."""
+    return 2 * max_num_seqs
+
+
+class PenaltySlots:
+    """Which row of the device's penalty state (``rollout.layers.sampler.PenaltyState``) holds each sequence's
+    token counts, kept by the scheduler. A sequence sampled with a repetition, frequency or presence penalty
+    gets a slot; the device adds every token sampled for it, and ``synced`` is how many of its output tokens
+    the slot holds by then. Anything that makes that untrue (a rejected speculative guess, a token dropped at
+    a stop, a step that sampled it through another path) shows as a mismatch at its next sampling, and the
+    slot is written afresh from the history: correct by construction, not by bookkeeping every path.
+    The least recently used slot is reused when all are taken."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.slot_of: dict[int, list[int]] = {}  # seq id -> [slot, synced, last step used]
+        self.free = list(range(capacity - 1, -1, -1))
+        self.step = 0
+
+    def take(self, seq, inits: list) -> int:
+        """``seq``'s slot for this step (written afresh through ``inits`` when it does not hold the history)."""
+        entry = self.slot_of.get(seq.seq_id)
+        if entry is None:
+            if not self.free:
+                victim = min((k for k, e in self.slot_of.items() if e[2] < self.step),
+                             key=lambda k: self.slot_of[k][2])
+                self.free.append(self.slot_of.pop(victim)[0])
+            entry = self.slot_of[seq.seq_id] = [self.free.pop(), -1, self.step]
+        n_out = seq.num_output_tokens
+        if entry[1] != n_out:
+            inits.append((entry[0], list(seq.token_ids[:seq.num_prompt_tokens]), list(seq.output_ids)))
+        entry[1], entry[2] = n_out + 1, self.step  # the device adds the token this step samples
+        return entry[0]
+
+    def release(self, seq_id: int) -> None:
+        entry = self.slot_of.pop(seq_id, None)
+        if entry is not None:
+            self.free.append(entry[0])
+
+
 class SparseRows:
     """(rows, token ids, values) of a per-row sparse logit processor (bias, penalties), built entry
     by entry, as ``SamplingInputs`` holds them; ``triple()`` is None when nothing was added."""
@@ -82,6 +124,13 @@ class SamplingInputs:
     max_mask_size: int = 0
     seeds: Optional[list[int]] = None  # what each row's uniform is drawn from (on the device: sample_static)
     draw_positions: Optional[list[int]] = None
+    # penalties from the device's per-sequence counts (PenaltySlots): each row's slot (-1: none) and
+    # penalties, and the slots to write afresh first (slot, prompt ids, output ids)
+    penalty_slots: Optional[list[int]] = None
+    repetition_penalties: Optional[list[float]] = None
+    frequency_penalties: Optional[list[float]] = None
+    presence_penalties: Optional[list[float]] = None
+    penalty_inits: list = field(default_factory=list)
 
     @property
     def fits_static(self) -> bool:
@@ -92,8 +141,11 @@ class SamplingInputs:
                 and self.top_logprobs_num == 0)
 
     @staticmethod
-    def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool, max_mask_size: int = 0) -> SamplingInputs:
-        """One row per sequence: the state that decides its next token (position = output index)."""
+    def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool, max_mask_size: int = 0,
+                  penalty_slots: Optional[PenaltySlots] = None) -> SamplingInputs:
+        """One row per sequence: the state that decides its next token (position = output index). With
+        ``penalty_slots`` a real sequence's penalties come from the device's counts (its slot), not from sets
+        rebuilt here."""
         params = [s.params for s in seqs]
         info = SamplingInputs(
             temperatures=[p.temperature for p in params],
@@ -114,14 +166,29 @@ class SamplingInputs:
         bias, rep, add = SparseRows(), SparseRows(), SparseRows()
         allowed: tuple[list[int], list[list[int]]] = ([], [])
         banned: tuple[list[int], list[int]] = ([], [])
+        penalized = [p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+                     for p in params]
+        dense = penalty_slots is not None and any(penalized)
+        if dense:
+            penalty_slots.step += 1
+            info.penalty_slots = [-1] * len(seqs)
+            info.repetition_penalties = [p.repetition_penalty for p in params]
+            info.frequency_penalties = [float(p.frequency_penalty) for p in params]
+            info.presence_penalties = [float(p.presence_penalty) for p in params]
         for row, (s, p) in enumerate(zip(seqs, params)):
             for tok, val in (p.logit_bias or {}).items():
                 bias.add(row, tok, val)
             if p.allowed_token_ids:
                 allowed[0].append(row), allowed[1].append(list(p.allowed_token_ids))
-            if p.repetition_penalty != 1.0:
+            if dense and penalized[row] and hasattr(s, "seq_id"):  # a real sequence (not a view): its slot
+                info.penalty_slots[row] = penalty_slots.take(s, info.penalty_inits)
+                penalized[row] = False
+            elif dense:  # the slot-less rows are neutral on the device (their penalties, if any, go below)
+                info.repetition_penalties[row], info.frequency_penalties[row] = 1.0, 0.0
+                info.presence_penalties[row] = 0.0
+            if penalized[row] and p.repetition_penalty != 1.0:
                 rep.extend(row, set(s.token_ids), p.repetition_penalty)
-            if p.frequency_penalty or p.presence_penalty:
+            if penalized[row] and (p.frequency_penalty or p.presence_penalty):
                 counts: dict[int, int] = {}
                 for t in s.output_ids:
                     counts[t] = counts.get(t, 0) + 1
@@ -155,7 +222,9 @@ class SamplingInputs:
             repetition=rows_of(self.repetition), additive_penalty=rows_of(self.additive_penalty),
             banned=rows_of(self.banned), top_logprobs_num=self.top_logprobs_num, raw_logprobs=self.raw_logprobs,
             mask_rows=[0] if self.mask_rows is not None and i in self.mask_rows else None,
-            max_mask_size=self.max_mask_size, seeds=pick(self.seeds), draw_positions=pick(self.draw_positions))
+            max_mask_size=self.max_mask_size, seeds=pick(self.seeds), draw_positions=pick(self.draw_positions),
+            penalty_slots=pick(self.penalty_slots), repetition_penalties=pick(self.repetition_penalties),
+            frequency_penalties=pick(self.frequency_penalties), presence_penalties=pick(self.presence_penalties))
 
     def to_device(self, vocab_size: int, device: torch.device) -> SamplingBatchInfo:
         def t(x, dtype):
@@ -190,6 +259,9 @@ class SamplingInputs:
             info.additive_penalty = (t(a[0], torch.long), t(a[1], torch.long), t(a[2], torch.float32))
         if self.banned is not None:
             info.banned = (t(self.banned[0], torch.long), t(self.banned[1], torch.long))
+        if self.penalty_slots is not None:
+            info.penalties = (t(self.penalty_slots, torch.long), t(self.repetition_penalties, torch.float32),
+                              t(self.frequency_penalties, torch.float64), t(self.presence_penalties, torch.float64))
         return info
 
 

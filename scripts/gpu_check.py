@@ -222,8 +222,9 @@ def _model(workdir, name, **kw):
 
 
 def check_graph_vs_eager(device, workdir, quick):
-    """Graphs (the forward's and the sampler's: temperature alone, and with top-k / top-p) give the tokens and
-    logprobs of eager decode. On CPU (``--dry-run``): the CUDA kernel plan against the torch one."""
+    """Graphs (the forward's and the sampler's: temperature alone, with top-k / top-p, with penalties from the
+    device's counts) give the tokens and logprobs of eager decode. On CPU (``--dry-run``): the CUDA kernel
+    plan against the torch one."""
     if not _triton_here(device):
         return {"skipped": "needs CUDA (or --dry-run: Triton's interpreter)"}
     path = _model(workdir, "tiny-qwen2", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4,
@@ -232,12 +233,14 @@ def check_graph_vs_eager(device, workdir, quick):
     prompts = _prompts(12 if not quick else 4)
     new = 32 if not quick else 6
     sp = [SamplingParams(max_new_tokens=new, temperature=0.8, seed=1, ignore_eos=True, n=2),
-          SamplingParams(max_new_tokens=new, temperature=1.0, top_k=20, top_p=0.9, seed=2, ignore_eos=True)]
+          SamplingParams(max_new_tokens=new, temperature=1.0, top_k=20, top_p=0.9, seed=2, ignore_eos=True),
+          SamplingParams(max_new_tokens=new, temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5,
+                         presence_penalty=0.2, seed=3, ignore_eos=True)]  # penalties from the device's counts
     runs, moved = {}, []
     for graphs in (False, True):
         kw = {"enable_cuda_graph": graphs} if device == "cuda" else {"kernels": {"triton": graphs}}
         with RolloutEngine(path, dtype="float32", device=device, kv_cache_tokens=8192, **kw) as e:
-            runs[graphs] = e.generate(input_ids=prompts, sampling_params=[sp[i % 2] for i in range(len(prompts))])
+            runs[graphs] = e.generate(input_ids=prompts, sampling_params=[sp[i % 3] for i in range(len(prompts))])
             if graphs and device == "cuda":
                 moved = e.storage_moved()
     same = [o.output_token_ids for o in runs[False]] == [o.output_token_ids for o in runs[True]]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
@@ -368,27 +369,101 @@ def test_the_graph_runner_stages_a_step_on_the_host_and_reads_placeholders_on_th
     assert graphs.block_tables[1, :3].tolist() == tables[1] and graphs.block_tables[3, 0] == scratch
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model_dir, overlap):
-    """A whole engine on the CUDA path (fused kernels, the graph runner's staging and its sampler, bodies run
-    eagerly here) against the torch path: the same tokens and logprobs sampled with temperature, top-k / top-p,
-    n > 1 and a repetition penalty (which the sampler graph leaves to the eager sampler), overlap on or off."""
+@pytest.mark.parametrize("mode", ["plain", "overlap", "speculative"])
+def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model_dir, mode):
+    """A whole engine on the CUDA path (fused kernels, the graph runner's staging and its sampler, penalties
+    from per-sequence counts on the device; bodies run eagerly here) against the torch path (penalties from
+    sets rebuilt each step): the same tokens and logprobs with temperature, top-k / top-p, n > 1, repetition,
+    frequency and presence penalties and a min-tokens ban — plain, under overlap, and with speculation (whose
+    verify rows take the sets, after which the counts are written afresh)."""
     from helpers import random_prompts
 
     from rollout import RolloutEngine, SamplingParams
 
     path = model_dir("llama-default", "llama")
-    prompts = random_prompts(300, [6, 13, 9, 4], seed=12)
+    prompts = random_prompts(300, [6, 13, 9, 4, 7], seed=12)
     params = [SamplingParams(max_new_tokens=7, temperature=1.0, seed=3, n=2, ignore_eos=True),
               SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, top_p=0.9, seed=4, ignore_eos=True),
               SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=7, temperature=1.0, repetition_penalty=1.3, seed=5, ignore_eos=True)]
+              SamplingParams(max_new_tokens=7, temperature=1.0, repetition_penalty=1.3, seed=5, ignore_eos=True),
+              SamplingParams(max_new_tokens=9, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.7,
+                             presence_penalty=0.3, min_new_tokens=3, stop_token_ids=[17], n=2)]
+    extra = {"overlap": {"enable_overlap": True},
+             "speculative": {"speculative_num_draft_tokens": 3, "speculative_policy": "always"}}.get(mode, {})
     runs = {}
     for kernels in ({"triton": True}, {"fusion": "torch"}):
-        with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, kernels=kernels, enable_overlap=overlap) as e:
-            runs[kernels.get("triton", False)] = e.generate(input_ids=prompts, sampling_params=params)
+        with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, kernels=kernels, **extra) as e:
+            outs = e.generate(input_ids=prompts, sampling_params=params)
+            if mode == "speculative":  # again: guesses from the first round are verified now
+                outs = e.generate(input_ids=prompts, sampling_params=params)
+            runs[kernels.get("triton", False)] = outs
             if kernels.get("triton"):
                 assert e.worker.model_runner.graph_runner is not None and e.get_stats()["num_graph_replays"] == 0
+                assert e.worker.model_runner.penalty_state is not None
+                if mode == "speculative":
+                    assert e.get_stats()["spec_verify_ct"] > 0
     assert [o.output_token_ids for o in runs[True]] == [o.output_token_ids for o in runs[False]]
     for a, b in zip(runs[True], runs[False]):
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_penalties_from_device_counts_are_the_sparse_sets_bit_for_bit(data):
+    """The same rows sampled with penalties from the sets the host rebuilds each step and from the device's
+    per-sequence counts (written from the history, then kept by recording each sampled token): the processed
+    logits, tokens and logprobs are the same bits; a slot that no longer holds its history is written afresh."""
+    from types import SimpleNamespace
+
+    from rollout import SamplingParams
+    from rollout.batch import PenaltySlots, SamplingInputs, ScoredPosition
+    from rollout.layers.sampler import PenaltyState, apply_logit_processors, sample
+
+    vocab, n = 40, data.draw(st.integers(1, 4))
+    seqs = []
+    for i in range(n):
+        prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
+        outs = data.draw(st.lists(st.integers(0, vocab - 1), max_size=8))
+        params = SamplingParams(temperature=data.draw(st.sampled_from([0.0, 1.0])), max_new_tokens=50,
+                                repetition_penalty=data.draw(st.sampled_from([1.0, 1.3, 0.8])),
+                                frequency_penalty=data.draw(st.sampled_from([0.0, 0.1, 0.7])),
+                                presence_penalty=data.draw(st.sampled_from([0.0, 0.3]))).resolved({})
+        view = ScoredPosition(params, prompt + outs, len(prompt), SimpleNamespace(top_logprobs_num=0,
+                                                                                 return_sampling_mask=False), seed=i)
+        seqs.append(SimpleNamespace(seq_id=i, token_ids=view.token_ids, num_prompt_tokens=len(prompt), params=params,
+                                    req=view.req, seed=i, num_output_tokens=len(outs), output_ids=outs))
+    hypothesis.assume(any(s.params.repetition_penalty != 1 or s.params.frequency_penalty or s.params.presence_penalty
+                          for s in seqs))
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 50)))) * 3
+    sparse = SamplingInputs.from_seqs(seqs, (), False)
+    slots = PenaltySlots(8)
+    dense = SamplingInputs.from_seqs(seqs, (), False, penalty_slots=slots)
+    assert dense.repetition is None and dense.additive_penalty is None
+    state = PenaltyState(8, vocab, torch.device("cpu"))
+    state.write(dense.penalty_inits)
+    a, b = sparse.to_device(vocab, torch.device("cpu")), dense.to_device(vocab, torch.device("cpu"))
+    b.penalty_state = state
+    assert torch.equal(apply_logit_processors(logits, a), apply_logit_processors(logits, b))
+    want, got = sample(logits, a), sample(logits, b)
+    assert torch.equal(want.token_ids, got.token_ids) and torch.equal(want.logprobs, got.logprobs)
+    def step(inputs, tokens):  # what the device records and the host appends after a sampling
+        state.record(torch.tensor(inputs.penalty_slots), tokens)
+        for s, t in zip(seqs, tokens.tolist()):
+            append(s, t)
+
+    def append(s, t):
+        s.token_ids, s.output_ids, s.num_output_tokens = s.token_ids + [t], s.output_ids + [t], s.num_output_tokens + 1
+
+    step(dense, got.token_ids)
+    for _ in range(2):  # the next steps agree with sets rebuilt from the history, nothing written afresh
+        again = SamplingInputs.from_seqs(seqs, (), False, penalty_slots=slots)
+        assert again.penalty_inits == []
+        c = again.to_device(vocab, torch.device("cpu"))
+        c.penalty_state = state
+        rebuilt = SamplingInputs.from_seqs(seqs, (), False).to_device(vocab, torch.device("cpu"))
+        assert torch.equal(apply_logit_processors(logits, rebuilt), apply_logit_processors(logits, c))
+        step(again, sample(logits, c).token_ids)
+    slot = again.penalty_slots[0]
+    append(seqs[0], 1)  # a token the device never saw (an accepted speculative guess): written afresh
+    fresh = SamplingInputs.from_seqs(seqs, (), False, penalty_slots=slots)
+    assert [i[0] for i in fresh.penalty_inits] == ([slot] if slot >= 0 else [])

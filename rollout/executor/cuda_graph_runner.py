@@ -78,8 +78,9 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.sampling = StaticSampling(self.max_bs, device)
         self.raw_logprobs = runner.config.logprob_mode == "raw"
-        self.sampler_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.sampled: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (batch size, with top-k/top-p/min-p, with penalties) -> graph, and its outputs
+        self.sampler_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.sampled: dict[tuple[int, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.last: Optional[tuple[int, int]] = None  # (rows, padded size) of the last forward
         self.pool = None
         self.audit: Optional[StorageAudit] = None
@@ -116,9 +117,23 @@ class CudaGraphRunner:
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)
 
-    def run_sampler(self, bs: int, filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device work of sampling the last forward's ``bs`` logits rows (what a sampler graph captures)."""
-        return sample_static(self.outputs[bs], self.sampling, self.raw_logprobs, filtered=filtered)
+    def run_sampler(self, bs: int, filtered: bool, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device work of sampling the last forward's ``bs`` logits rows (what a sampler graph captures);
+        with ``state`` (``PenaltyState``) the penalties from its counts first."""
+        return sample_static(self.outputs[bs], self.sampling, self.raw_logprobs, filtered=filtered, state=state)
+
+    def _capture_sampler(self, bs: int, filtered: bool, state) -> None:
+        """The sampler graph of one variant (a penalised one on first use: the state exists from then on)."""
+        key = (bs, filtered, state is not None)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.run_sampler(bs, filtered, state)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self.sampled[key] = self.run_sampler(bs, filtered, state)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.sampler_graphs[key] = graph
 
     def free(self) -> None:
         self.graphs.clear()
@@ -157,8 +172,8 @@ class CudaGraphRunner:
                     self.run_sampler(bs, filtered)  # warm-up
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self.sampled[bs, filtered] = self.run_sampler(bs, filtered)
-                    self.sampler_graphs[bs, filtered] = graph
+                        self.sampled[bs, filtered, False] = self.run_sampler(bs, filtered)
+                    self.sampler_graphs[bs, filtered, False] = graph
         torch.cuda.current_stream().wait_stream(stream)
         self.audit = StorageAudit(self.graph_tensors())
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -233,15 +248,19 @@ class CudaGraphRunner:
                 and sampling.raw_logprobs == self.raw_logprobs)
 
     @torch.inference_mode()
-    def sample(self, sampling) -> SampleOutput:
+    def sample(self, sampling, state=None) -> SampleOutput:
         """Sample the last forward's rows (``samples`` said yes) with the sampler graph: the tokens and
-        logprobs ``rollout.layers.sampler.sample`` gives, copied out of the graph's buffers."""
+        logprobs ``rollout.layers.sampler.sample`` gives, copied out of the graph's buffers. ``state``: the
+        penalty counts, when these rows carry penalty slots."""
         n, bs = self.last
         filtered = sampling.top_ks is not None or sampling.top_ps is not None or sampling.min_ps is not None
+        key = (bs, filtered, state is not None)
         self.sampling.stage(sampling, bs)
-        if (bs, filtered) in self.sampler_graphs:
-            self.sampler_graphs[bs, filtered].replay()
-            tokens, logprobs = self.sampled[bs, filtered]
+        if not self.eager and key not in self.sampler_graphs and bs in self.graphs:
+            self._capture_sampler(bs, filtered, state)
+        if key in self.sampler_graphs:
+            self.sampler_graphs[key].replay()
+            tokens, logprobs = self.sampled[key]
         else:
-            tokens, logprobs = self.run_sampler(bs, filtered)
+            tokens, logprobs = self.run_sampler(bs, filtered, state)
         return SampleOutput(token_ids=tokens[:n].clone(), logprobs=logprobs[:n].clone())

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rollout.batch import ModelWorkerBatch, SamplingInputs
+from rollout.batch import ModelWorkerBatch, SamplingInputs, penalty_capacity
 from rollout.config import EngineConfig
 from rollout.executor.cpu_threads import ThreadGovernor
 from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, kv_tokens_for_utilization, num_kv_blocks
@@ -32,6 +32,7 @@ from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LoraBatch, LoraContext
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
+    PenaltyState,
     SampleOutput,
     SamplingBatchInfo,
     sample,
@@ -115,13 +116,14 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
 def _activation_reserve(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes kept out of the KV pool under ``gpu_memory_utilization``: the sampler's fp32 rows over the
     vocabulary (logits, sorts, cumsums and their indices: ~40 bytes an entry) for the most rows a step holds,
-    a prefill chunk's activations (the MLP's widest, a few copies), and 512 MiB for the graphs and the
-    allocator's slack."""
+    a prefill chunk's activations (the MLP's widest, a few copies), the penalty counts (made when a request
+    first asks for a penalty), and 512 MiB for the graphs and the allocator's slack."""
     rows = max(config.max_num_seqs, min(config.cuda_graph_max_bs, config.max_num_seqs))
     item = torch.empty((), dtype=dtype).element_size()
     sampler = rows * model_config.vocab_size * 40
     chunk = config.max_num_batched_tokens * (4 * model_config.intermediate_size + 8 * model_config.hidden_size) * item
-    return sampler + chunk + (512 << 20)
+    penalties = (penalty_capacity(config.max_num_seqs) + 1) * model_config.vocab_size * 5  # PenaltyState, if used
+    return sampler + chunk + penalties + (512 << 20)
 
 
 class ModelRunner:
@@ -188,6 +190,7 @@ class ModelRunner:
         # decode forwards replayed from a graph, decode forwards run eagerly (no graph fits, or none), and
         # samplings done by a sampler graph: what /metrics and the benchmarks report
         self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
+        self.penalty_state: Optional[PenaltyState] = None  # per-sequence penalty counts on the device (lazy)
         self.graph_runner = None
         # CUDA: decode graphs; a CPU engine on the CUDA kernel plan runs the same runner, its bodies eagerly
         if config.enable_cuda_graph and (device.type == "cuda" or self.kernels.triton):
@@ -291,16 +294,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sampling: SamplingInputs) -> SampleOutput:
+        state = self._penalty_state(sampling)
+        if state is not None and sampling.penalty_inits:
+            state.write(sampling.penalty_inits)  # slots whose counts are written afresh from their histories
         if self.graph_runner is not None and self.graph_runner.samples(logits, sampling):
             self.counts["num_graph_samples"] += not self.graph_runner.eager
-            return self.graph_runner.sample(sampling)  # the sampler graph over the forward graph's logits
-        if self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
-            return sample_one_by_one(logits, sampling, self._sampling_info)
-        return sample(logits, self._sampling_info(sampling))
+            out = self.graph_runner.sample(sampling, state)  # the sampler graph over the forward graph's logits
+        elif self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
+            out = sample_one_by_one(logits, sampling, self._sampling_info)
+        else:
+            out = sample(logits, self._sampling_info(sampling))
+        if state is not None:  # every row's token into its slot's counts, on the device
+            state.record(torch.tensor(sampling.penalty_slots, dtype=torch.long, device=self.device), out.token_ids)
+        return out
+
+    def _penalty_state(self, sampling: SamplingInputs) -> Optional[PenaltyState]:
+        """The device's per-sequence penalty counts, made on first use (``rollout.batch.PenaltySlots``)."""
+        if sampling.penalty_slots is None:
+            return None
+        if self.penalty_state is None:
+            self.penalty_state = PenaltyState(penalty_capacity(self.config.max_num_seqs), self.model_config.vocab_size,
+                                              self.device)
+        return self.penalty_state
 
     def _sampling_info(self, sampling: SamplingInputs) -> SamplingBatchInfo:
         info = sampling.to_device(self.model_config.vocab_size, self.device)
         info.fused_draw = self.kernels.sampler
+        info.penalty_state = self.penalty_state
         return info
 
     @torch.inference_mode()

@@ -52,6 +52,52 @@ class SamplingBatchInfo:
     has_greedy: bool = False
     all_temp_one: bool = False  # every sampled row has temperature 1: skip the division
     fused_draw: bool = False  # CPU: the draw and its logprob in one C++ call (rollout.kernels.cpu.ops)
+    # penalties from the device's counts: per row (slot, repetition, frequency, presence) and the state
+    penalties: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    penalty_state: Optional[PenaltyState] = None
+
+
+class PenaltyState:
+    """Per sequence slot (``rollout.batch.PenaltySlots``), on the device: which tokens its history holds (the
+    repetition penalty's set: prompt and outputs) and how often each was sampled (frequency and presence),
+    updated by every sampled token with no host round trip. Row ``capacity`` is a scratch slot that rows
+    without one read and write (with neutral penalties it changes nothing)."""
+
+    def __init__(self, capacity: int, vocab: int, device: torch.device):
+        self.scratch = capacity
+        self.seen = torch.zeros(capacity + 1, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(capacity + 1, vocab, dtype=torch.int32, device=device)
+
+    def write(self, inits) -> None:
+        """Slots written afresh from their histories: (slot, prompt ids, output ids)."""
+        for slot, prompt, outputs in inits:
+            self.seen[slot].zero_()
+            self.counts[slot].zero_()
+            device = self.seen.device
+            self.seen[slot, torch.tensor(prompt + outputs, dtype=torch.long, device=device)] = True
+            if outputs:
+                ids = torch.tensor(outputs, dtype=torch.long, device=device)
+                self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.where(slots < 0, self.scratch, slots)
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each row's sampled token into its slot."""
+        rows = self._rows(slots)
+        self.seen[rows, tokens] = True
+        self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def apply(self, x: torch.Tensor, penalties) -> torch.Tensor:
+        """Repetition, then frequency and presence, on ``x`` [S, V]: the values the host's sparse path gives
+        (the same formula per entry; the additive amount computed in float64 and rounded once, as the host's)."""
+        slots, rep, freq, pres = penalties
+        rows = self._rows(slots)
+        seen, counts = self.seen[rows], self.counts[rows]
+        r = rep.unsqueeze(1)
+        x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
+        amount = freq.unsqueeze(1) * counts.to(torch.float64) + pres.unsqueeze(1)
+        return x - torch.where(counts > 0, amount, 0.0).to(torch.float32)
 
 
 @dataclass
@@ -88,7 +134,7 @@ def sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: tor
 def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Bias, allow-lists, penalties and the min-tokens mask; returns a new tensor when any applies."""
     x = logits
-    if info.bias or info.allowed or info.repetition or info.additive_penalty or info.banned:
+    if info.bias or info.allowed or info.repetition or info.additive_penalty or info.banned or info.penalties:
         x = logits.clone()
     if info.bias is not None:
         rows, ids, vals = info.bias
@@ -100,6 +146,8 @@ def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> tor
         rows, ids, pen = info.repetition
         vals = x[rows, ids]
         x[rows, ids] = torch.where(vals < 0, vals * pen, vals / pen)
+    if info.penalties is not None:  # rows with a slot (the others neutral here): repetition, then additive
+        x = info.penalty_state.apply(x, info.penalties)
     if info.additive_penalty is not None:
         rows, ids, amount = info.additive_penalty
         x.index_put_((rows, ids), -amount, accumulate=True)
@@ -237,7 +285,7 @@ class StaticSampling:
     def __init__(self, max_rows: int, device: torch.device):
         pin = device.type == "cuda"
         self.host = torch.zeros(3, max_rows, dtype=torch.float32, pin_memory=pin)  # temperatures, top_ps, min_ps
-        self.host_ids = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pin)  # top_ks, seeds, positions
+        self.host_ids = torch.zeros(4, max_rows, dtype=torch.int64, pin_memory=pin)  # top_ks, seeds, positions, slots
         self.copied = torch.cuda.Event() if pin else None  # the last copies out of the host buffers
         self.temperatures = torch.zeros(max_rows, dtype=torch.float32, device=device)
         self.top_ps = torch.ones(max_rows, dtype=torch.float32, device=device)
@@ -245,6 +293,16 @@ class StaticSampling:
         self.top_ks = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.seeds = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        # penalties from the device's counts: per row its slot (-1: the scratch) and penalties (neutral: 1, 0, 0)
+        self.host_pen = torch.zeros(2, max_rows, dtype=torch.float64, pin_memory=pin)  # frequency, presence
+        self.host_rep = torch.ones(max_rows, dtype=torch.float32, pin_memory=pin)
+        self.penalty_slots = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self.repetition = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(max_rows, dtype=torch.float64, device=device)
+        self.presence = torch.zeros(max_rows, dtype=torch.float64, device=device)
+
+    def penalties(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.penalty_slots[:b], self.repetition[:b], self.frequency[:b], self.presence[:b]
 
     def stage(self, sampling, bs: int) -> None:
         """``sampling`` (the scheduler's ``SamplingInputs`` of n <= bs rows, ``fits_static``) into the first
@@ -255,7 +313,7 @@ class StaticSampling:
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies are done (its tokens were read since)
         floats = self.host.numpy()[:3, :bs]
-        ids = self.host_ids.numpy()[:, :bs]
+        ids = self.host_ids.numpy()[:3, :bs]
         floats[:, n:] = ((0.0,), (1.0,), (0.0,))
         ids[:, n:] = 0
         floats[0, :n] = sampling.temperatures
@@ -268,30 +326,43 @@ class StaticSampling:
             dst[:bs].copy_(self.host[row, :bs], non_blocking=True)  # rounded to float32 as to_device rounds
         for dst, row in ((self.top_ks, 0), (self.seeds, 1), (self.positions, 2)):
             dst[:bs].copy_(self.host_ids[row, :bs], non_blocking=True)
+        if sampling.penalty_slots is not None:
+            pen, rep, slots = self.host_pen.numpy()[:, :bs], self.host_rep.numpy()[:bs], self.host_ids.numpy()[3, :bs]
+            pen[:, n:], rep[n:], slots[n:] = 0.0, 1.0, -1
+            slots[:n] = sampling.penalty_slots
+            pen[0, :n] = sampling.frequency_penalties
+            pen[1, :n] = sampling.presence_penalties
+            rep[:n] = sampling.repetition_penalties  # rounded to float32 as to_device rounds
+            self.penalty_slots[:bs].copy_(self.host_ids[3, :bs], non_blocking=True)
+            self.repetition[:bs].copy_(self.host_rep[:bs], non_blocking=True)
+            self.frequency[:bs].copy_(self.host_pen[0, :bs], non_blocking=True)
+            self.presence[:bs].copy_(self.host_pen[1, :bs], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
 
 def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool = False,
-                  filtered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  filtered: bool = True, state: Optional[PenaltyState] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample`` for rows without processors, masks or top logprobs, with fixed shapes and no host
     synchronisation (every row goes through every step; an option a row does not use leaves it as it was):
     logits [B, V] fp32 and the first B rows of ``st`` -> (tokens [B], logprobs [B]) — the tokens and the bits
     ``sample`` gives. One full-vocabulary sort serves top-k and top-p where ``sample`` takes ``topk`` and a
     candidate set: the same values in the same order. ``filtered=False``: rows without top-k, top-p and
-    min-p only (no sorts)."""
+    min-p only (no sorts). With ``state``: repetition, frequency and presence penalties first, from the
+    device's counts (``PenaltyState``), each row's slot and penalties in ``st``."""
     from rollout.random import device_uniforms
 
     b, vocab = logits.shape
     temps = st.temperatures[:b]
     greedy = temps <= 0
-    x = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
+    processed = logits if state is None else state.apply(logits, st.penalties(b))
+    x = processed / torch.where(greedy, 1.0, temps).unsqueeze(1)
     dist = _filtered(x, st, b, vocab) if filtered else x
     u = device_uniforms(st.seeds[:b], st.positions[:b]).float().clamp_(max=1 - 2**-24)
     row_max, cdf = _exp_cumsum(dist)
     total = cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1).clamp_(max=vocab - 1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    tokens = torch.where(greedy, processed.argmax(dim=-1), drawn)
     drawn_lp = (dist.gather(1, tokens.unsqueeze(1)) - row_max - total.log()).squeeze(1)
     raw_lp = token_logprob(logits, tokens)
     return tokens, raw_lp if raw_logprobs else torch.where(greedy, raw_lp, drawn_lp)

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
-from rollout.batch import GenerationBatchResult, ModelWorkerBatch, SamplingInputs, ScoredPosition
+from rollout.batch import (
+    GenerationBatchResult,
+    ModelWorkerBatch,
+    PenaltySlots,
+    SamplingInputs,
+    ScoredPosition,
+    penalty_capacity,
+)
 from rollout.config import EngineConfig
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.block_manager import BlockManager
@@ -112,6 +119,10 @@ class Scheduler:
         self.speculator = Speculator(config.speculative.num_draft_tokens, config.speculative.max_batch,
                                      always=config.speculative.policy == "always") \
             if config.speculative.num_draft_tokens else None
+        # where the runner samples on the device (its graph runner: CUDA, or the CUDA path on a CPU), penalties
+        # come from per-sequence counts kept there; elsewhere from the sparse sets built each step
+        self.penalty_slots = PenaltySlots(penalty_capacity(config.max_num_seqs)) \
+            if getattr(getattr(worker, "model_runner", None), "graph_runner", None) is not None else None
 
     @property
     def cache_key(self) -> str:
@@ -286,7 +297,7 @@ class Scheduler:
     def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
         """Built from sequence state when sampling happens (late, under overlap)."""
         return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.logprob_mode == "raw",
-                                        self.config.max_sampling_mask_size)
+                                        self.config.max_sampling_mask_size, self.penalty_slots)
 
     def drain(self) -> None:
         """Finish the launched batch (overlap mode) so the model is quiet: for flushes, updates, stops."""
