@@ -135,10 +135,10 @@ class SamplingInputs:
     @property
     def fits_static(self) -> bool:
         """Whether ``rollout.layers.sampler.sample_static`` samples these rows (inside a CUDA graph): no
-        processors, masks or top logprobs, and the seeds known."""
+        bias, allowed tokens, min-tokens ban, penalties rebuilt on the host or top logprobs, and the seeds
+        known (penalties from device counts and masks it takes)."""
         return (self.seeds is not None and self.bias is None and self.allowed is None and self.repetition is None
-                and self.additive_penalty is None and self.banned is None and self.mask_rows is None
-                and self.top_logprobs_num == 0)
+                and self.additive_penalty is None and self.banned is None and self.top_logprobs_num == 0)
 
     @staticmethod
     def from_seqs(seqs, eos_ids: tuple[int, ...], raw_logprobs: bool, max_mask_size: int = 0,

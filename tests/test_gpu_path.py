@@ -220,7 +220,7 @@ def test_the_static_sampler_gives_the_samplers_tokens_and_logprobs_without_a_syn
     every logprob's bits, greedy, temperature, top-k, top-p and min-p mixed in one batch; no host sync."""
     from rollout.batch import SamplingInputs
     from rollout.kernels.audit import StepAudit
-    from rollout.layers.sampler import StaticSampling, sample, sample_static
+    from rollout.layers.sampler import StaticSampling, masks_of, sample, sample_static
     from rollout.random import uniforms as host_uniforms
 
     n = data.draw(st.integers(1, 6))
@@ -236,6 +236,9 @@ def test_the_static_sampler_gives_the_samplers_tokens_and_logprobs_without_a_syn
                               top_ps=ps if any(p < 1 for p in ps) else None,
                               min_ps=mins if any(m > 0 for m in mins) else None, raw_logprobs=raw, seeds=seeds,
                               draw_positions=positions)
+    mask_rows = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+    if mask_rows:  # and the kept sets, where asked
+        sampling.mask_rows, sampling.max_mask_size = mask_rows, vocab
     assert sampling.fits_static
     want = sample(logits, sampling.to_device(vocab, torch.device("cpu")))
     bs = n + data.draw(st.integers(0, 2))  # padded rows, as a graph's batch size pads
@@ -245,9 +248,12 @@ def test_the_static_sampler_gives_the_samplers_tokens_and_logprobs_without_a_syn
     plain = sampling.top_ks is None and sampling.top_ps is None and sampling.min_ps is None
     for filtered in (True, False) if plain else (True,):
         with StepAudit():
-            tokens, logprobs = sample_static(padded, static, raw_logprobs=raw, filtered=filtered)
-        assert torch.equal(tokens[:n], want.token_ids)
-        assert torch.equal(logprobs[:n], want.logprobs)
+            outs = sample_static(padded, static, raw_logprobs=raw, filtered=filtered, masks=bool(mask_rows))
+        assert torch.equal(outs[0][:n], want.token_ids)
+        assert torch.equal(outs[1][:n], want.logprobs)
+        if mask_rows:
+            assert masks_of(outs[2][mask_rows], vocab) == want.masks
+            assert torch.equal(outs[3][:n][mask_rows], want.sampling_logprobs[mask_rows])
 
 
 @pytest.mark.parametrize("filtered", [False, True])
@@ -369,6 +375,9 @@ def test_the_graph_runner_stages_a_step_on_the_host_and_reads_placeholders_on_th
     assert graphs.block_tables[1, :3].tolist() == tables[1] and graphs.block_tables[3, 0] == scratch
 
 
+_TORCH_PATH_RUNS: dict = {}
+
+
 @pytest.mark.parametrize("mode", ["plain", "overlap", "speculative"])
 def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model_dir, mode):
     """A whole engine on the CUDA path (fused kernels, the graph runner's staging and its sampler, penalties
@@ -391,20 +400,32 @@ def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model
     extra = {"overlap": {"enable_overlap": True},
              "speculative": {"speculative_num_draft_tokens": 3, "speculative_policy": "always"}}.get(mode, {})
     runs = {}
-    for kernels in ({"triton": True}, {"fusion": "torch"}):
-        with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, kernels=kernels, **extra) as e:
+    if "torch" not in _TORCH_PATH_RUNS:  # the torch path's run: the same in every mode, made once
+        with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, max_model_len=128,
+                           kernels={"fusion": "torch"}) as e:
+            _TORCH_PATH_RUNS["torch"] = (e.generate(input_ids=prompts, sampling_params=params), e.generate(
+                input_ids=prompts[:3], sampling_params=params[:3], return_sampling_mask=True))
+    plain_runs, masked_runs = _TORCH_PATH_RUNS["torch"]
+    runs[False] = plain_runs + (masked_runs if mode == "plain" else [])
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, max_model_len=128, kernels={"triton": True},
+                       **extra) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        if mode == "speculative":  # again: guesses from the first round are verified now
             outs = e.generate(input_ids=prompts, sampling_params=params)
-            if mode == "speculative":  # again: guesses from the first round are verified now
-                outs = e.generate(input_ids=prompts, sampling_params=params)
-            runs[kernels.get("triton", False)] = outs
-            if kernels.get("triton"):
-                assert e.worker.model_runner.graph_runner is not None and e.get_stats()["num_graph_replays"] == 0
-                assert e.worker.model_runner.penalty_state is not None
-                if mode == "speculative":
-                    assert e.get_stats()["spec_verify_ct"] > 0
+        if mode == "plain":  # the kept sets where asked (the sampler graph computes them too)
+            outs += e.generate(input_ids=prompts[:3], sampling_params=params[:3], return_sampling_mask=True)
+        runs[True] = outs
+        assert e.worker.model_runner.graph_runner is not None and e.get_stats()["num_graph_replays"] == 0
+        assert e.worker.model_runner.penalty_state is not None
+        if mode == "speculative":
+            assert e.get_stats()["spec_verify_ct"] > 0
     assert [o.output_token_ids for o in runs[True]] == [o.output_token_ids for o in runs[False]]
     for a, b in zip(runs[True], runs[False]):
         assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+        assert a.output_token_sampling_mask == b.output_token_sampling_mask
+        assert all(abs(x - y) < 1e-4 for x, y in zip(a.output_token_sampling_logprobs,
+                                                     b.output_token_sampling_logprobs))
+    assert mode != "plain" or any(o.output_token_sampling_mask for o in runs[True])
 
 
 @settings(max_examples=20, deadline=None)

@@ -193,6 +193,9 @@ def engine_decode_steps(path: str, dtype: str, batches, context: int, steps: int
             mean_b = (after["decode_step_batch"] - before["decode_step_batch"]) / max(num, 1)
             out[str(b)] = {"step_s": step, "forward_s": fwd, "sample_s": smp, "other_s": max(0.0, step - fwd - smp),
                            "num_steps": num, "mean_batch": mean_b, "context": [context, context + steps],
+                           # preemptions, graph replays, eager decode steps and graph samplings in the run
+                           **{k: after[k] - before[k] for k in ("num_preemptions", "num_graph_replays",
+                                                                "num_eager_decode_steps", "num_graph_samples")},
                            # the thread count its forwards ended on and how often they dropped to one
                            # (rollout.executor.cpu_threads: cores shared with another computing process)
                            **{k: after[k] for k in ("cpu_threads", "cpu_thread_drops") if k in after}}

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rollout.layers.attention import AttentionMetadata
-from rollout.layers.sampler import SampleOutput, StaticSampling, sample_static
+from rollout.layers.sampler import SampleOutput, StaticSampling, masks_of, sample_static
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.sampling = StaticSampling(self.max_bs, device)
         self.raw_logprobs = runner.config.logprob_mode == "raw"
-        # (batch size, with top-k/top-p/min-p, with penalties) -> graph, and its outputs
-        self.sampler_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
-        self.sampled: dict[tuple[int, bool, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (batch size, with top-k/top-p/min-p, with penalties, with masks) -> graph, and its outputs
+        self.sampler_graphs: dict[tuple[int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.sampled: dict[tuple[int, bool, bool, bool], tuple[torch.Tensor, ...]] = {}
         self.last: Optional[tuple[int, int]] = None  # (rows, padded size) of the last forward
         self.pool = None
         self.audit: Optional[StorageAudit] = None
@@ -117,21 +117,22 @@ class CudaGraphRunner:
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)
 
-    def run_sampler(self, bs: int, filtered: bool, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_sampler(self, bs: int, filtered: bool, state=None, masks: bool = False) -> tuple[torch.Tensor, ...]:
         """The device work of sampling the last forward's ``bs`` logits rows (what a sampler graph captures);
-        with ``state`` (``PenaltyState``) the penalties from its counts first."""
-        return sample_static(self.outputs[bs], self.sampling, self.raw_logprobs, filtered=filtered, state=state)
+        with ``state`` (``PenaltyState``) the penalties from its counts first; with ``masks`` the kept sets."""
+        return sample_static(self.outputs[bs], self.sampling, self.raw_logprobs, filtered=filtered, state=state,
+                             masks=masks)
 
-    def _capture_sampler(self, bs: int, filtered: bool, state) -> None:
-        """The sampler graph of one variant (a penalised one on first use: the state exists from then on)."""
-        key = (bs, filtered, state is not None)
+    def _capture_sampler(self, bs: int, filtered: bool, state, masks: bool) -> None:
+        """The sampler graph of one variant (with penalties or masks: on first use)."""
+        key = (bs, filtered, state is not None, masks)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.run_sampler(bs, filtered, state)  # warm-up
+            self.run_sampler(bs, filtered, state, masks)  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.sampled[key] = self.run_sampler(bs, filtered, state)
+                self.sampled[key] = self.run_sampler(bs, filtered, state, masks)
         torch.cuda.current_stream().wait_stream(stream)
         self.sampler_graphs[key] = graph
 
@@ -172,8 +173,8 @@ class CudaGraphRunner:
                     self.run_sampler(bs, filtered)  # warm-up
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self.sampled[bs, filtered, False] = self.run_sampler(bs, filtered)
-                    self.sampler_graphs[bs, filtered, False] = graph
+                        self.sampled[bs, filtered, False, False] = self.run_sampler(bs, filtered)
+                    self.sampler_graphs[bs, filtered, False, False] = graph
         torch.cuda.current_stream().wait_stream(stream)
         self.audit = StorageAudit(self.graph_tensors())
         logger.info("captured CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -254,13 +255,19 @@ class CudaGraphRunner:
         penalty counts, when these rows carry penalty slots."""
         n, bs = self.last
         filtered = sampling.top_ks is not None or sampling.top_ps is not None or sampling.min_ps is not None
-        key = (bs, filtered, state is not None)
+        masks = sampling.mask_rows is not None
+        key = (bs, filtered, state is not None, masks)
         self.sampling.stage(sampling, bs)
         if not self.eager and key not in self.sampler_graphs and bs in self.graphs:
-            self._capture_sampler(bs, filtered, state)
+            self._capture_sampler(bs, filtered, state, masks)
         if key in self.sampler_graphs:
             self.sampler_graphs[key].replay()
-            tokens, logprobs = self.sampled[key]
+            outs = self.sampled[key]
         else:
-            tokens, logprobs = self.run_sampler(bs, filtered, state)
-        return SampleOutput(token_ids=tokens[:n].clone(), logprobs=logprobs[:n].clone())
+            outs = self.run_sampler(bs, filtered, state, masks)
+        out = SampleOutput(token_ids=outs[0][:n].clone(), logprobs=outs[1][:n].clone())
+        if masks:  # the kept sets read back (one sync, as the eager sampler's), and the renormalised logprobs
+            rows = torch.tensor(sampling.mask_rows, dtype=torch.long, device=outs[2].device)
+            out.masks = masks_of(outs[2].index_select(0, rows), sampling.max_mask_size)
+            out.sampling_logprobs = outs[3][:n].clone()
+        return out

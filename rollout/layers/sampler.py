@@ -122,13 +122,18 @@ def sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: tor
     else:
         kept = torch.where(greedy.index_select(0, rows).unsqueeze(1), one_hot,
                            torch.isfinite(dist.index_select(0, rows)))
+    return masks_of(kept, info.max_mask_size), torch.where(greedy, torch.zeros_like(processed_lp), processed_lp)
+
+
+def masks_of(kept: torch.Tensor, max_mask_size: int) -> list:
+    """Each row's kept token ids, sorted (None past ``max_mask_size``), from a [M, V] bool: one host sync."""
     counts = kept.sum(dim=1).tolist()
     ids = kept.nonzero()[:, 1].tolist()
     masks, start = [], 0
     for c in counts:
-        masks.append(ids[start: start + c] if c <= info.max_mask_size else None)
+        masks.append(ids[start: start + c] if c <= max_mask_size else None)
         start += c
-    return masks, torch.where(greedy, torch.zeros_like(processed_lp), processed_lp)
+    return masks
 
 
 def apply_logit_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -341,15 +346,17 @@ class StaticSampling:
             self.copied.record()
 
 
-def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool = False,
-                  filtered: bool = True, state: Optional[PenaltyState] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool = False, filtered: bool = True,
+                  state: Optional[PenaltyState] = None, masks: bool = False) -> tuple[torch.Tensor, ...]:
     """``sample`` for rows without processors, masks or top logprobs, with fixed shapes and no host
     synchronisation (every row goes through every step; an option a row does not use leaves it as it was):
     logits [B, V] fp32 and the first B rows of ``st`` -> (tokens [B], logprobs [B]) — the tokens and the bits
     ``sample`` gives. One full-vocabulary sort serves top-k and top-p where ``sample`` takes ``topk`` and a
     candidate set: the same values in the same order. ``filtered=False``: rows without top-k, top-p and
     min-p only (no sorts). With ``state``: repetition, frequency and presence penalties first, from the
-    device's counts (``PenaltyState``), each row's slot and penalties in ``st``."""
+    device's counts (``PenaltyState``), each row's slot and penalties in ``st``. With ``masks``: also every
+    row's kept set as a [B, V] bool (a greedy row: its token) and its token's logprob renormalised over it
+    (greedy: 0) — ``sample``'s masks before they are read back."""
     from rollout.random import device_uniforms
 
     b, vocab = logits.shape
@@ -365,7 +372,12 @@ def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool =
     tokens = torch.where(greedy, processed.argmax(dim=-1), drawn)
     drawn_lp = (dist.gather(1, tokens.unsqueeze(1)) - row_max - total.log()).squeeze(1)
     raw_lp = token_logprob(logits, tokens)
-    return tokens, raw_lp if raw_logprobs else torch.where(greedy, raw_lp, drawn_lp)
+    reported = raw_lp if raw_logprobs else torch.where(greedy, raw_lp, drawn_lp)
+    if not masks:
+        return tokens, reported
+    one_hot = torch.zeros_like(dist, dtype=torch.bool).scatter_(1, tokens.unsqueeze(1), True)
+    kept = torch.where(greedy.unsqueeze(1), one_hot, torch.isfinite(dist))
+    return tokens, reported, kept, torch.where(greedy, 0.0, drawn_lp)
 
 
 def _filtered(x: torch.Tensor, st: StaticSampling, b: int, vocab: int) -> torch.Tensor:
