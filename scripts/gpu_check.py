@@ -231,8 +231,8 @@ def check_graph_vs_eager(device, workdir, quick):
     path = _model(workdir, "tiny-qwen2", arch="qwen2", hidden_size=256, intermediate_size=512, num_layers=4,
                   num_heads=8, num_kv_heads=2) if not quick else _model(workdir, "tiny-qwen2-step", arch="qwen2",
                                                                          num_layers=3)
-    prompts = _prompts(12 if not quick else 4)
-    new = 32 if not quick else 6
+    prompts = _prompts(12 if not quick else 3)
+    new = 32 if not quick else 4
     sp = [SamplingParams(max_new_tokens=new, temperature=0.8, seed=1, ignore_eos=True, n=2),
           SamplingParams(max_new_tokens=new, temperature=1.0, top_k=20, top_p=0.9, seed=2, ignore_eos=True),
           SamplingParams(max_new_tokens=new, temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5,
