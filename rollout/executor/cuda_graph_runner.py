@@ -124,14 +124,15 @@ class CudaGraphRunner:
                              masks=masks)
 
     def _capture_sampler(self, bs: int, filtered: bool, state, masks: bool) -> None:
-        """The sampler graph of one variant (with penalties or masks: on first use)."""
+        """The sampler graph of one variant (with penalties or masks: on first use, while serving — so the capture
+        is thread-local: under overlap the scheduler's thread reads the last step's tokens meanwhile)."""
         key = (bs, filtered, state is not None, masks)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.run_sampler(bs, filtered, state, masks)  # warm-up
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 self.sampled[key] = self.run_sampler(bs, filtered, state, masks)
         torch.cuda.current_stream().wait_stream(stream)
         self.sampler_graphs[key] = graph
