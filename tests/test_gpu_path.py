@@ -391,11 +391,11 @@ def test_a_cpu_engine_on_the_cuda_path_samples_what_the_torch_path_samples(model
 
     path = model_dir("llama-default", "llama")
     prompts = random_prompts(300, [6, 13, 9, 4, 7], seed=12)
-    params = [SamplingParams(max_new_tokens=7, temperature=1.0, seed=3, n=2, ignore_eos=True),
-              SamplingParams(max_new_tokens=7, temperature=0.8, top_k=30, top_p=0.9, seed=4, ignore_eos=True),
-              SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=7, temperature=1.0, repetition_penalty=1.3, seed=5, ignore_eos=True),
-              SamplingParams(max_new_tokens=9, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.7,
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=3, n=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=0.8, top_k=30, top_p=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=1.0, repetition_penalty=1.3, seed=5, ignore_eos=True),
+              SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.7,
                              presence_penalty=0.3, min_new_tokens=3, stop_token_ids=[17], n=2)]
     extra = {"overlap+speculative": {"enable_overlap": True, "speculative_num_draft_tokens": 3,
                                      "speculative_policy": "always"}}.get(mode, {})
