@@ -70,7 +70,7 @@ class CudaGraphRunner:
         # set's event marks its copies, waited on before the set is written again (two steps later: done)
         pin = device.type == "cuda"
         self._staging = [(torch.zeros(4, self.max_bs, dtype=torch.long, pin_memory=pin),  # pos, slots, ctx, ids
-                          torch.zeros(self.max_bs, self.max_blocks, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(self.max_bs * self.max_blocks, dtype=torch.long, pin_memory=pin),
                           torch.cuda.Event() if pin else None) for _ in range(2)]
         self._turn = 0
         self._rows = torch.arange(self.max_bs, device=device)
@@ -203,7 +203,8 @@ class CudaGraphRunner:
         self._turn ^= 1
         if copied is not None:
             copied.synchronize()  # this set's copies of two steps ago are done (they were long since)
-        tables = staged_tables.numpy()[:bs, :width]
+        host_tables = staged_tables[: bs * width].view(bs, width)  # contiguous: a non_blocking copy stays one
+        tables = host_tables.numpy()
         tables.fill(scratch)
         tables[:n][np.arange(width) < widths[:, None]] = flat
         pos, slots, ctx, ids = staged.numpy()[:, :bs]
@@ -218,7 +219,7 @@ class CudaGraphRunner:
         if batch.has_placeholders:  # the previous step's tokens, never seen by the host
             raw = self.input_ids[:n]
             raw.copy_(torch.where(raw < 0, future_token_ids[(-raw - 1).clamp(min=0)], raw))
-        self.block_tables[:bs, :width].copy_(staged_tables[:bs, :width], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(host_tables, non_blocking=True)
         if copied is not None:
             copied.record()
         return n, bs

@@ -297,15 +297,19 @@ class ModelRunner:
         state = self._penalty_state(sampling)
         if state is not None and sampling.penalty_inits:
             state.write(sampling.penalty_inits)  # slots whose counts are written afresh from their histories
+        slots = None
         if self.graph_runner is not None and self.graph_runner.samples(logits, sampling):
             self.counts["num_graph_samples"] += not self.graph_runner.eager
             out = self.graph_runner.sample(sampling, state)  # the sampler graph over the forward graph's logits
+            slots = self.graph_runner.sampling.penalty_slots[: len(sampling.temperatures)]  # staged with it
         elif self.config.deterministic and logits.shape[0] > 1:  # row by row: no kernel sees another row
             out = sample_one_by_one(logits, sampling, self._sampling_info)
         else:
             out = sample(logits, self._sampling_info(sampling))
         if state is not None:  # every row's token into its slot's counts, on the device
-            state.record(torch.tensor(sampling.penalty_slots, dtype=torch.long, device=self.device), out.token_ids)
+            if slots is None:
+                slots = torch.tensor(sampling.penalty_slots, dtype=torch.long, device=self.device)
+            state.record(slots, out.token_ids)
         return out
 
     def _penalty_state(self, sampling: SamplingInputs) -> Optional[PenaltyState]:
