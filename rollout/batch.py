@@ -53,7 +53,6 @@ class PenaltySlots:
     The least recently used slot is reused when all are taken."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
         self.slot_of: dict[int, list[int]] = {}  # seq id -> [slot, synced, last step used]
         self.free = list(range(capacity - 1, -1, -1))
         self.step = 0
@@ -72,11 +71,6 @@ class PenaltySlots:
             inits.append((entry[0], list(seq.token_ids[:seq.num_prompt_tokens]), list(seq.output_ids)))
         entry[1], entry[2] = n_out + 1, self.step  # the device adds the token this step samples
         return entry[0]
-
-    def release(self, seq_id: int) -> None:
-        entry = self.slot_of.pop(seq_id, None)
-        if entry is not None:
-            self.free.append(entry[0])
 
 
 class SparseRows:

@@ -118,9 +118,8 @@ def _activation_reserve(config: EngineConfig, model_config: ModelConfig, dtype: 
     vocabulary (logits, sorts, cumsums and their indices: ~40 bytes an entry) for the most rows a step holds,
     a prefill chunk's activations (the MLP's widest, a few copies), the penalty counts (made when a request
     first asks for a penalty), and 512 MiB for the graphs and the allocator's slack."""
-    rows = max(config.max_num_seqs, min(config.cuda_graph_max_bs, config.max_num_seqs))
     item = torch.empty((), dtype=dtype).element_size()
-    sampler = rows * model_config.vocab_size * 40
+    sampler = config.max_num_seqs * model_config.vocab_size * 40
     chunk = config.max_num_batched_tokens * (4 * model_config.intermediate_size + 8 * model_config.hidden_size) * item
     penalties = (penalty_capacity(config.max_num_seqs) + 1) * model_config.vocab_size * 5  # PenaltyState, if used
     return sampler + chunk + penalties + (512 << 20)

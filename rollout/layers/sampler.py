@@ -115,14 +115,16 @@ def sampling_masks(x: torch.Tensor, dist: Optional[torch.Tensor], token_ids: tor
     """Kept-token sets of the mask rows (one host sync) and every row's renormalised logprob."""
     rows = info.mask_rows
     greedy = info.temperatures <= 0
-    one_hot = torch.zeros(rows.numel(), x.shape[-1], dtype=torch.bool, device=x.device)
-    one_hot.scatter_(1, token_ids.index_select(0, rows).unsqueeze(1), True)
-    if dist is None:
-        kept = one_hot
-    else:
-        kept = torch.where(greedy.index_select(0, rows).unsqueeze(1), one_hot,
-                           torch.isfinite(dist.index_select(0, rows)))
+    kept = kept_sets(x.index_select(0, rows) if dist is None else dist.index_select(0, rows),
+                     token_ids.index_select(0, rows), greedy.index_select(0, rows) | (dist is None))
     return masks_of(kept, info.max_mask_size), torch.where(greedy, torch.zeros_like(processed_lp), processed_lp)
+
+
+def kept_sets(dist: torch.Tensor, token_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Each row's kept set as a [R, V] bool: the ids whose processed logit is finite, a greedy row's token
+    alone."""
+    one_hot = torch.zeros_like(dist, dtype=torch.bool).scatter_(1, token_ids.unsqueeze(1), True)
+    return torch.where(greedy.unsqueeze(1), one_hot, torch.isfinite(dist))
 
 
 def masks_of(kept: torch.Tensor, max_mask_size: int) -> list:
@@ -348,8 +350,9 @@ class StaticSampling:
 
 def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool = False, filtered: bool = True,
                   state: Optional[PenaltyState] = None, masks: bool = False) -> tuple[torch.Tensor, ...]:
-    """``sample`` for rows without processors, masks or top logprobs, with fixed shapes and no host
-    synchronisation (every row goes through every step; an option a row does not use leaves it as it was):
+    """``sample`` for rows without logit bias, allowed tokens, a min-tokens ban or top logprobs, with fixed
+    shapes and no host synchronisation (every row goes through every step; an option a row does not use
+    leaves it as it was):
     logits [B, V] fp32 and the first B rows of ``st`` -> (tokens [B], logprobs [B]) — the tokens and the bits
     ``sample`` gives. One full-vocabulary sort serves top-k and top-p where ``sample`` takes ``topk`` and a
     candidate set: the same values in the same order. ``filtered=False``: rows without top-k, top-p and
@@ -375,9 +378,7 @@ def sample_static(logits: torch.Tensor, st: StaticSampling, raw_logprobs: bool =
     reported = raw_lp if raw_logprobs else torch.where(greedy, raw_lp, drawn_lp)
     if not masks:
         return tokens, reported
-    one_hot = torch.zeros_like(dist, dtype=torch.bool).scatter_(1, tokens.unsqueeze(1), True)
-    kept = torch.where(greedy.unsqueeze(1), one_hot, torch.isfinite(dist))
-    return tokens, reported, kept, torch.where(greedy, 0.0, drawn_lp)
+    return tokens, reported, kept_sets(dist, tokens, greedy), torch.where(greedy, 0.0, drawn_lp)
 
 
 def _filtered(x: torch.Tensor, st: StaticSampling, b: int, vocab: int) -> torch.Tensor:
