@@ -44,10 +44,15 @@ def main(argv=None) -> list:
     from rollout.models import ModelConfig
     from trainer_bridge.grpo import run_grpo
 
-    # default: the largest TP size that divides the world and splits the model (TP=1: one engine per rank)
-    tp = args.tp_size or max(t for t in ModelConfig.from_pretrained(path).valid_tp_sizes(world) if world % t == 0)
+    # default: the largest TP size that divides the world and splits the model (TP=1: one engine per rank);
+    # true on-policy: TP=1 (a TP=2 engine splits each row-parallel sum in two, which the trainer does not)
+    tp = args.tp_size or (1 if args.true_on_policy else
+                          max(t for t in ModelConfig.from_pretrained(path).valid_tp_sizes(world) if world % t == 0))
+    if args.true_on_policy and tp != 1:
+        raise SystemExit(f"--true-on-policy needs engines at TP=1 (got --tp-size {tp})")
     engine = RolloutEngine(path, dtype=args.dtype, tp_size=tp, launch="external" if tp > 1 else "spawn",
-                           kv_cache_tokens=4096, seed=args.seed, use_generation_config=False)
+                           kv_cache_tokens=4096, seed=args.seed, use_generation_config=False,
+                           deterministic=args.true_on_policy)
     prompts, reward = parity_task(engine.model_config.vocab_size)
     log, finish = step_logger(args, rank)
     logs = run_grpo(grpo_config(args, release_memory=not args.no_release), ds_engine, engine, prompts, reward,

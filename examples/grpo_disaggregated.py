@@ -57,12 +57,14 @@ def parse(argv=None):
     return (argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS}), argparse.Namespace(**args))
 
 
-def start_servers(path: str, n: int, tp: int, dtype: str, seed: int) -> list:
-    """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU (not waited for)."""
+def start_servers(path: str, n: int, tp: int, dtype: str, seed: int, on_policy: bool = False) -> list:
+    """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU (not waited for);
+    ``on_policy``: with SGLang's deterministic-inference flag (the batch-invariant mode)."""
     from rollout.server import launch_server
 
+    extra = ["--enable-deterministic-inference"] if on_policy else []
     return [launch_server(path, "--dtype", dtype, "--tp-size", str(tp), "--kv-cache-tokens", "4096", "--seed",
-                          str(seed), "--no-use-generation-config", num_threads=1, ready_timeout_s=None)
+                          str(seed), "--no-use-generation-config", *extra, num_threads=1, ready_timeout_s=None)
             for _ in range(n)]
 
 
@@ -78,11 +80,14 @@ def served_versions(replicas, lora_name):
 
 def main(argv=None) -> list:
     own, args = parse(argv)
+    if args.true_on_policy and own.server_tp_size != 1:
+        raise SystemExit(f"--true-on-policy needs servers at TP=1 (got --server-tp-size {own.server_tp_size})")
     servers: list = []  # the local replicas rank 0 starts
 
     def start_local_replicas(path: str, rank: int) -> None:  # they come up while the trainer loads
         if not own.engine_url and rank == 0:
-            servers.extend(start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed))
+            servers.extend(start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed,
+                                         args.true_on_policy))
 
     try:
         ds_engine, path, tied, rank, world = build_trainer(args, on_model_folder=start_local_replicas)

@@ -126,6 +126,8 @@ def _cmd_serve(args) -> int:
     from rollout.server.http import read_deadline_protocol
 
     options = {name: getattr(args, name) for name, *_ in _engine_options()}
+    if args.enable_deterministic_inference or args.rl_on_policy_target:
+        options["deterministic"] = True  # SGLang's spellings of the batch-invariant mode
     if args.stream_max_pending_mb * 2**20 < 4096:
         raise SystemExit(f"--stream-max-pending-mb {args.stream_max_pending_mb}: at least 4 KiB (0.004)")
     server = ServerConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -274,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-paths", nargs="*", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters loaded at start (SGLang's flag; more with /load_lora_adapter)")
     s.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME=PATH", help="vLLM's name for --lora-paths")
+    s.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="SGLang's flag for the batch-invariant mode: the same as --deterministic")
+    s.add_argument("--rl-on-policy-target", default=None, metavar="TRAINER",
+                   help="SGLang's true on-policy flag (e.g. fsdp): turns on the batch-invariant mode, whose logprobs "
+                        "trainer_bridge.on_policy reproduces bit for bit in the trainer")
     s.add_argument("--enable-lora", action="store_true",
                    help="accepted for SGLang's and vLLM's command lines: adapters are always available here")
     _engine_option_flags(serve)

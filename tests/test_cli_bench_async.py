@@ -100,9 +100,12 @@ def test_fidelity_and_server_load_benchmarks_through_the_cli(tmp_path):
     from rollout.cli import main as cli_main
 
     common = ["--model", "tiny", "--dtype", "float32", "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]
-    assert cli_main(["bench", "fidelity", *common, "--prompts", "2", "--n", "1", "--max-new-tokens", "4"]) == 0
+    assert cli_main(["bench", "fidelity", *common, "--num-prompts", "2", "--mode-max-new-tokens", "4", "--rounds", "1",
+                     "--prompts", "2", "--n", "1", "--max-new-tokens", "4"]) == 0
     fid = json.load(open(tmp_path / "fidelity_tiny_float32.json"))
-    assert fid["masks_on"] > 0 and fid["masks_mean_size"] >= 1 and fid["same_tokens"] is True
+    assert fid["masks"]["masks_on"] > 0 and fid["masks"]["masks_mean_size"] >= 1
+    assert fid["throughput_fraction"] > 0 and fid["workload"]["name"] == "grpo-short" and fid["machine"]["cpu"]
+    assert fid["deterministic"]["tokens"] > 0 and os.path.isfile(tmp_path / "fidelity_tiny_float32.png")
     out = run_cli("bench", "server-load", *common, "--requests", "4", "--max-new-tokens", "4",
                   "--refresh-every-s", "0.5", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

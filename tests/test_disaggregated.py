@@ -51,6 +51,15 @@ def test_disaggregated_grpo_learns_from_its_pushes_and_both_replicas_serve_each(
     assert f"rollout service: ReplicaRouter; replica versions: ['step-{CONTROL + 20}', 'step-{CONTROL + 20}']" in stdout
 
 
+def test_disaggregated_true_on_policy_bf16_is_bitwise_with_both_replicas(tmp_path):
+    """``--dtype bfloat16 --true-on-policy``: both servers run the batch-invariant mode (SGLang's
+    ``--enable-deterministic-inference``), the trainer recomputes their logprobs bit for bit on every token
+    of every step, whichever replica sampled it (learning at 25 steps: the colocated test and docs/rl.md)."""
+    logs, stdout = run_example(tmp_path, "--dtype", "bfloat16", "--true-on-policy", steps=6)
+    assert all(x["mismatch_max"] == 0.0 and x["ratio_mean"] == 1.0 and x["push_verified"] for x in logs)
+    assert "rollout service: ReplicaRouter; replica versions: ['step-6', 'step-6']" in stdout
+
+
 def test_disaggregated_lora_grpo_pushes_only_the_adapter_and_learns(tmp_path):
     """``--lora 8``: each step broadcasts the adapter's tensors once over the weight group both replicas
     joined (``/load_lora_adapter_from_distributed``); both serve each version, the run learns, fp32."""

@@ -30,6 +30,7 @@ from rollout.engine.engine import RolloutEngine
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
 from trainer_bridge.lora import push_adapter
+from trainer_bridge.on_policy import engine_logprobs
 from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
@@ -71,6 +72,10 @@ class GRPOConfig:
     # LoRA: the trainer's model is a peft model; rollouts run on this adapter and each push moves only its
     # tensors (a new version of it); the base weights never move (and are never released)
     lora_name: Optional[str] = None
+    # true on-policy: the trainer's logprobs computed as the engine computes them in its batch-invariant mode
+    # (trainer_bridge.on_policy), so they equal the engine's bit for bit; the engines must run deterministic=True
+    # at TP=1
+    true_on_policy: bool = False
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -93,6 +98,11 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.stale_policy={self.stale_policy!r}: use drop, keep or tis")
         if self.release_memory and not self.push_weights and self.lora_name is None:
             raise ValueError("GRPOConfig: release_memory without push_weights would leave the engine without weights")
+        if self.true_on_policy and self.masked:
+            raise ValueError("GRPOConfig: true_on_policy replays temperature sampling only; top-k / top-p / min-p / "
+                             "repetition penalty masks are replayed in torch (drop them or the flag)")
+        if self.true_on_policy and self.lora_name is not None:
+            raise ValueError("GRPOConfig: true_on_policy trains the full weights; it does not take a LoRA adapter")
         if self.max_staleness and self.release_memory:
             raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
                              "devices: set release_memory=False")
@@ -412,11 +422,15 @@ class _GRPORun:
         replayed when sampling was truncated —, unmasked ``log_softmax(logits / T)``, the engine's)."""
         T = self.cfg.temperature
         seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
+        engine_lp = [torch.tensor(o.output_logprobs) for o in outs]
+        if self.cfg.true_on_policy:  # the engine's own computation: the loss sees the engine's bits
+            new = engine_logprobs(model, seqs, [len(o.prompt_token_ids) for o in outs], T)
+            return new, new, engine_lp
         logits = completion_logits(model, seqs, [len(o.prompt_token_ids) for o in outs])
         unmasked = [_token_logprobs(lg, o.output_token_ids, T) for lg, o in zip(logits, outs)]
         new = [replay_logprobs(lg, o.prompt_token_ids, o.output_token_ids, o.output_token_sampling_mask, ro.sampling)
                for lg, o in zip(logits, outs)] if self.cfg.masked and replay else unmasked
-        return new, unmasked, [torch.tensor(o.output_logprobs) for o in outs]
+        return new, unmasked, engine_lp
 
     def rewards(self, outs: list) -> torch.Tensor:
         return torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])

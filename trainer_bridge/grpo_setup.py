@@ -45,6 +45,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="train a peft LoRA adapter of this rank on every linear instead of the full weights; each "
                          "push moves only the adapter (0: full weights)")
     ap.add_argument("--lora-alpha", type=int, default=None, help="LoRA alpha (default: 2 x rank)")
+    ap.add_argument("--true-on-policy", action="store_true",
+                    help="the trainer computes its logprobs as the engine does in its batch-invariant mode (the engines "
+                         "run deterministic=True at TP=1): the logprob difference is exactly 0 on every token")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")
@@ -128,7 +131,7 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       release_memory=release_memory and not args.no_push, seed=args.seed,
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
                       bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
-                      lora_name="policy" if args.lora else None)
+                      lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy)
 
 
 def step_logger(args, rank: int):

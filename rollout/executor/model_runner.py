@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -25,6 +25,7 @@ from rollout.executor.kv_pool import KvPool, kv_bytes_per_token, kv_tokens_for_u
 from rollout.executor.param_storage import ParameterStorage, return_free_heap_to_os
 from rollout.kernels.cpu import build as cpu_build
 from rollout.kernels.cpu.capability import cpu_capability
+from rollout.kernels.cpu.invariant import gemm_kernel as invariant_gemm_kernel
 from rollout.kernels.cpu.packing import COPY_KERNELS, PackedWeight, pack_weight
 from rollout.kernels.cpu.plan import GemmPlans, plan_gemms
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
@@ -102,13 +103,23 @@ def _has_triton() -> bool:
 _GEMM_MODULES = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
-def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> GemmPlans:
-    """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); none off the CPU."""
+def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                row_invariant: bool = False) -> GemmPlans:
+    """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); none off the CPU.
+    ``row_invariant`` (the batch-invariant mode): one kernel at every row count whose rows do not depend on
+    each other (``rollout.kernels.cpu.invariant``: oneDNN in fixed chunks of rows, or the tiled kernel)."""
     if device.type != "cpu":
         return GemmPlans(())
     choice = config.kernels
     layer = model.model.layers[0]
     shapes = [tuple(m.weight.shape) for m in layer.modules() if isinstance(m, _GEMM_MODULES)]
+    if row_invariant:
+        kernel = invariant_gemm_kernel(dtype, [*shapes, tuple(model.lm_head.weight.shape)])
+        if choice.gemm not in (None, kernel):
+            raise ValueError(f"engine option kernels.gemm={choice.gemm!r} conflicts with deterministic=True, whose "
+                             f"GEMMs are the batch-invariant kernel {kernel!r} at every row count here; leave "
+                             "kernels.gemm unset")
+        choice = replace(choice, gemm=kernel)
     return plan_gemms(dtype, shapes, len(model.model.layers), choice.fp32_gemm_rows, choice.small_gemm_rows,
                       head_shape=tuple(model.lm_head.weight.shape), kernel=choice.gemm)
 
@@ -166,6 +177,11 @@ class ModelRunner:
         # decode attention from the block cache: Triton's on CUDA; on CPU the C++ kernel (fp32 softmax and
         # sums, one rounding) for every cache dtype, where the kernel plan has it
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or self.kernels.paged_attention
+        # the batch-invariant mode in one forward a step: every kernel computes a row in an order that does not
+        # depend on the batch (the tiled GEMM, the C++ norms, rotary and paged attention over each row's own
+        # context); where those kernels are not built here, a forward per token instead
+        self.row_invariant = config.deterministic and built and self.kernels.paged_attention and \
+            self.kernels.norm and not self.kernels.triton
         self._stack_tensors = self.model.model.stack_tensors  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora.backend, device), slots=config.lora.max_loaded)
@@ -173,7 +189,7 @@ class ModelRunner:
         for module in self.lora_layers:
             module.lora.context = self.lora_context
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
-        self.gemm_plans = _plan_gemms(config, self.model, device, dtype)
+        self.gemm_plans = _plan_gemms(config, self.model, device, dtype, self.row_invariant)
         self.weights_generation = 0  # bumped whenever the live weights change
         self._copy_generation: dict[str, int] = {}  # copy kind -> the weights_generation it was built from
         self._refreshed_rows: set[int] = set()  # row counts whose copies exist for this generation
@@ -245,12 +261,12 @@ class ModelRunner:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
         if self.threads is not None:
             self.threads.before_forward()
-        if self.config.deterministic:
+        if self.config.deterministic and not self.row_invariant:
             self.refresh_packed_weights(1)
-        else:
-            self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
-        if self.config.deterministic:
             return self._forward_token_by_token(batch, future_token_ids)
+        self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
+        if self.row_invariant:
+            return self._forward_row_invariant(batch, future_token_ids)
         if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
             self.counts["num_eager_decode_steps" if self.graph_runner.eager else "num_graph_replays"] += 1
             return self.graph_runner.replay(batch, future_token_ids)
@@ -264,6 +280,24 @@ class ModelRunner:
         finally:
             self.lora_context.batch = None
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
+
+    def _forward_row_invariant(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
+        """Batch-invariant mode, one forward: every row attended as a decode token (its own context up to
+        its position, from the cache: ``build_attention_metadata(per_row=True)``), every GEMM the tiled
+        kernel, norms and rotary per row in C++ — a token's logits are a function of its sequence alone,
+        the same bits in a prefill, a chunk, after a prefix-cache hit, in a decode step, under overlap or
+        in a speculative verify, whatever else the step holds."""
+        positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens, self.block_size,
+                                                   self.device, self.model_config.sliding_window, per_row=True)
+        meta.use_paged_kernel = True
+        self.counts["num_eager_decode_steps"] += all(q == 1 for q in batch.q_lens)
+        self.lora_context.batch = LoraBatch.from_sequences(batch.lora_slots, batch.q_lens, self.device)
+        try:
+            hidden = self.model(_input_ids(batch, self.device, future_token_ids), positions, self.kv.caches, meta)
+        finally:
+            self.lora_context.batch = None
+        rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _forward_token_by_token(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
         """Batch-invariant mode: every token of every sequence in a forward of its own (one row, its

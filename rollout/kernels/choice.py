@@ -37,7 +37,7 @@ import torch
 
 FUSION_LEVELS = ("torch", "ops", "layer", "stack")
 FUSED_OPS = ("paged_attention", "norm", "rope", "silu", "sampler")
-GEMM_KERNELS = ("linear", "onednn", "fp32", "own", "tiled")
+GEMM_KERNELS = ("linear", "onednn", "fp32", "own", "tiled", "chunked")
 _LAYER_OPS = ("paged_attention", "norm", "rope", "silu")  # what a decoder layer's one call strings together
 
 # the flat engine options this choice replaced: old name -> how it maps (a value equal to the default maps

@@ -57,12 +57,15 @@ class RaggedBatch:
 
 def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
                              block_size: int, device: torch.device, sliding_window: Optional[int] = None,
-                             ragged: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
+                             ragged: bool = False, per_row: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """Per sequence: its block table, its context length after this step and its number of new
     tokens (the last ``q_len`` positions). Returns (positions [T], metadata); rows follow the
     sequences in order. Slots are computed from block tables with tensor arithmetic, not lists.
     ``ragged``: a step with prefill rows is attended in one launch (``RaggedBatch``), no per-sequence
-    spans or host masks built.
+    spans or host masks built. ``per_row`` (the batch-invariant mode): every row is attended as a decode
+    token is — its own query over its sequence's context up to its position, from the cache — so a
+    position's attention is the same computation in a prefill, a chunk, after a prefix-cache hit or in a
+    decode step (``all_decode`` set: the paged decode kernel serves every step; no SDPA mask is built).
     """
     num_seqs = len(block_tables)
     tables = torch.zeros(num_seqs, max(len(t) for t in block_tables), dtype=torch.long)
@@ -75,6 +78,13 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
     positions = (ctx - q)[seq_of_row] + torch.arange(int(q.sum())) - row_start[seq_of_row]
     slot_mapping = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), sliding_window=sliding_window)
+    if per_row:
+        lens = positions + 1  # no mask: the paged kernel (use_paged_kernel) reads each row's context
+        meta.decode_rows = torch.arange(len(lens)).to(device)
+        meta.decode_blocks = tables[seq_of_row][:, : -(-int(lens.max()) // block_size)].to(device)
+        meta.decode_ctx_lens = lens.to(device)
+        meta.all_decode = True
+        return positions.to(device), meta
     is_decode = q == 1
     if bool(is_decode.any()):
         idx = is_decode.nonzero().squeeze(1)

@@ -54,7 +54,7 @@ def _linear_tensors(linear, rows: int, bias: Optional[torch.Tensor], out: list, 
         copy, copy_bias = packed.wide, packed.wide_bias
     elif kernel == "tiled":
         copy = packed.panels
-    if copy is None:
+    if copy is None or kernel not in KINDS:  # chunked: the module path
         return False
     out += (linear.weight, _NONE if bias is None else bias, copy, _NONE if copy_bias is None else copy_bias)
     kinds.append(KINDS[kernel])

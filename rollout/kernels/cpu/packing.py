@@ -3,7 +3,8 @@
 read (``PackedWeight``, built by ``pack_weight``), and ``packed_linear``, ``F.linear`` through the
 plan's kernel: ``linear`` (torch), ``onednn`` (oneDNN's packed copy in the weight's dtype), ``fp32``
 (an fp32 packed copy of a bf16 weight), ``own`` (``ops.bf16_linear``, the small-batch kernel reading
-the weight itself) and ``tiled`` (``ops.tiled_linear`` over the weight's fp32 panels).
+the weight itself), ``tiled`` (``ops.tiled_linear`` over the weight's fp32 panels) and ``chunked``
+(oneDNN's packed copy in fixed chunks of rows: the batch-invariant mode's, ``invariant.py``).
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ class PackedWeight:
 
     def has_copy(self, kernel: str) -> bool:
         """Whether the copy ``kernel`` reads is built (kernels reading the weight itself: always)."""
-        copy = {"onednn": self.narrow, "fp32": self.wide, "tiled": self.panels}
+        copy = {"onednn": self.narrow, "chunked": self.narrow, "fp32": self.wide, "tiled": self.panels}
         return kernel not in copy or copy[kernel] is not None
 
 
-COPY_KERNELS = ("onednn", "fp32", "tiled")  # the kernels that read a copy of the weight
+COPY_KERNELS = ("onednn", "fp32", "tiled", "chunked")  # the kernels that read a copy of the weight
 
 
 def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPlan,
@@ -113,7 +114,7 @@ def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPl
     ``into`` (or a new ``PackedWeight``)."""
     packed = into if into is not None else PackedWeight(plan)
     kinds = plan.kernels if kinds is None else kinds
-    if "onednn" in kinds:
+    if "onednn" in kinds or "chunked" in kinds:
         packed.narrow = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     if "fp32" in kinds:
         packed.wide = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
@@ -139,6 +140,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     elif kernel == "tiled":
         assert packed.panels is not None, "panels missing: refresh_packed_weights was not called"
         y = ops.tiled_linear(rows, packed.panels, weight.shape[0], bias)
+    elif kernel == "chunked":
+        assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
+        from rollout.kernels.cpu.invariant import chunked_linear
+
+        y = chunked_linear(rows, packed.narrow, bias, weight.shape[0])
     else:
         rows = rows if rows.is_contiguous() else rows.contiguous()
         if kernel == "fp32":

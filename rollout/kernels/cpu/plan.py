@@ -263,6 +263,8 @@ def plan_gemms(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: in
     all_shapes = list(dict.fromkeys([*shapes, *([head_shape] if head_shape else [])]))
     if kernel is not None:
         allowed = ["linear", *candidates(dtype, None, None)]
+        if "onednn" in allowed and dtype == torch.bfloat16:
+            allowed.append("chunked")  # the batch-invariant mode's (rollout.kernels.cpu.invariant)
         if kernel not in allowed:
             raise ValueError(f"kernels.gemm={kernel!r} cannot run for {dtype} here; this CPU and build offer: "
                              f"{', '.join(dict.fromkeys(allowed))}")
