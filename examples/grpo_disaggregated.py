@@ -63,8 +63,10 @@ def start_servers(path: str, n: int, tp: int, dtype: str, seed: int, on_policy: 
     from rollout.server import launch_server
 
     extra = ["--enable-deterministic-inference"] if on_policy else []
+    # --max-top-logprobs-num -1: the trainer's full-distribution check asks for the whole vocabulary
     return [launch_server(path, "--dtype", dtype, "--tp-size", str(tp), "--kv-cache-tokens", "4096", "--seed",
-                          str(seed), "--no-use-generation-config", *extra, num_threads=1, ready_timeout_s=None)
+                          str(seed), "--no-use-generation-config", "--max-top-logprobs-num", "-1", *extra,
+                          num_threads=1, ready_timeout_s=None)
             for _ in range(n)]
 
 

@@ -140,7 +140,7 @@ def _cmd_serve(args) -> int:
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           tensor_handles=not args.no_tensor_handles,
-                          render_timeout_s=args.render_timeout_s)
+                          render_timeout_s=args.render_timeout_s, max_top_logprobs_num=args.max_top_logprobs_num)
     adapters = _adapter_flags(args.lora_paths or []) + _adapter_flags(args.lora_modules or [])
     # uvicorn ends its graceful shutdown by raising the signal it caught again, under the handler that was
     # in place before it started: ours, which unwinds through the engine's ``with`` (its orderly stop: the
@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-paths", nargs="*", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters loaded at start (SGLang's flag; more with /load_lora_adapter)")
     s.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME=PATH", help="vLLM's name for --lora-paths")
+    s.add_argument("--max-top-logprobs-num", type=int, default=20,
+                   help="the most ids /generate's top_logprobs_num may ask for at each position (-1: the whole "
+                        "vocabulary, for a trainer's full-distribution check)")
     s.add_argument("--enable-deterministic-inference", action="store_true",
                    help="SGLang's flag for the batch-invariant mode: the same as --deterministic")
     s.add_argument("--rl-on-policy-target", default=None, metavar="TRAINER",

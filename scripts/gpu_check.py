@@ -18,6 +18,9 @@ decode-step ones first (a run cut short keeps what finished: the JSON is written
   unchanged by loading adapters;
 - ``speculation``: exact speculation under CUDA graphs (verify rows replay the decode graphs): tokens and
   logprobs equal plain decoding's; batch-1 greedy replay timed on and off;
+- ``batch_invariant``: ``deterministic=True`` in bf16: alone = batched = chunked bitwise, and its throughput
+  against the default's (on CUDA the mode still runs a forward per token: its batch-invariant Triton GEMM
+  is to come);
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;
@@ -61,6 +64,39 @@ def _prompts(n, lo=5, hi=40, seed=0, vocab=300):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def check_batch_invariant(device, workdir, quick):
+    """``deterministic=True`` (bf16): a request's tokens and logprobs alone = in a batch of others = with
+    chunked prefill, bitwise; and the mode's throughput against the default's on the same batch."""
+    path = _model(workdir, "tiny-llama", arch="llama")
+    mine = _prompts(2, seed=11)
+    others = _prompts(8 if quick else 30, seed=12)
+    sp = SamplingParams(n=2, max_new_tokens=6 if quick else 24, temperature=0.9, seed=5, ignore_eos=True)
+    other_sp = SamplingParams(max_new_tokens=6 if quick else 24, temperature=1.0, seed=6, ignore_eos=True)
+
+    def key(outs):
+        return [(o.output_token_ids, o.output_logprobs) for o in outs]
+
+    runs, rates = {}, {}
+    for det in (False, True):
+        with RolloutEngine(path, dtype="bfloat16", device=device, kv_cache_tokens=8192, deterministic=det) as e:
+            e.generate(input_ids=mine, sampling_params=SamplingParams(max_new_tokens=2))  # warm-up
+            if det:
+                runs["alone"] = key(e.generate(input_ids=mine, sampling_params=sp))
+                got = e.generate(input_ids=others[:4] + mine + others[4:],
+                                 sampling_params=[other_sp] * 4 + [sp] * 2 + [other_sp] * (len(others) - 4))
+                runs["batched"] = key([o for o in got if 4 <= o.prompt_index < 6])
+            t0 = time.perf_counter()
+            outs = e.generate(input_ids=others, sampling_params=other_sp)
+            rates["deterministic" if det else "default"] = sum(len(o.output_token_ids) for o in outs) / (
+                time.perf_counter() - t0)
+    with RolloutEngine(path, dtype="bfloat16", device=device, kv_cache_tokens=8192, deterministic=True,
+                       max_num_batched_tokens=8) as e:
+        runs["chunked"] = key(e.generate(input_ids=mine, sampling_params=sp))
+    same = runs["alone"] == runs["batched"] == runs["chunked"]
+    return {"ok": same, "bitwise_alone_batched_chunked": same, "tokens_per_s": rates,
+            "throughput_fraction": rates["deterministic"] / rates["default"]}
 
 
 def check_device_uniforms(device, workdir, quick):
@@ -583,6 +619,7 @@ def check_lora_bench(device, workdir, quick):
 
 
 CHECKS = {
+    "batch_invariant": check_batch_invariant,
     "device_uniforms": check_device_uniforms,
     "fused_kernels": check_fused_kernels,
     "decode_step": check_decode_step,

@@ -178,6 +178,9 @@ def test_bad_bodies_are_refused_naming_the_field(server):
     assert r.status_code == 400 and "n=" in r.text
     r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": [5] * 5000})
     assert r.status_code == 400 and "limit" in r.text
+    r = httpx.post(f"{url}/generate", headers=h, json={"input_ids": PROMPTS[0], "return_logprob": True,
+                                                      "top_logprobs_num": 21})  # past the server's cap (20)
+    assert r.status_code == 400 and "--max-top-logprobs-num" in r.text
     r = httpx.post(f"{url}/v1/completions", headers=h, json={"prompt": "x", "n": 10**6})
     error = r.json()["error"]  # OpenAI's error shape on the OpenAI routes
     assert r.status_code == 400 and error["code"] == 400 and error["type"] == "BadRequestError"

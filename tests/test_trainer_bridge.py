@@ -54,13 +54,16 @@ def test_grpo_zero3_learns_with_exact_logprobs(zero3_run):
     rewards = [x["reward"] for x in logs]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
     assert all(x["mismatch_max"] < 1e-4 for x in logs)
+    # the whole next-token distribution at the probed positions: fp32 rounding apart, and measured
+    assert all(x["dist_positions"] >= 2 and x["dist_max_abs_diff"] < 1e-4 for x in logs)
+    assert any(x["dist_max_abs_diff"] > 0 for x in logs)
     assert all(x["push_verified"] for x in logs)
     assert all(x["engine_released_bytes"] > 0 for x in logs)  # KV and weights freed while training
     assert (out / "reward_curve.png").exists()
 
 
 def test_grpo_without_pushes_does_not_learn(tmp_path):
-    logs, _ = run_demo(tmp_path, "--zero-stage", "3", "--no-push", steps=10)
+    logs, _ = run_demo(tmp_path, "--zero-stage", "3", "--no-push", steps=6)
     rewards = [x["reward"] for x in logs]
     assert all(abs(r - rewards[0]) <= 0.1 for r in rewards), rewards
     # what a pushed run cannot show: every step sampled with the initial weights (step k's samples are
@@ -93,14 +96,15 @@ def test_grpo_with_lora_learns_from_its_pushes_moving_only_the_adapter(tmp_path)
 def test_grpo_true_on_policy_bf16_has_no_mismatch_at_all(tmp_path):
     """``--dtype bfloat16 --true-on-policy`` (ZeRO-3, engines at TP=1 in the batch-invariant mode): the
     trainer's logprobs are the engines' bit for bit on every sampled token of every step, and the run learns
-    as the demo does. Without the flag the same bf16 run's mismatch is the one the field fights."""
-    logs, _ = run_demo(tmp_path / "on", "--zero-stage", "3", "--dtype", "bfloat16", "--true-on-policy")
+    as the demo does. (Without the flag the same bf16 run's mismatch is 2-5e-3 mean, up to 0.13: docs/rl.md;
+    the plain forward's bf16 mismatch is asserted in test_true_on_policy.)"""
+    logs, _ = run_demo(tmp_path / "on", "--zero-stage", "3", "--dtype", "bfloat16", "--true-on-policy", steps=20)
     assert all(x["mismatch_max"] == 0.0 and x["mismatch_unmasked_max"] == 0.0 for x in logs)
     assert all(x["ratio_mean"] == 1.0 and x["push_verified"] for x in logs)
+    # the whole next-token distribution too, at the probed positions of every step, on both ranks
+    assert all(x["dist_positions"] >= 2 and x["dist_max_abs_diff"] == 0.0 and x["dist_kl_mean"] == 0.0 for x in logs)
     rewards = [x["reward"] for x in logs]
     assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.3, rewards
-    plain, _ = run_demo(tmp_path / "off", "--zero-stage", "3", "--dtype", "bfloat16", steps=3)
-    assert all(x["mismatch_max"] > 1e-3 for x in plain)
 
 
 def test_grpo_zero0_exact_logprobs(tmp_path):

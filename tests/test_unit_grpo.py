@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer_bridge.grpo import GRPOConfig, Mismatch, group_advantages, grpo_loss
+from trainer_bridge.grpo import DistCheck, DistProbe, GRPOConfig, Mismatch, group_advantages, grpo_loss
 
 
 def _lp(*rows):
@@ -93,7 +93,29 @@ def test_group_advantages_are_normalised_within_each_prompt():
     (dict(max_staleness=1, release_memory=True), "own devices"),
     (dict(clip_eps=1.5), "clip_eps"),
     (dict(tis_cap=0.0), "tis_cap"),
+    (dict(dist_check_samples=-1), "dist_check_samples"),
+    (dict(true_on_policy=True, top_k=20), "temperature sampling only"),
 ])
 def test_the_config_is_checked_when_it_is_built(kw, says):
     with pytest.raises(ValueError, match=says):
         GRPOConfig(**kw)
+
+
+def test_the_full_distribution_check_is_zero_only_for_the_same_distribution():
+    """``DistCheck``: the largest |engine - trainer| over the vocabulary and KL(engine || trainer) at logits / T,
+    ids the engine did not report left out; exactly 0 for the same logits, positive otherwise."""
+    logits = torch.randn(3, 11)
+    T = 0.7
+    engine = torch.log_softmax(logits / torch.full((3, 1), T), dim=-1)
+    probe = DistProbe([1, 2, 3, 4, 5], 2, engine.clone())
+    same = DistCheck.of([probe], [logits], T)
+    assert (same.max_abs, same.kl_sum, same.positions) == (0.0, 0.0, 3)
+    moved = logits.clone()
+    moved[1, 4] += 0.5
+    other = DistCheck.of([probe], [moved], T)
+    assert other.max_abs > 0.5 and other.kl_mean > 0
+    expected_kl = float((engine.exp() * (engine - torch.log_softmax(moved / T, dim=-1))).sum()) / 3
+    assert math.isclose(other.kl_mean, expected_kl, rel_tol=1e-5)
+    probe.engine_lp[0, 5] = float("-inf")  # an id the engine did not report: left out, not a nan
+    assert math.isfinite(DistCheck.of([probe], [moved], T).kl_sum)
+

@@ -28,6 +28,24 @@ def test_the_router_is_a_rollout_service_over_its_replicas():
     assert router.serving_replicas() == 1
 
 
+def test_a_request_a_replica_refuses_as_bad_input_is_the_caller_s_error_not_a_replica_failure():
+    """A 400 (the request's fault: every replica would refuse it) reaches the caller as it is; no replica is
+    marked down for it. A replica that is gone still is."""
+    from rollout.server.client import RolloutServerError
+
+    class Refuses(FakeReplica):
+        def generate(self, input_ids, sampling_params, **kw):
+            if kw.get("top_logprobs_num", 0) > 20:
+                raise RolloutServerError(400, "top_logprobs_num must be <= 20 on this server")
+            return super().generate(input_ids, sampling_params, **kw)
+
+    router = ReplicaRouter([Refuses("a", 1), Refuses("b", 1)])
+    with pytest.raises(RolloutServerError, match="top_logprobs_num"):
+        router.generate(input_ids=[[1], [2]], sampling_params=SamplingParams(), top_logprobs_num=100)
+    assert router.serving_replicas() == 2 and router.take_replica_failures() == []
+    assert len(router.generate(input_ids=[[1], [2]], sampling_params=SamplingParams())) == 2
+
+
 def test_a_replica_refusing_a_release_is_named_in_the_routers_result():
     class Refuses(FakeReplica):
         def release_memory_occupation(self, tags=None, backup_weights=False):

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import psutil
@@ -29,9 +29,10 @@ import torch.distributed as dist
 from rollout.engine.engine import RolloutEngine
 from rollout.outputs import RolloutOutput
 from rollout.sampling_params import SamplingParams
+from rollout.server.client import RolloutServerError
 from trainer_bridge.lora import push_adapter
 from trainer_bridge.on_policy import engine_logprobs
-from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights
+from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights, unwrapped
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
 from trainer_bridge.serving import RolloutService
@@ -76,6 +77,9 @@ class GRPOConfig:
     # (trainer_bridge.on_policy), so they equal the engine's bit for bit; the engines must run deterministic=True
     # at TP=1
     true_on_policy: bool = False
+    # the full-distribution check: per step and rank, the engine's whole next-token distribution at the first
+    # DIST_CHECK_POSITIONS positions of this many of its samples against the trainer's (0: off; synchronous only)
+    dist_check_samples: int = 1
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -98,6 +102,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.stale_policy={self.stale_policy!r}: use drop, keep or tis")
         if self.release_memory and not self.push_weights and self.lora_name is None:
             raise ValueError("GRPOConfig: release_memory without push_weights would leave the engine without weights")
+        if self.dist_check_samples < 0:
+            raise ValueError(f"GRPOConfig.dist_check_samples={self.dist_check_samples}: must be >= 0 (0: off)")
         if self.true_on_policy and self.masked:
             raise ValueError("GRPOConfig: true_on_policy replays temperature sampling only; top-k / top-p / min-p / "
                              "repetition penalty masks are replayed in torch (drop them or the flag)")
@@ -139,6 +145,11 @@ class StepLog:
     step_s: float = 0.0  # wall time of the whole step (the trainer's view)
     replica_events: list = field(default_factory=list)  # replica failures / rejoins during the step (named)
     num_serving_replicas: int = 1  # replicas holding the step's weights at its end
+    # the full-distribution check (GRPOConfig.dist_check_samples): over the probed positions and the whole
+    # vocabulary, the largest |engine - trainer| log-probability of logits / T and the mean KL(engine || trainer)
+    dist_max_abs_diff: float = 0.0
+    dist_kl_mean: float = 0.0
+    dist_positions: int = 0
     turns_mean: float = 0.0  # multi-turn: assistant turns per episode
     finish_reasons: dict = field(default_factory=dict)  # multi-turn: episodes per finish reason
 
@@ -298,6 +309,54 @@ class _Rollout:
     seconds: float
 
 
+DIST_CHECK_POSITIONS = 8  # positions of a probed completion whose whole next-token distribution is compared
+
+
+@dataclass
+class DistProbe:
+    """The engine's whole next-token distribution at a completion's first positions: ``engine_lp`` [m, V],
+    log softmax(logits / T) as the engine reports it (``input_top_logprobs`` over the whole vocabulary) for
+    the m positions that produced ``seq[prompt_len:]``."""
+
+    seq: list[int]
+    prompt_len: int
+    engine_lp: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DistCheck:
+    """One rank's (or every rank's, ``reduced()``) full-distribution check of a step."""
+
+    max_abs: float = 0.0
+    kl_sum: float = 0.0
+    positions: int = 0
+
+    @classmethod
+    def of(cls, probes: list[DistProbe], trainer_logits: list[torch.Tensor], temperature: float) -> DistCheck:
+        max_abs, kl, n = 0.0, 0.0, 0
+        for probe, logits in zip(probes, trainer_logits):
+            e = probe.engine_lp
+            t = torch.log_softmax(logits.detach().float() / torch.full((e.shape[0], 1), temperature), dim=-1)
+            seen = torch.isfinite(e)  # every id the engine reported (all of them: top_logprobs_num = vocab)
+            max_abs = max(max_abs, float((e - t).abs()[seen].max()))
+            kl += float(torch.where(seen, e.exp() * (e - t), torch.zeros(())).sum())
+            n += e.shape[0]
+        return cls(max_abs, kl, n)
+
+    def reduced(self) -> DistCheck:
+        if not dist.is_initialized():
+            return self
+        sums = torch.tensor([self.kl_sum, self.positions], dtype=torch.float64)
+        top = torch.tensor([self.max_abs], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return DistCheck(float(top[0]), float(sums[0]), int(sums[1]))
+
+    @property
+    def kl_mean(self) -> float:
+        return self.kl_sum / self.positions if self.positions else 0.0
+
+
 class _GRPORun:
     """One ``run_grpo`` call: its state, and a method per part of a step."""
 
@@ -311,6 +370,9 @@ class _GRPORun:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.events: list[str] = []  # replica failures and rejoins of the current step
+        self.dist_check = DistCheck()  # the last step's full-distribution check (this rank's)
+        policy: Any = unwrapped(ds_engine)
+        self.vocab = int(policy.config.vocab_size)  # the full-distribution check's width
 
     def rollout(self, step: int) -> _Rollout:
         """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
@@ -399,13 +461,57 @@ class _GRPORun:
             self.engine.resume_memory_occupation(["kv_cache"])
         return phases, verified
 
+    def probe(self, outs: list) -> list[DistProbe]:
+        """The engine's whole next-token distribution at the first positions of ``dist_check_samples`` of this
+        rank's training samples (one prefill each: the prompt and those positions' tokens, their
+        ``input_top_logprobs`` over the whole vocabulary at the rollout's temperature); empty where the check
+        is off, asynchronous (the weights may have moved since) or the samples are episodes."""
+        cfg = self.cfg
+        if not cfg.dist_check_samples or cfg.max_staleness or not outs \
+                or not isinstance(outs[0], RolloutOutput):
+            return []
+
+        def picks(rank: int) -> list:
+            return [outs[i] for i in range(rank, len(outs), self.world)][: cfg.dist_check_samples]
+
+        spmd = self.engine.tp_size > 1 and self.world > 1  # one engine across the ranks: every rank asks alike
+        asked = [o for r in range(self.world) for o in picks(r)] if spmd else picks(self.rank)
+        mine = {id(o) for o in picks(self.rank)}
+        probes = []
+        for o in asked:
+            m = min(len(o.output_token_ids), DIST_CHECK_POSITIONS)
+            if m == 0:
+                continue
+            seq, p = o.prompt_token_ids + o.output_token_ids[:m], len(o.prompt_token_ids)
+            try:
+                got = self.engine.generate(input_ids=[seq], sampling_params=SamplingParams(
+                    max_new_tokens=1, temperature=cfg.temperature, seed=0, ignore_eos=True),
+                    top_logprobs_num=self.vocab, logprob_start_len=p, lora_path=cfg.lora_name)[0]
+            except RolloutServerError as exc:  # a server capping top_logprobs_num: the check off, said once
+                logger.warning("the full-distribution check is off for this run: %s (start the servers with "
+                               "--max-top-logprobs-num -1)", exc)
+                self.cfg = cfg = replace(cfg, dist_check_samples=0)
+                return []
+            if id(o) not in mine:
+                continue
+            lp = torch.full((m, self.vocab), float("-inf"))
+            for i, row in enumerate(got.input_top_logprobs[-m:]):
+                ids, lps = zip(*row)
+                lp[i, list(ids)] = torch.tensor(lps, dtype=torch.float32)
+            probes.append(DistProbe(seq, p, lp))
+        return probes
+
     def train(self, ro: _Rollout, outs: list, advantages: torch.Tensor,
-              ages: list[list[int]]) -> tuple[torch.Tensor, Mismatch]:
+              ages: list[list[int]], probes: Optional[list[DistProbe]] = None) -> tuple[torch.Tensor, Mismatch]:
         """One DeepSpeed step on this rank's slice of the samples (data parallel); ``ages[i]`` per
-        token of sample i, how many versions behind the trainer its weights were."""
+        token of sample i, how many versions behind the trainer its weights were. ``probes``: their
+        sequences join the forward (no loss), and ``self.dist_check`` is this rank's check of them."""
         cfg = self.cfg
         mine = list(range(self.rank, len(outs), self.world))
-        new_lp, unmasked_lp, engine_lp = self.logprobs(self.ds_engine, ro, [outs[i] for i in mine])
+        probe_logits: list[torch.Tensor] = []
+        new_lp, unmasked_lp, engine_lp = self.logprobs(self.ds_engine, ro, [outs[i] for i in mine],
+                                                       probes=tuple(probes or ()), probe_logits=probe_logits)
+        self.dist_check = DistCheck.of(probes or [], probe_logits, cfg.temperature)
         ref_lp = None
         if cfg.kl_coef and self.ref_model is not None:
             with torch.no_grad():
@@ -416,17 +522,25 @@ class _GRPORun:
         self.ds_engine.step()
         return loss, mismatch
 
-    def logprobs(self, model, ro: _Rollout, outs: list,
-                 replay: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def logprobs(self, model, ro: _Rollout, outs: list, replay: bool = True, probes: tuple = (),
+                 probe_logits: Optional[list] = None) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per sample, the trained tokens' logprobs under ``model``: (as the loss sees them — the masks
-        replayed when sampling was truncated —, unmasked ``log_softmax(logits / T)``, the engine's)."""
+        replayed when sampling was truncated —, unmasked ``log_softmax(logits / T)``, the engine's).
+        ``probes``' sequences ride in the same forward; their raw logits are appended to ``probe_logits``."""
         T = self.cfg.temperature
-        seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
+        seqs = [o.prompt_token_ids + o.output_token_ids for o in outs] + [p.seq for p in probes]
+        lens = [len(o.prompt_token_ids) for o in outs] + [p.prompt_len for p in probes]
         engine_lp = [torch.tensor(o.output_logprobs) for o in outs]
         if self.cfg.true_on_policy:  # the engine's own computation: the loss sees the engine's bits
-            new = engine_logprobs(model, seqs, [len(o.prompt_token_ids) for o in outs], T)
-            return new, new, engine_lp
-        logits = completion_logits(model, seqs, [len(o.prompt_token_ids) for o in outs])
+            all_logits: list[torch.Tensor] = []
+            new = engine_logprobs(model, seqs, lens, T, logits_out=all_logits if probes else None)
+            if probe_logits is not None:
+                probe_logits.extend(all_logits[len(outs):])
+            return new[: len(outs)], new[: len(outs)], engine_lp
+        logits = completion_logits(model, seqs, lens)
+        if probe_logits is not None:
+            probe_logits.extend(logits[len(outs):])
+        logits, seqs = logits[: len(outs)], seqs[: len(outs)]
         unmasked = [_token_logprobs(lg, o.output_token_ids, T) for lg, o in zip(logits, outs)]
         new = [replay_logprobs(lg, o.prompt_token_ids, o.output_token_ids, o.output_token_sampling_mask, ro.sampling)
                for lg, o in zip(logits, outs)] if self.cfg.masked and replay else unmasked
@@ -451,10 +565,11 @@ class _GRPORun:
         # the trainer is at version `step` (pushes done); a token sampled under "step-k" is step - k behind
         ages = [[step - _version_step(v) for v in self.token_versions(o)] for o in outs]
         pushing = self.pushes_after(step)
+        probes = self.probe(outs)  # before the engine's memory is released
         released = self.release_engine_memory(pushing)
         peak = rss_mb()
         t1 = time.perf_counter()
-        loss, mismatch = self.train(ro, outs, group_advantages(rewards, self.cfg.n), ages)
+        loss, mismatch = self.train(ro, outs, group_advantages(rewards, self.cfg.n), ages, probes)
         peak = max(peak, rss_mb())
         train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -462,6 +577,7 @@ class _GRPORun:
         sync_s = time.perf_counter() - t2
         peak = max(peak, rss_mb())
         mm = mismatch.reduced()
+        dc = self.dist_check.reduced()
         self.events.extend(self.target.take_events())
         log = StepLog(step=step + 1, reward=float(rewards.mean()),
                       rollout_tok_s=sum(len(v) for v in ages) / ro.seconds,
@@ -475,7 +591,8 @@ class _GRPORun:
                       num_mixed_version_samples=sum(1 for row in ages if len(set(row)) > 1),
                       trainer_wait_s=trainer_wait, replica_events=list(self.events),
                       step_s=time.perf_counter() - t_step,
-                      num_serving_replicas=self.engine.serving_replicas(), **self.extra_log(outs))
+                      num_serving_replicas=self.engine.serving_replicas(), dist_max_abs_diff=dc.max_abs,
+                      dist_kl_mean=dc.kl_mean, dist_positions=dc.positions, **self.extra_log(outs))
         self.events.clear()
         return log
 

@@ -71,7 +71,9 @@ class _MultiTurnRun(_GRPORun):
         return _Rollout([self.tasks[i] for i in pick], dataclasses.replace(base, n=cfg.n), trajs,
                         time.perf_counter() - t0)
 
-    def logprobs(self, model, ro: _Rollout, outs: list, replay: bool = True):
+    def logprobs(self, model, ro: _Rollout, outs: list, replay: bool = True, probes: tuple = (),
+                 probe_logits: Optional[list] = None):
+        assert not probes, "episodes are not probed (_GRPORun.probe)"
         logits = completion_logits(model, [o.prompt_token_ids + o.output_token_ids for o in outs],
                                    [len(o.prompt_token_ids) for o in outs])
         new, unmasked = [], []
@@ -104,5 +106,8 @@ def run_grpo_multiturn(cfg: GRPOConfig, ds_engine, rollout_engine: RolloutServic
     router in front of the same replicas (``MultiTurnRunner(..., sessions=False, routing_keys=True)``)."""
     if runner.service is None:
         raise ValueError("run_grpo_multiturn: the runner needs a rollout service to play through")
+    if cfg.true_on_policy:
+        raise ValueError("run_grpo_multiturn: true_on_policy is not supported for multi-turn episodes yet (their "
+                         "logprobs are recomputed with transformers' forward); run without it")
     return _MultiTurnRun(cfg, ds_engine, rollout_engine, tasks, make_env, runner, ref_model, tie_word_embeddings,
                          resolve_target(cfg, rollout_engine, target, "run_grpo_multiturn")).run(log_fn)

@@ -31,20 +31,29 @@ from torch import nn
 from rollout.kernels import autograd as K
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary
 from rollout.models.config import ModelConfig
+from trainer_bridge.push import unwrapped
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _bare(model: nn.Module) -> Any:
     """The Hugging Face model inside a DeepSpeed engine (``.module``), or the model itself."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) and hasattr(inner, "config") else model
+    return unwrapped(model)
+
+
+def _zero3(model: nn.Module) -> bool:
+    """Whether DeepSpeed partitions the model's parameters (ZeRO-3: gathered per module, in its hooks)."""
+    from deepspeed import DeepSpeedEngine
+
+    return isinstance(model, DeepSpeedEngine) and model.zero_optimization_stage() == 3
 
 
 def check_model(model: nn.Module) -> ModelConfig:
     """The model's config as the engine reads it; ValueError naming what the true on-policy forward lacks."""
+    from peft import PeftModel
+
     hf = _bare(model)
-    if hasattr(hf, "peft_config"):
+    if isinstance(hf, PeftModel):
         raise ValueError("true on-policy: a LoRA (peft) model is not supported; train the full weights")
     cfg = ModelConfig.from_dict(hf.config.to_dict())
     if cfg.architecture not in SUPPORTED:
@@ -77,7 +86,7 @@ def _fused_weight(modules: list[Any]) -> tuple[torch.Tensor, Optional[torch.Tens
 
 
 @contextlib.contextmanager
-def _engine_math(hf: Any, cfg: ModelConfig, kernel: str):
+def _engine_math(hf: Any, cfg: ModelConfig, kernel: str, zero3: bool = False):
     """The leaf modules' forwards replaced by the engine's kernels for the duration (their hooks untouched):
     ``q_proj`` computes the engine's packed q/k/v projection and ``gate_proj`` its gate/up one (``k_proj``,
     ``v_proj`` and ``up_proj`` are not called: under ZeRO-3 their parameters are registered as external
@@ -89,12 +98,11 @@ def _engine_math(hf: Any, cfg: ModelConfig, kernel: str):
         patched.append(module)
 
     def fused(owner: Any, modules: list[Any]):
-        for m in modules[1:]:
-            for p in m.parameters(recurse=False):
-                if hasattr(p, "ds_id"):  # ZeRO-3: gathered with the module that reads it
-                    from deepspeed.runtime.zero import register_external_parameter
+        for m in modules[1:] if zero3 else ():  # ZeRO-3: gathered with the module that reads them
+            from deepspeed.runtime.zero import register_external_parameter
 
-                    register_external_parameter(owner, p)
+            for p in m.parameters(recurse=False):
+                register_external_parameter(owner, p)
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight, bias = _fused_weight(modules)
             return K.linear(x, weight, bias, kernel)
@@ -152,7 +160,7 @@ def engine_hidden(model: nn.Module, seqs: list[list[int]], block_size: int = 16,
     scale = d ** -0.5
     t = len(ids)
     q_size, kv_size = heads * d, kv_heads * d
-    with _engine_math(hf, cfg, kernel):
+    with _engine_math(hf, cfg, kernel, _zero3(model)):
         h = hf.model.embed_tokens(ids)
         for layer in hf.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -187,7 +195,7 @@ def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[i
         rows += range(starts + p - 1, starts + len(s) - 1)
         targets += s[p:]
         starts += len(s)
-    with _engine_math(hf, cfg, kernel):
+    with _engine_math(hf, cfg, kernel, _zero3(model)):
         logits = hf.lm_head(hidden.index_select(0, torch.tensor(rows, dtype=torch.long))).float()
     dist = logits if temperature == 1.0 else logits / torch.full((len(rows), 1), temperature, dtype=torch.float32)
     lp = K.token_logprob(dist, torch.tensor(targets, dtype=torch.long))

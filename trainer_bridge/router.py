@@ -20,6 +20,7 @@ import torch
 
 from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
+from rollout.server.client import RolloutServerError
 from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
 from trainer_bridge.serving import WeightReplica
 
@@ -100,6 +101,7 @@ class ReplicaRouter:
             owner = {i: self._owner(i, cost[i], turns[i], session_ids[i] if session_ids else None) for i in todo}
             failed: list[int] = []
             lost: list[ReplicaError] = []
+            refused: list[Exception] = []  # a 4xx: the request's fault, not the replica's
 
             def run(r: int, mine: list[int]) -> None:
                 try:
@@ -112,14 +114,13 @@ class ReplicaRouter:
                     for o in outs:  # back to the caller's prompt index
                         o.prompt_index = mine[o.prompt_index]
                         results.setdefault(o.prompt_index, []).append(o)
+                except RolloutServerError as exc:
+                    if exc.status in (400, 413, 422):  # bad input: every replica would refuse it, the caller's fault
+                        refused.append(exc)
+                        return
+                    self._lose(r, exc, mine, turns, failed, lost)
                 except Exception as exc:  # noqa: BLE001 - the replica is named and its prompts rerouted
-                    err = ReplicaError(r, self.replicas.url(r), exc)
-                    logger.warning("%s; its %d prompt(s) go to the other replicas", err, len(mine))
-                    self.failures.append(err)
-                    self.replicas.mark(r, False)
-                    failed.extend(mine)
-                    if any(turns[i] is not None for i in mine):
-                        lost.append(err)
+                    self._lose(r, exc, mine, turns, failed, lost)
                 finally:
                     with self._lock:
                         self.outstanding[r] -= sum(cost[i] for i in mine)
@@ -130,12 +131,26 @@ class ReplicaRouter:
                 t.start()
             for t in threads:
                 t.join()
+            if refused:
+                raise refused[0]
             if lost:  # a session's history was on the failed replica: its turn cannot run elsewhere
                 raise lost[0]
             for i in failed:
                 results.pop(i, None)
             todo = sorted(failed)
         return [o for i in range(len(input_ids)) for o in sorted(results[i], key=lambda o: o.sample_index)]
+
+    def _lose(self, r: int, exc: Exception, mine: list[int], turns: list, failed: list[int],
+              lost: list[ReplicaError]) -> None:
+        """Replica ``r`` failed ``mine``: named, marked down, its prompts to go round again (a session's turn
+        cannot: it is lost with the replica that held the session)."""
+        err = ReplicaError(r, self.replicas.url(r), exc)
+        logger.warning("%s; its %d prompt(s) go to the other replicas", err, len(mine))
+        self.failures.append(err)
+        self.replicas.mark(r, False)
+        failed.extend(mine)
+        if any(turns[i] is not None for i in mine):
+            lost.append(err)
 
     def _least_loaded(self, live: list[int]) -> int:
         return min(live, key=lambda k: (self.outstanding[k], k))

@@ -170,7 +170,8 @@ class GenerateRequest(Lenient):
         asked = [name for name in NOT_HERE if not _unset(getattr(self, name))]
         if asked:
             raise ValueError("; ".join(f"{name}: {NOT_HERE[name]}" for name in asked))
-        for name, low, high in (("top_logprobs_num", 0, 20), ("logprob_start_len", -1, None)):
+        # top_logprobs_num's upper bound is the server's (ServerConfig.max_top_logprobs_num), checked by the route
+        for name, low, high in (("top_logprobs_num", 0, None), ("logprob_start_len", -1, None)):
             value = getattr(self, name)
             values = value if isinstance(value, list) else [value]
             if any(v is not None and (v < low or (high is not None and v > high)) for v in values):

@@ -75,6 +75,9 @@ class ServerConfig:
     # one chat rendering's bounds (rollout.engine.templates.RenderLimits)
     render_timeout_s: float = 5.0
     render_max_chars: int = 8 << 20
+    # the most ids /generate's top_logprobs_num may ask for at each position (a response's size grows with it);
+    # -1: the whole vocabulary (a trainer's full-distribution check: trainer_bridge.grpo's probe)
+    max_top_logprobs_num: int = 20
 
 
 def result_json(result: WeightResult, **extra) -> JSONResponse:

@@ -103,8 +103,13 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
         raise HTTPException(400, "pass exactly one of text or input_ids")
     try:
         return_logprob = bool(body.one("return_logprob", False))
+        top_n = body.one("top_logprobs_num", 0) or 0
+        cap = svc.config.max_top_logprobs_num
+        if cap >= 0 and top_n > cap:
+            raise ValueError(f"top_logprobs_num must be <= {cap} on this server (its --max-top-logprobs-num; -1 "
+                             "allows the whole vocabulary)")
         kwargs = dict(prompts=body.text, input_ids=body.input_ids, sampling_params=body.sampling_params or {},
-                      return_logprob=return_logprob, top_logprobs_num=body.one("top_logprobs_num", 0),
+                      return_logprob=return_logprob, top_logprobs_num=top_n,
                       logprob_start_len=body.one("logprob_start_len", -1), rid=body.rid,
                       return_sampling_mask=body.return_sampling_mask, cache_salt=body.one("extra_key", None),
                       session_id=body.session_ids(), lora_path=body.lora_path)
