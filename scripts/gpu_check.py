@@ -18,9 +18,8 @@ decode-step ones first (a run cut short keeps what finished: the JSON is written
   unchanged by loading adapters;
 - ``speculation``: exact speculation under CUDA graphs (verify rows replay the decode graphs): tokens and
   logprobs equal plain decoding's; batch-1 greedy replay timed on and off;
-- ``batch_invariant``: ``deterministic=True`` in bf16: alone = batched = chunked bitwise, and its throughput
-  against the default's (on CUDA the mode still runs a forward per token: its batch-invariant Triton GEMM
-  is to come);
+- ``batch_invariant``: ``deterministic=True`` in bf16 (on CUDA: the Triton GEMM of fixed tiles, per-row
+  kernels, unsplit decode): alone = batched = chunked bitwise, and its throughput against the default's;
 - ``nccl_tp1``: the NCCL group code path (a world of one) and the engine on CUDA at TP=1;
 - ``cuda_graph_speedup``: small-batch decode throughput with graphs vs without;
 - ``inplace_update_no_recapture``: an in-place weight update keeps graph pointers; replay == eager on B;

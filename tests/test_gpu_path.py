@@ -121,6 +121,64 @@ def test_the_triton_layer_path_gives_transformers_greedy_tokens_and_logprobs(mod
     assert alone[0].output_token_ids == outs[1].output_token_ids
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_invariant_triton_gemm_gives_a_row_the_same_bits_in_any_batch(dtype):
+    from rollout.kernels.triton.matmul import invariant_linear
+
+    g = torch.Generator().manual_seed(7)
+    w, b = (torch.randn(100, 70, generator=g) * 0.1).to(dtype), torch.randn(100, generator=g).to(dtype)
+    x = torch.randn(77, 70, generator=g).to(dtype)
+    full = invariant_linear(x, w, b)
+    for rows in (1, 2, 31, 33, 64, 76):
+        assert torch.equal(invariant_linear(x[-rows:], w, b), full[-rows:])
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    if dtype == torch.bfloat16:
+        assert _ulps(full, ref.to(dtype)) <= 1  # one rounding of the fp32 sum
+    else:
+        assert torch.allclose(full, ref, atol=1e-5)  # the fp32 sum, in another order
+
+
+def test_the_batch_invariant_mode_on_the_triton_plan_is_bitwise_and_the_trainer_reproduces_it(model_dir):
+    """``deterministic=True`` on the CUDA kernel plan (under the interpreter here): one forward a step with the
+    Triton GEMM of fixed tiles, the per-row Triton norm / rotary / decode attention (unsplit) — a request's bf16
+    tokens and logprobs alone = among others, and its scored prefill = its decode steps (chunking, the prefix
+    cache and overlap change nothing more than batching does: the CPU plan's tests). The trainer's forward on the
+    same plan (``trainer_bridge.on_policy.engine_logprobs(triton=True)``: the Triton kernels as autograd
+    functions) gives the engine's logprobs bit for bit."""
+    from helpers import random_prompts
+    from transformers import AutoModelForCausalLM
+
+    from rollout import RolloutEngine, SamplingParams
+    from trainer_bridge.on_policy import engine_logprobs
+
+    path = model_dir("llama-invariant-triton", "llama", seed=8, hidden_size=64, intermediate_size=128, num_layers=2)
+    mine = random_prompts(300, [6], seed=5)
+    others = random_prompts(300, [3, 5, 4, 7, 2], seed=6)
+    sp = SamplingParams(n=2, max_new_tokens=2, temperature=0.8, seed=3, ignore_eos=True)
+    kw = dict(dtype="bfloat16", kv_cache_tokens=1024, deterministic=True, kernels={"triton": True})
+
+    def key(outs):
+        return [(o.output_token_ids, o.output_logprobs) for o in outs]
+
+    with RolloutEngine(path, **kw) as engine:
+        runner = engine.worker.model_runner
+        assert runner.row_invariant and runner.gemm_plans.kernels == {"triton"}
+        alone = engine.generate(input_ids=mine, sampling_params=sp)
+        got = engine.generate(input_ids=others[:2] + mine + others[2:],
+                              sampling_params=[SamplingParams(max_new_tokens=2, seed=1)] * 2 + [sp]
+                              + [SamplingParams(max_new_tokens=2, seed=2)] * 3)
+        assert key([o for o in got if o.prompt_index == 2]) == key(alone)
+        scored = engine.score([o.prompt_token_ids for o in alone], [o.output_token_ids for o in alone],
+                              SamplingParams(temperature=0.8))
+        assert [s.output_logprobs for s in scored] == [o.output_logprobs for o in alone]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    got = engine_logprobs(hf, [o.prompt_token_ids + o.output_token_ids for o in alone],
+                          [len(o.prompt_token_ids) for o in alone], 0.8, triton=True)
+    assert [lp.detach().tolist() for lp in got] == [o.output_logprobs for o in alone]
+    got[0].sum().backward()  # the standard gradient through the Triton forwards
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in hf.parameters() if p.requires_grad)
+
+
 def _decode_batch(ctx_lens: list[int], block_size: int):
     from rollout.batch import ModelWorkerBatch
 

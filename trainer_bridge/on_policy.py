@@ -48,7 +48,7 @@ def _zero3(model: nn.Module) -> bool:
     return isinstance(model, DeepSpeedEngine) and model.zero_optimization_stage() == 3
 
 
-def check_model(model: nn.Module) -> ModelConfig:
+def check_model(model: nn.Module, triton: bool = False) -> ModelConfig:
     """The model's config as the engine reads it; ValueError naming what the true on-policy forward lacks."""
     from peft import PeftModel
 
@@ -60,16 +60,19 @@ def check_model(model: nn.Module) -> ModelConfig:
         raise ValueError(f"true on-policy: architecture {cfg.architecture} not supported ({', '.join(SUPPORTED)})")
     from rollout.kernels.cpu import build
 
-    if build.kernels() is None:
+    if not triton and build.kernels() is None:
         raise ValueError("true on-policy needs the engine's C++ kernels, which cannot be built here (no compiler)")
     return cfg
 
 
-def gemm_kernel(model: nn.Module, cfg: ModelConfig) -> str:
+def gemm_kernel(model: nn.Module, cfg: ModelConfig, triton: bool = False) -> str:
     """The batch-invariant GEMM kernel an engine of this model runs here (``rollout.kernels.cpu.invariant``),
-    decided from the engine's weight shapes (q/k/v and gate/up fused, the LM head) as the engine decides it."""
+    decided from the engine's weight shapes (q/k/v and gate/up fused, the LM head) as the engine decides it;
+    on the CUDA kernel plan (``triton``), its Triton GEMM."""
     from rollout.kernels.cpu import invariant
 
+    if triton:
+        return "triton"
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h), (h, cfg.num_attention_heads * d),
               (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.vocab_size, h)]
@@ -87,6 +90,7 @@ def _fused_weight(modules: list[Any]) -> tuple[torch.Tensor, Optional[torch.Tens
 
 @contextlib.contextmanager
 def _engine_math(hf: Any, cfg: ModelConfig, kernel: str, zero3: bool = False):
+    triton = kernel == "triton"
     """The leaf modules' forwards replaced by the engine's kernels for the duration (their hooks untouched):
     ``q_proj`` computes the engine's packed q/k/v projection and ``gate_proj`` its gate/up one (``k_proj``,
     ``v_proj`` and ``up_proj`` are not called: under ZeRO-3 their parameters are registered as external
@@ -123,14 +127,18 @@ def _engine_math(hf: Any, cfg: ModelConfig, kernel: str, zero3: bool = False):
         if cfg.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
         for norm in norms:
-            patch(norm, lambda x, m=norm: K.rms_norm(x, m.weight, cfg.rms_norm_eps))
-    patch(hf.model.norm, lambda x, m=hf.model.norm: K.rms_norm(x, m.weight, cfg.rms_norm_eps))
+            patch(norm, lambda x, m=norm: K.rms_norm(x, m.weight, cfg.rms_norm_eps, triton))
+    patch(hf.model.norm, lambda x, m=hf.model.norm: K.rms_norm(x, m.weight, cfg.rms_norm_eps, triton))
     patch(hf.lm_head, lambda x, m=hf.lm_head: K.linear(x, m.weight, None, kernel))
     try:
         yield
     finally:
         for module in patched:
             del module.forward
+
+
+def _on_cuda_plan(hf: Any, triton: Optional[bool]) -> bool:
+    return hf.model.embed_tokens.weight.is_cuda if triton is None else triton
 
 
 _ROTARY: dict = {}
@@ -145,17 +153,20 @@ def _rotary(cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
 
 
 def engine_hidden(model: nn.Module, seqs: list[list[int]], block_size: int = 16,
-                  kernel: Optional[str] = None) -> torch.Tensor:
+                  kernel: Optional[str] = None, triton: Optional[bool] = None) -> torch.Tensor:
     """The final hidden states [sum of lengths, hidden] of whole sequences laid end to end (each from
-    position 0), computed as the engine computes them in its batch-invariant mode (differentiable)."""
+    position 0), computed as the engine computes them in its batch-invariant mode (differentiable).
+    ``triton``: as an engine on the CUDA kernel plan computes them (None: where the model lies on CUDA)."""
     hf = _bare(model)
-    cfg = check_model(model)
-    kernel = kernel or gemm_kernel(model, cfg)
+    triton = _on_cuda_plan(hf, triton)
+    cfg = check_model(model, triton)
+    kernel = kernel or gemm_kernel(model, cfg, triton)
     lens = [len(s) for s in seqs]
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    device = hf.model.embed_tokens.weight.device
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n) for n in lens])
     dtype = hf.model.embed_tokens.weight.dtype
-    cos, sin = _rotary(cfg, max(cfg.max_position_embeddings, max(lens))).tables(positions, dtype)
+    cos, sin = (t.to(device) for t in _rotary(cfg, max(cfg.max_position_embeddings, max(lens))).tables(positions, dtype))
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     scale = d ** -0.5
     t = len(ids)
@@ -170,24 +181,28 @@ def engine_hidden(model: nn.Module, seqs: list[list[int]], block_size: int = 16,
                 q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
                 q = apply_rotary(attn.q_norm(q.reshape(t, heads, d)), cos, sin)
                 k = apply_rotary(attn.k_norm(k.reshape(t, kv_heads, d)), cos, sin)
-                o = K.attention(q, k, v.reshape(t, kv_heads, d), lens, scale, cfg.sliding_window, block_size)
+                o = K.attention(q, k, v.reshape(t, kv_heads, d), lens, scale, cfg.sliding_window, block_size, triton)
             else:
-                o = K.rope_attention(qkv, cos, sin, heads, kv_heads, lens, scale, cfg.sliding_window, block_size)
+                o = K.rope_attention(qkv, cos, sin, heads, kv_heads, lens, scale, cfg.sliding_window, block_size,
+                                     triton)
             h = h + attn.o_proj(o)
             x = layer.post_attention_layernorm(h)
-            h = h + mlp.down_proj(K.silu_mul(mlp.gate_proj(x)))  # gate_proj: the packed gate/up projection
+            h = h + mlp.down_proj(K.silu_mul(mlp.gate_proj(x), triton))  # gate_proj: the packed gate/up projection
         return hf.model.norm(h)
 
 
 def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[int], temperature: float,
-                    block_size: int = 16, logits_out: Optional[list] = None) -> list[torch.Tensor]:
+                    block_size: int = 16, logits_out: Optional[list] = None,
+                    triton: Optional[bool] = None) -> list[torch.Tensor]:
     """Per sequence, the logprobs of its completion tokens (those past ``prompt_lens[i]``) as the engine
     reports them in its batch-invariant mode for sampling at ``temperature`` (differentiable).
-    ``logits_out``: if a list, each completion's fp32 logits [T, V] (before the temperature) are appended."""
+    ``logits_out``: if a list, each completion's fp32 logits [T, V] (before the temperature) are appended.
+    ``triton``: as an engine on the CUDA kernel plan (None: where the model lies on CUDA)."""
     hf = _bare(model)
-    cfg = check_model(model)
-    kernel = gemm_kernel(model, cfg)
-    hidden = engine_hidden(model, seqs, block_size, kernel)
+    triton = _on_cuda_plan(hf, triton)
+    cfg = check_model(model, triton)
+    kernel = gemm_kernel(model, cfg, triton)
+    hidden = engine_hidden(model, seqs, block_size, kernel, triton)
     rows: list[int] = []
     targets: list[int] = []
     starts = 0
@@ -196,9 +211,10 @@ def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[i
         targets += s[p:]
         starts += len(s)
     with _engine_math(hf, cfg, kernel, _zero3(model)):
-        logits = hf.lm_head(hidden.index_select(0, torch.tensor(rows, dtype=torch.long))).float()
-    dist = logits if temperature == 1.0 else logits / torch.full((len(rows), 1), temperature, dtype=torch.float32)
-    lp = K.token_logprob(dist, torch.tensor(targets, dtype=torch.long))
+        logits = hf.lm_head(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))).float()
+    dist = logits if temperature == 1.0 else \
+        logits / torch.full((len(rows), 1), temperature, dtype=torch.float32, device=logits.device)
+    lp = K.token_logprob(dist, torch.tensor(targets, dtype=torch.long, device=dist.device), fused=not triton)
     out, at = [], 0
     for s, p in zip(seqs, prompt_lens):
         n = len(s) - p

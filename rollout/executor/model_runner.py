@@ -26,7 +26,7 @@ from rollout.executor.param_storage import ParameterStorage, return_free_heap_to
 from rollout.kernels.cpu import build as cpu_build
 from rollout.kernels.cpu.capability import cpu_capability
 from rollout.kernels.cpu.invariant import gemm_kernel as invariant_gemm_kernel
-from rollout.kernels.cpu.packing import COPY_KERNELS, PackedWeight, pack_weight
+from rollout.kernels.cpu.packing import COPY_KERNELS, GemmPlan, PackedWeight, pack_weight
 from rollout.kernels.cpu.plan import GemmPlans, plan_gemms
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -104,15 +104,19 @@ _GEMM_MODULES = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                row_invariant: bool = False) -> GemmPlans:
+                row_invariant: bool = False, triton: bool = False) -> GemmPlans:
     """The CPU GEMM plans for this rank's weight shapes (``rollout.kernels.cpu.plan``); none off the CPU.
     ``row_invariant`` (the batch-invariant mode): one kernel at every row count whose rows do not depend on
-    each other (``rollout.kernels.cpu.invariant``: oneDNN in fixed chunks of rows, or the tiled kernel)."""
+    each other (``rollout.kernels.cpu.invariant``: oneDNN in fixed chunks of rows, or the tiled kernel; on the
+    CUDA kernel plan, ``triton``, the Triton GEMM of fixed tiles)."""
+    layer = model.model.layers[0]
+    shapes = [tuple(m.weight.shape) for m in layer.modules() if isinstance(m, _GEMM_MODULES)]
+    if row_invariant and triton:  # the CUDA plan's: one Triton GEMM of fixed tiles (rollout.kernels.triton.matmul)
+        every = GemmPlan(((1 << 62, "triton"),), "fixed")
+        return GemmPlans(tuple((s, every) for s in dict.fromkeys([*shapes, tuple(model.lm_head.weight.shape)])))
     if device.type != "cpu":
         return GemmPlans(())
     choice = config.kernels
-    layer = model.model.layers[0]
-    shapes = [tuple(m.weight.shape) for m in layer.modules() if isinstance(m, _GEMM_MODULES)]
     if row_invariant:
         kernel = invariant_gemm_kernel(dtype, [*shapes, tuple(model.lm_head.weight.shape)])
         if choice.gemm not in (None, kernel):
@@ -178,10 +182,12 @@ class ModelRunner:
         # sums, one rounding) for every cache dtype, where the kernel plan has it
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or self.kernels.paged_attention
         # the batch-invariant mode in one forward a step: every kernel computes a row in an order that does not
-        # depend on the batch (the tiled GEMM, the C++ norms, rotary and paged attention over each row's own
-        # context); where those kernels are not built here, a forward per token instead
-        self.row_invariant = config.deterministic and built and self.kernels.paged_attention and \
-            self.kernels.norm and not self.kernels.triton
+        # depend on the batch (one GEMM kernel at every row count, the C++ norms, rotary and paged attention over
+        # each row's own context; on the CUDA plan their Triton kernels, decode attention unsplit); where those
+        # kernels are not here (no compiler; a sliding window on the CUDA plan), a forward per token instead
+        cpu_kernels = built and self.kernels.paged_attention and self.kernels.norm and not self.kernels.triton
+        cuda_kernels = self.kernels.triton and model_config.sliding_window is None
+        self.row_invariant = config.deterministic and (cpu_kernels or cuda_kernels)
         self._stack_tensors = self.model.model.stack_tensors  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora.backend, device), slots=config.lora.max_loaded)
@@ -189,7 +195,7 @@ class ModelRunner:
         for module in self.lora_layers:
             module.lora.context = self.lora_context
         # CPU GEMM kernels by rows, and the weight copies they read (rebuilt lazily after every change)
-        self.gemm_plans = _plan_gemms(config, self.model, device, dtype, self.row_invariant)
+        self.gemm_plans = _plan_gemms(config, self.model, device, dtype, self.row_invariant, self.kernels.triton)
         self.weights_generation = 0  # bumped whenever the live weights change
         self._copy_generation: dict[str, int] = {}  # copy kind -> the weights_generation it was built from
         self._refreshed_rows: set[int] = set()  # row counts whose copies exist for this generation

@@ -1,5 +1,6 @@
-"""The batch-invariant CPU kernels as differentiable functions, for a trainer whose loss must see the
-engine's logprobs bit for bit (``trainer_bridge.on_policy``).
+"""The batch-invariant kernels as differentiable functions, for a trainer whose loss must see the engine's
+logprobs bit for bit (``trainer_bridge.on_policy``): the CPU plan's C++ kernels, or (``triton=True``) the
+CUDA plan's Triton ones.
 
 Each function's forward is the engine's own kernel on the same values (the tiled GEMM over the weight's
 fp32 panels, the C++ RMSNorm, rotary with the K/V write and paged attention over each row's context,
@@ -19,6 +20,18 @@ import torch.nn.functional as F
 from rollout.kernels.cpu import invariant, ops
 
 
+def _triton_fused():
+    from rollout.kernels.triton import fused
+
+    return fused
+
+
+def _triton_decode(q, k_cache, v_cache, tables, lens, scale):
+    from rollout.kernels.triton.paged_decode import paged_decode_attention
+
+    return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=1)
+
+
 def _reference_grads(fn, inputs: tuple, grad_out: torch.Tensor) -> tuple:
     """Gradients of ``fn(*inputs)`` (recomputed in torch operators) against ``grad_out``, for the inputs
     that need them (None for the rest)."""
@@ -36,7 +49,12 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, kernel):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return invariant.linear(x, weight.detach(), None if bias is None else bias.detach(), kernel)
+        b = None if bias is None else bias.detach()
+        if kernel == "triton":
+            from rollout.kernels.triton.matmul import invariant_linear
+
+            return invariant_linear(x, weight.detach(), b)
+        return invariant.linear(x, weight.detach(), b, kernel)
 
     @staticmethod
     def backward(ctx, g):
@@ -60,28 +78,31 @@ def _rms_reference(x, weight, eps):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, triton):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
+        if triton:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return _triton_fused().add_rms_norm(flat, None, weight.detach(), eps)[0].view(x.shape)
         return ops.rms_norm(x.contiguous(), weight.detach(), eps)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         gx, gw = _reference_grads(lambda a, w: _rms_reference(a, w, ctx.eps), (x, weight), g)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm through the engine's C++ kernel (``ops.rms_norm``)."""
-    return _RMSNorm.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
+    """RMSNorm through the engine's kernel (``ops.rms_norm``; Triton's ``add_rms_norm``)."""
+    return _RMSNorm.apply(x, weight, eps, triton)
 
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up):
+    def forward(ctx, gate_up, triton):
         ctx.save_for_backward(gate_up)
-        return ops.silu_mul(gate_up.contiguous())
+        return (_triton_fused().silu_mul if triton else ops.silu_mul)(gate_up.contiguous())
 
     @staticmethod
     def backward(ctx, g):
@@ -91,12 +112,12 @@ class _SiluMul(torch.autograd.Function):
             gate, up = gu.float().chunk(2, dim=-1)
             return F.silu(gate) * up
 
-        return _reference_grads(ref, (gate_up,), g.float())
+        return (*_reference_grads(ref, (gate_up,), g.float()), None)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up = [gate, up]`` through the engine's C++ kernel."""
-    return _SiluMul.apply(gate_up)
+def silu_mul(gate_up: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate, up]`` through the engine's kernel (C++; Triton)."""
+    return _SiluMul.apply(gate_up, triton)
 
 
 def _attention_reference(q, k, v, seq_starts, seq_lens, scale, window):
@@ -105,9 +126,9 @@ def _attention_reference(q, k, v, seq_starts, seq_lens, scale, window):
     group = q.shape[1] // k.shape[1]
     for start, n in zip(seq_starts, seq_lens):
         qs, ks, vs = (t[start: start + n].float().transpose(0, 1) for t in (q, k, v))
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         if window:
-            mask &= ~torch.ones(n, n, dtype=torch.bool).tril(-window)
+            mask &= ~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-window)
         o = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
                                            scale=scale, enable_gqa=group > 1)
         out.append(o.squeeze(0).transpose(0, 1))
@@ -122,9 +143,10 @@ class _PackedCache:
     """A scratch paged KV cache holding whole sequences, one after the other, in blocks of ``block_size``
     (each sequence starting on a block of its own), with each row's block table, context length and slot."""
 
-    def __init__(self, seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
         blocks = [-(-n // block_size) for n in seq_lens]
-        self.k = torch.zeros(sum(blocks), block_size, kv_heads, head_dim, dtype=dtype)
+        self.k = torch.zeros(sum(blocks), block_size, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         width = max(blocks)
         tables, lens, slots, first = [], [], [], 0
@@ -134,7 +156,7 @@ class _PackedCache:
             lens.append(torch.arange(1, n + 1))
             slots.append(first * block_size + torch.arange(n))
             first += b
-        self.tables, self.lens, self.slots = torch.cat(tables), torch.cat(lens), torch.cat(slots)
+        self.tables, self.lens, self.slots = (torch.cat(x).to(device) for x in (tables, lens, slots))
 
 
 class _RopeAttention(torch.autograd.Function):
@@ -142,12 +164,16 @@ class _RopeAttention(torch.autograd.Function):
     from that cache (``ops.paged_decode_attention``): the engine's batch-invariant attention."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, heads, kv_heads, seq_lens, scale, window, block_size):
+    def forward(ctx, qkv, cos, sin, heads, kv_heads, seq_lens, scale, window, block_size, triton):
         t = qkv.shape[0]
         d = cos.shape[-1]
-        cache = _PackedCache(seq_lens, block_size, kv_heads, d, qkv.dtype)
-        q = ops.rope_and_cache(qkv.contiguous(), cos, sin, cache.k, cache.v, cache.slots, heads, kv_heads)
-        out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
+        cache = _PackedCache(seq_lens, block_size, kv_heads, d, qkv.dtype, qkv.device)
+        rope = _triton_fused().rope_and_cache if triton else ops.rope_and_cache
+        q = rope(qkv.contiguous(), cos, sin, cache.k, cache.v, cache.slots, heads, kv_heads)
+        if triton:
+            out = _triton_decode(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale)
+        else:
+            out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
         ctx.save_for_backward(qkv, cos, sin)
         ctx.shape = (heads, kv_heads, d, list(seq_lens), scale, window)
         return out.view(t, heads * d)
@@ -165,15 +191,17 @@ class _RopeAttention(torch.autograd.Function):
             return _attention_reference(q, k, v.view(t, kv_heads, d), starts, seq_lens, scale, window)
 
         (gq,) = _reference_grads(ref, (qkv,), g.float())
-        return gq, None, None, None, None, None, None, None, None
+        return gq, None, None, None, None, None, None, None, None, None
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                   seq_lens: list[int], scale: float, window: Optional[int] = None, block_size: int = 16) -> torch.Tensor:
+                   seq_lens: list[int], scale: float, window: Optional[int] = None, block_size: int = 16,
+                   triton: bool = False) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] of whole sequences laid end to end (``seq_lens``; positions from 0), cos /
     signed sin [T, 1, D] (``RotaryEmbedding.tables``) -> attention output [T, Hq D], each row attended
     causally over its sequence as the engine attends it in the batch-invariant mode."""
-    return _RopeAttention.apply(qkv, cos, sin, heads, kv_heads, list(seq_lens), float(scale), window, block_size)
+    return _RopeAttention.apply(qkv, cos, sin, heads, kv_heads, list(seq_lens), float(scale), window, block_size,
+                                triton)
 
 
 class _Attention(torch.autograd.Function):
@@ -181,13 +209,16 @@ class _Attention(torch.autograd.Function):
     the K/V written into a scratch cache, every row attended over its own context from it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq_lens, scale, window, block_size):
+    def forward(ctx, q, k, v, seq_lens, scale, window, block_size, triton):
         t, heads, d = q.shape
         kv_heads = k.shape[1]
-        cache = _PackedCache(seq_lens, block_size, kv_heads, d, q.dtype)
+        cache = _PackedCache(seq_lens, block_size, kv_heads, d, q.dtype, q.device)
         cache.k.view(-1, kv_heads, d).index_copy_(0, cache.slots, k)
         cache.v.view(-1, kv_heads, d).index_copy_(0, cache.slots, v)
-        out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
+        if triton:
+            out = _triton_decode(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale)
+        else:
+            out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
         ctx.save_for_backward(q, k, v)
         ctx.shape = (list(seq_lens), scale, window)
         return out.view(t, heads * d)
@@ -199,20 +230,20 @@ class _Attention(torch.autograd.Function):
         starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
         gq, gk, gv = _reference_grads(lambda a, b, c: _attention_reference(a, b, c, starts, seq_lens, scale, window),
                                       (q, k, v), g.float())
-        return gq, gk, gv, None, None, None, None
+        return gq, gk, gv, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float,
-              window: Optional[int] = None, block_size: int = 16) -> torch.Tensor:
+              window: Optional[int] = None, block_size: int = 16, triton: bool = False) -> torch.Tensor:
     """q [T, Hq, D], k / v [T, Hkv, D] (rotated) of whole sequences end to end -> [T, Hq D]."""
-    return _Attention.apply(q, k, v, list(seq_lens), float(scale), window, block_size)
+    return _Attention.apply(q, k, v, list(seq_lens), float(scale), window, block_size, triton)
 
 
 class _TokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dist, ids):
+    def forward(ctx, dist, ids, fused):
         ctx.save_for_backward(dist, ids)
-        if ops.sampling_available(dist):
+        if fused and ops.sampling_available(dist):
             return ops.logprob(dist.contiguous(), ids)
         row_max = dist.max(dim=-1, keepdim=True).values  # the sampler's torch formula (drawn_logprob)
         cdf = (dist - row_max).exp().cumsum(dim=-1)
@@ -223,9 +254,10 @@ class _TokenLogprob(torch.autograd.Function):
         dist, ids = ctx.saved_tensors
         grad = -torch.softmax(dist, dim=-1)
         grad.scatter_add_(1, ids.unsqueeze(1), torch.ones_like(ids, dtype=grad.dtype).unsqueeze(1))
-        return grad * g.unsqueeze(1), None
+        return grad * g.unsqueeze(1), None, None
 
 
-def token_logprob(dist: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(dist)[ids] as the engine's sampler computes a drawn token's logprob (fp32 rows)."""
-    return _TokenLogprob.apply(dist, ids)
+def token_logprob(dist: torch.Tensor, ids: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """log softmax(dist)[ids] as the engine's sampler computes a drawn token's logprob (fp32 rows): its C++
+    kernel (``fused``, the CPU plan's), or its torch formula (the CUDA plan's)."""
+    return _TokenLogprob.apply(dist, ids, fused)

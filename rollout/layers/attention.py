@@ -41,6 +41,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
     ragged: Optional[RaggedBatch] = None  # the one-launch path's view of every sequence (build ..., ragged=True)
+    decode_splits: Optional[int] = None  # the Triton decode kernel's parts per sequence (None: from shapes; per_row: 1)
 
 
 @dataclass
@@ -84,6 +85,7 @@ def build_attention_metadata(block_tables: list[list[int]], ctx_lens: list[int],
         meta.decode_blocks = tables[seq_of_row][:, : -(-int(lens.max()) // block_size)].to(device)
         meta.decode_ctx_lens = lens.to(device)
         meta.all_decode = True
+        meta.decode_splits = 1  # a split count chosen by the batch's shape would change a row's sums
         return positions.to(device), meta
     is_decode = q == 1
     if bool(is_decode.any()):
@@ -183,7 +185,7 @@ class PagedAttention(nn.Module):
                 return None
             from rollout.kernels.triton.paged_decode import paged_decode_attention
 
-            return lambda qd: paged_decode_attention(qd, *args)
+            return lambda qd: paged_decode_attention(qd, *args, num_splits=meta.decode_splits)
         from rollout.kernels.cpu.ops import paged_decode_attention
 
         return lambda qd: paged_decode_attention(qd, *args, meta.sliding_window)

@@ -4,7 +4,8 @@ read (``PackedWeight``, built by ``pack_weight``), and ``packed_linear``, ``F.li
 plan's kernel: ``linear`` (torch), ``onednn`` (oneDNN's packed copy in the weight's dtype), ``fp32``
 (an fp32 packed copy of a bf16 weight), ``own`` (``ops.bf16_linear``, the small-batch kernel reading
 the weight itself), ``tiled`` (``ops.tiled_linear`` over the weight's fp32 panels) and ``chunked``
-(oneDNN's packed copy in fixed chunks of rows: the batch-invariant mode's, ``invariant.py``).
+(oneDNN's packed copy in fixed chunks of rows: the batch-invariant mode's, ``invariant.py``); on the CUDA
+kernel plan that mode's ``triton`` (``rollout.kernels.triton.matmul``, reading the weight itself).
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     elif kernel == "tiled":
         assert packed.panels is not None, "panels missing: refresh_packed_weights was not called"
         y = ops.tiled_linear(rows, packed.panels, weight.shape[0], bias)
+    elif kernel == "triton":  # the CUDA plan's batch-invariant GEMM (rollout.kernels.triton.matmul)
+        from rollout.kernels.triton.matmul import invariant_linear
+
+        y = invariant_linear(rows, weight, bias)
     elif kernel == "chunked":
         assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
         from rollout.kernels.cpu.invariant import chunked_linear
