@@ -1,6 +1,7 @@
 """Batch-invariant mode (``deterministic=True``): a request's tokens and logprobs are bitwise the
 same alone, in a batch of 64 mixed with other requests, with chunked prefill forced, with a warm
-prefix cache and with overlap on."""
+prefix cache and with overlap on, in bf16 and fp32 (speculation: tests/test_speculative.py; the CUDA
+kernel plan: tests/test_gpu_path.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def model(model_dir):
     return model_dir("det-llama", "llama", seed=31, hidden_size=128, intermediate_size=256, num_layers=3)
 
 
-def run(path, batch: bool, others: int = 61, **kw):
-    with RolloutEngine(path, dtype="bfloat16", kv_cache_tokens=4096, deterministic=True, **kw) as e:
+def run(path, batch: bool, others: int = 61, dtype: str = "bfloat16", **kw):
+    with RolloutEngine(path, dtype=dtype, kv_cache_tokens=4096, deterministic=True, **kw) as e:
         if not batch:
             outs = e.generate(input_ids=MINE, sampling_params=SP, top_logprobs_num=2)
             warm = e.generate(input_ids=MINE, sampling_params=SP, top_logprobs_num=2)  # prefix cache warm now
@@ -38,14 +39,15 @@ def key(outs):
     return [(o.output_token_ids, o.output_logprobs, o.output_top_logprobs) for o in outs]
 
 
-def test_alone_batched_chunked_cached_and_overlapped_are_bitwise_equal(model):
-    alone, warm = run(model, batch=False)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_alone_batched_chunked_cached_and_overlapped_are_bitwise_equal(model, dtype):
+    alone, warm = run(model, batch=False, dtype=dtype)
     assert key(warm) == key(alone)
-    batched, _ = run(model, batch=True)
+    batched, _ = run(model, batch=True, dtype=dtype)
     assert key(batched) == key(alone)
-    chunked, _ = run(model, batch=True, max_num_batched_tokens=5)
+    chunked, _ = run(model, batch=True, max_num_batched_tokens=5, dtype=dtype)
     assert key(chunked) == key(alone)
-    overlapped, _ = run(model, batch=True, enable_overlap=True, max_num_seqs=7)
+    overlapped, _ = run(model, batch=True, enable_overlap=True, max_num_seqs=7, dtype=dtype)
     assert key(overlapped) == key(alone)
     assert len({tuple(o.output_token_ids) for o in alone}) > 1  # n samples stay distinct
 

@@ -353,12 +353,14 @@ def test_a_verifier_that_accepts_guesses_without_drawing_gives_other_tokens(spec
     assert [o[0] for o in _run(plain, prompts, "sampled", 22)] != [o[0] for o in _run(spec, prompts, "sampled", 22)]
 
 
-@pytest.mark.parametrize("extra", [dict(tp_size=2), dict(deterministic=True), dict(enable_overlap=True)],
-                         ids=["tp2", "batch-invariant", "overlap"])
+@pytest.mark.parametrize("extra", [dict(tp_size=2), dict(deterministic=True), dict(deterministic=True, dtype="bfloat16"),
+                                   dict(enable_overlap=True)],
+                         ids=["tp2", "batch-invariant", "batch-invariant-bf16", "overlap"])
 def test_speculation_is_exact_at_tp2_and_bitwise_in_the_batch_invariant_mode(llama_path, extra):
     from rollout import RolloutEngine
 
-    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False, **extra)
+    kw = dict(dtype="float32", kv_cache_tokens=2048, use_generation_config=False)
+    kw.update(extra)
     prompts = [[5, 9, 23, 41, 7], [44, 45, 46]]
     with RolloutEngine(llama_path, **kw) as plain, \
             RolloutEngine(llama_path, speculative_num_draft_tokens=4, speculative_policy="always", **kw) as spec:
