@@ -100,8 +100,8 @@ def test_fidelity_and_server_load_benchmarks_through_the_cli(tmp_path):
     from rollout.cli import main as cli_main
 
     common = ["--model", "tiny", "--dtype", "float32", "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]
-    assert cli_main(["bench", "fidelity", *common, "--num-prompts", "2", "--mode-max-new-tokens", "4", "--rounds", "1",
-                     "--prompts", "2", "--n", "1", "--max-new-tokens", "4"]) == 0
+    assert cli_main(["bench", "fidelity", *common, "--num-prompts", "1", "--mode-max-new-tokens", "2", "--rounds", "1",
+                     "--prompts", "1", "--n", "1", "--max-new-tokens", "3"]) == 0
     fid = json.load(open(tmp_path / "fidelity_tiny_float32.json"))
     assert fid["masks"]["masks_on"] > 0 and fid["masks"]["masks_mean_size"] >= 1
     assert fid["throughput_fraction"] > 0 and fid["workload"]["name"] == "grpo-short" and fid["machine"]["cpu"]

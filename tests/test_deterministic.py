@@ -57,5 +57,5 @@ def test_tp2_is_batch_invariant_too(model):
     bits may differ from TP=1's). Every token is a forward with its own all-reduces here, so the
     batch is a smaller mix (16 others); TP=1 covers the batch of 64."""
     alone, _ = run(model, batch=False, tp_size=2)
-    batched, _ = run(model, batch=True, others=16, tp_size=2, max_num_batched_tokens=5)
+    batched, _ = run(model, batch=True, others=8, tp_size=2, max_num_batched_tokens=5)
     assert key(batched) == key(alone)

@@ -153,7 +153,7 @@ def test_the_batch_invariant_mode_on_the_triton_plan_is_bitwise_and_the_trainer_
 
     path = model_dir("llama-invariant-triton", "llama", seed=8, hidden_size=64, intermediate_size=128, num_layers=2)
     mine = random_prompts(300, [6], seed=5)
-    others = random_prompts(300, [3, 5, 4, 7, 2], seed=6)
+    others = random_prompts(300, [3, 5, 4], seed=6)
     sp = SamplingParams(n=2, max_new_tokens=2, temperature=0.8, seed=3, ignore_eos=True)
     kw = dict(dtype="bfloat16", kv_cache_tokens=1024, deterministic=True, kernels={"triton": True})
 
@@ -166,7 +166,7 @@ def test_the_batch_invariant_mode_on_the_triton_plan_is_bitwise_and_the_trainer_
         alone = engine.generate(input_ids=mine, sampling_params=sp)
         got = engine.generate(input_ids=others[:2] + mine + others[2:],
                               sampling_params=[SamplingParams(max_new_tokens=2, seed=1)] * 2 + [sp]
-                              + [SamplingParams(max_new_tokens=2, seed=2)] * 3)
+                              + [SamplingParams(max_new_tokens=2, seed=2)])
         assert key([o for o in got if o.prompt_index == 2]) == key(alone)
         scored = engine.score([o.prompt_token_ids for o in alone], [o.output_token_ids for o in alone],
                               SamplingParams(temperature=0.8))

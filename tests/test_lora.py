@@ -88,8 +88,8 @@ def test_a_mixed_batch_gives_each_request_what_it_gives_alone(make_engine, adapt
     base, path_a, prompts, refs_a = adapters["llama-r8-all"]
     _, path_b, _, refs_b = adapters["llama-r4-qv-rslora"]
     plain = [hf_greedy(base, p, NEW)[0] for p in prompts]
-    for overlap in (False, True):
-        engine = make_engine(base, enable_overlap=overlap)
+    for overlap, det in ((False, False), (True, False), (False, True)):  # det: the batch-invariant mode, bitwise
+        engine = make_engine(base, enable_overlap=overlap, deterministic=det)
         assert engine.load_lora_adapter("a", path_a).success and engine.load_lora_adapter("b", path_b).success
         mix = ["a", None, "b", "b", "a", None, None, "a", "b"]
         outs = engine.generate(input_ids=[prompts[i % 3] for i in range(9)], sampling_params=GREEDY, lora_path=mix)
@@ -97,7 +97,9 @@ def test_a_mixed_batch_gives_each_request_what_it_gives_alone(make_engine, adapt
         assert [o.output_token_ids for o in outs] == [want[m][i % 3] for i, m in enumerate(mix)]
         alone = {m: engine.generate(input_ids=prompts[1], sampling_params=GREEDY, lora_path=m)[0] for m in want}
         for i, m in enumerate(mix):
-            if i % 3 == 1:
+            if i % 3 == 1 and det:
+                assert outs[i].output_logprobs == alone[m].output_logprobs
+            elif i % 3 == 1:
                 assert outs[i].output_logprobs == pytest.approx(alone[m].output_logprobs, abs=1e-5)
 
 

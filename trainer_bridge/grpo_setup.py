@@ -48,6 +48,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--true-on-policy", action="store_true",
                     help="the trainer computes its logprobs as the engine does in its batch-invariant mode (the engines "
                          "run deterministic=True at TP=1): the logprob difference is exactly 0 on every token")
+    ap.add_argument("--dist-check-samples", type=int, default=1, metavar="K",
+                    help="the full-distribution check: the engine's whole next-token distribution at the first "
+                         "positions of K samples a rank and step, against the trainer's (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="rl_runs/grpo")
     ap.add_argument("--no-wandb", action="store_true")
@@ -131,7 +134,8 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       release_memory=release_memory and not args.no_push, seed=args.seed,
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
                       bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
-                      lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy)
+                      lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy,
+                      dist_check_samples=args.dist_check_samples)
 
 
 def step_logger(args, rank: int):

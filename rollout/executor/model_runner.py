@@ -267,7 +267,10 @@ class ModelRunner:
         """Run the model over the batch; logits [R, vocab] (fp32) of the requested rows."""
         if self.threads is not None:
             self.threads.before_forward()
-        if self.config.deterministic and not self.row_invariant:
+        # adapters' low-rank terms are torch GEMMs over the step's rows (not row-invariant): a step that has
+        # them runs token by token in the batch-invariant mode (the same kernels at one row: the same bits)
+        adapters = batch.lora_slots is not None and any(s >= 0 for s in batch.lora_slots)
+        if self.config.deterministic and (not self.row_invariant or adapters):
             self.refresh_packed_weights(1)
             return self._forward_token_by_token(batch, future_token_ids)
         self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
