@@ -151,7 +151,8 @@ class ModelRunner:
         built = device.type == "cpu" and cpu_build.kernels() is not None
         self.kernels = config.kernels.resolve(device=device, built=built, tp_size=config.tp_size,
                                               qk_norm=model_config.qk_norm, dtype=dtype,
-                                              deterministic=config.deterministic)
+                                              deterministic=config.deterministic,
+                                              moe=bool(model_config.num_experts))
         with torch.device("meta"):
             self.model = build_model(model_config, dtype, self.kernels)
         self.params = ParameterStorage(self.model, device)
@@ -187,7 +188,8 @@ class ModelRunner:
         # kernels are not here (no compiler; a sliding window on the CUDA plan), a forward per token instead
         cpu_kernels = built and self.kernels.paged_attention and self.kernels.norm and not self.kernels.triton
         cuda_kernels = self.kernels.triton and model_config.sliding_window is None
-        self.row_invariant = config.deterministic and (cpu_kernels or cuda_kernels)
+        # (a mixture of experts: its per-expert GEMMs take however many rows were routed there: token by token)
+        self.row_invariant = config.deterministic and (cpu_kernels or cuda_kernels) and not model_config.num_experts
         self._stack_tensors = self.model.model.stack_tensors  # cleared with the weight copies
         # LoRA: every adaptable linear reads the current forward's adapter rows from one context
         self.lora_context = LoraContext(backend=_lora_backend(config.lora.backend, device), slots=config.lora.max_loaded)

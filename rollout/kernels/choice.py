@@ -111,7 +111,7 @@ class KernelChoice:
         return KernelChoice(**fields)
 
     def resolve(self, *, device: torch.device, built: bool, tp_size: int, qk_norm: bool, dtype: torch.dtype,
-                deterministic: bool) -> KernelPlan:
+                deterministic: bool, moe: bool = False) -> KernelPlan:
         """What serves on this engine: the choice where the device, the CPU build and the model allow it."""
         level = FUSION_LEVELS.index(self.fusion)
         if self._triton(device, level, dtype):
@@ -119,8 +119,8 @@ class KernelChoice:
         cpu = device.type == "cpu" and built  # the C++ kernels exist on this machine (no compiler: torch serves)
         ops = {op: cpu and level >= 1 and op not in self.unfused for op in FUSED_OPS}
         ops["rope"] = ops["rope"] and ops["paged_attention"]  # K/V the kernel reads is written by the same call
-        layer = (level >= 2 and all(ops[op] for op in _LAYER_OPS) and tp_size == 1 and not qk_norm
-                 and dtype in (torch.float32, torch.bfloat16))
+        layer = (level >= 2 and all(ops[op] for op in _LAYER_OPS) and tp_size == 1 and not qk_norm and not moe
+                 and dtype in (torch.float32, torch.bfloat16))  # the one-call layer strings the dense MLP
         adapt = self.adapt_threads if self.adapt_threads is not None else dtype == torch.bfloat16 and not deterministic
         return KernelPlan(**ops, layer=layer, stack=layer and level >= 3, adapt_threads=device.type == "cpu" and adapt)
 

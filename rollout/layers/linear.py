@@ -18,7 +18,8 @@ from rollout.kernels.cpu.packing import PackedWeight, packed_linear
 from rollout.layers.lora import LoraSlots
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
-LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts")
+LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts",
+                "hf_pieces")  # hf_pieces: the checkpoint tensors one parameter holds (rollout.layers.moe)
 
 
 class LoadSlice(NamedTuple):

@@ -18,6 +18,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": dict(family="llama", qk_norm=False),
     "Qwen2ForCausalLM": dict(family="llama", qk_norm=False),
     "Qwen3ForCausalLM": dict(family="llama", qk_norm=True),
+    # mixtures of experts: the Llama layer with a sparse MoE block (rollout.layers.moe) in place of its MLP
+    "Qwen3MoeForCausalLM": dict(family="llama", qk_norm=True),
+    "MixtralForCausalLM": dict(family="llama", qk_norm=False),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -45,6 +48,13 @@ class ModelConfig:
     checkpoint_dtype: Optional[str]
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: dict = field(default_factory=dict)
+    # mixtures of experts (0 experts: dense): experts, experts a token is routed to, each expert's MLP width,
+    # whether the k routing weights are renormalised, and the layers whose MLP is the sparse block
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @staticmethod
     def from_pretrained(model_path: str) -> ModelConfig:
@@ -74,7 +84,7 @@ class ModelConfig:
         bias = bool(hf.get("attention_bias", False))
         qkv_bias, o_bias = (True, False) if arch == "Qwen2ForCausalLM" else (bias, bias)
         window = hf.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             if hf.get("use_sliding_window"):
                 raise ValueError(f"{arch} with use_sliding_window=true is not supported (per-layer windows)")
             window = None
@@ -84,7 +94,21 @@ class ModelConfig:
                     if gen.get(k) is not None}
         if gen.get("do_sample") is False:
             defaults["temperature"] = 0.0
+        moe: dict[str, Any] = {}
+        layers = hf["num_hidden_layers"]
+        experts = hf.get("num_experts") or hf.get("num_local_experts")  # the hub's name; transformers v5 writes the other
+        if arch == "Qwen3MoeForCausalLM" and experts:
+            skip, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step", 1) or 1
+            moe = dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["moe_intermediate_size"],
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       moe_layers=tuple(i for i in range(layers) if i not in skip and (i + 1) % step == 0))
+        elif arch == "MixtralForCausalLM":
+            moe = dict(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
+                       moe_layers=tuple(range(layers)))
         return ModelConfig(
+            **moe,
             architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -110,13 +134,18 @@ class ModelConfig:
 
     def check_tp_size(self, tp_size: int) -> None:
         valid = self.valid_tp_sizes(16)
+        if self.num_experts and tp_size != 1:
+            raise ValueError(f"tp_size={tp_size}: {self.architecture} is a mixture of experts, served at tp_size=1 for "
+                             "now (expert tensor parallelism is not built yet)")
         if tp_size not in valid:
             raise ValueError(f"tp_size={tp_size} does not split {self.architecture} ({self.num_attention_heads} heads, "
                              f"{self.num_key_value_heads} KV heads, intermediate {self.intermediate_size}) evenly; "
                              f"valid TP sizes: {valid}")
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
-        """TP sizes this model splits evenly over (KV heads may be replicated)."""
+        """TP sizes this model splits evenly over (KV heads may be replicated); a mixture of experts: 1 for now."""
+        if self.num_experts:
+            return [1]
         ok = []
         for tp in range(1, limit + 1):
             kv_ok = self.num_key_value_heads % tp == 0 or tp % self.num_key_value_heads == 0

@@ -15,6 +15,7 @@ from rollout.kernels.cpu import fused, ops
 from rollout.layers.attention import AttentionMetadata, PagedAttention
 from rollout.layers.layernorm import RMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rollout.layers.moe import SparseMoe
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary
 from rollout.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.models.config import ModelConfig
@@ -86,10 +87,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan, index: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, dtype, kernels)
-        self.mlp = LlamaMLP(cfg, dtype, kernels)
+        # a mixture of experts' sparse block where the model has one (rollout.layers.moe), else the dense MLP
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        self.mlp: nn.Module = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype,
+                                        ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")) \
+            if index in cfg.moe_layers else LlamaMLP(cfg, dtype, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm,
                                                 kernels.triton)
@@ -112,7 +118,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, kernels, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
         self.carry_residual = kernels.triton  # each residual add fused into the norm after it
         self.fused_decode = kernels.layer  # CPU decode steps: each layer in one call (rollout.kernels.cpu.fused)
@@ -156,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan = KernelPlan()):
         super().__init__()
         self.config = cfg
+        # module names the checkpoint spells otherwise (ours -> theirs): Mixtral's sparse block
+        self.module_renames = {"mlp": "block_sparse_moe"} if cfg.architecture == "MixtralForCausalLM" else {}
         self.model = LlamaModel(cfg, dtype, kernels)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)

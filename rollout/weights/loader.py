@@ -95,6 +95,12 @@ def weight_name_map(model: nn.Module) -> NameMap:
     mapping = getattr(model, "packed_modules_mapping", {})
     names: dict[str, _Target] = {}
     for pname, param in model.named_parameters():
+        pieces = getattr(param, "hf_pieces", None)  # a parameter holding many checkpoint tensors (MoE experts)
+        if pieces is not None:
+            prefix = pname.rsplit(".", 1)[0] + "."
+            for hf, shard in pieces:
+                names[prefix + hf] = _target(pname, param, shard)
+            continue
         packed = [(hf, shard) for hf, (ours, shard) in mapping.items() if f".{ours}." in pname]
         if packed:
             ours = mapping[packed[0][0]][0]
@@ -102,6 +108,9 @@ def weight_name_map(model: nn.Module) -> NameMap:
                 names[pname.replace(f".{ours}.", f".{hf}.")] = _target(pname, param, shard)
         else:
             names[pname] = _target(pname, param, None)
+    renames = getattr(model, "module_renames", {})  # module names the checkpoint spells otherwise
+    for ours, theirs in renames.items():
+        names = {n.replace(f".{ours}.", f".{theirs}."): t for n, t in names.items()}
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and _TIED_ALIAS not in names:
         names[_TIED_ALIAS] = names["model.embed_tokens.weight"]  # accepted, never required
