@@ -30,15 +30,11 @@ from torch import nn
 
 from rollout.kernels import autograd as K
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary
+from rollout.layers.sampler import dist_logprob
 from rollout.models.config import ModelConfig
 from trainer_bridge.push import unwrapped
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-def _bare(model: nn.Module) -> Any:
-    """The Hugging Face model inside a DeepSpeed engine (``.module``), or the model itself."""
-    return unwrapped(model)
 
 
 def _zero3(model: nn.Module) -> bool:
@@ -52,7 +48,7 @@ def check_model(model: nn.Module, triton: bool = False) -> ModelConfig:
     """The model's config as the engine reads it; ValueError naming what the true on-policy forward lacks."""
     from peft import PeftModel
 
-    hf = _bare(model)
+    hf: Any = unwrapped(model)
     if isinstance(hf, PeftModel):
         raise ValueError("true on-policy: a LoRA (peft) model is not supported; train the full weights")
     cfg = ModelConfig.from_dict(hf.config.to_dict())
@@ -76,7 +72,8 @@ def gemm_kernel(model: nn.Module, cfg: ModelConfig, triton: bool = False) -> str
     h, d = cfg.hidden_size, cfg.head_dim
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h), (h, cfg.num_attention_heads * d),
               (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.vocab_size, h)]
-    kernel = invariant.gemm_kernel(_bare(model).model.embed_tokens.weight.dtype, shapes)
+    hf: Any = unwrapped(model)
+    kernel = invariant.gemm_kernel(hf.model.embed_tokens.weight.dtype, shapes)
     assert kernel is not None  # check_model: the C++ kernels are built
     return kernel
 
@@ -90,11 +87,11 @@ def _fused_weight(modules: list[Any]) -> tuple[torch.Tensor, Optional[torch.Tens
 
 @contextlib.contextmanager
 def _engine_math(hf: Any, cfg: ModelConfig, kernel: str, zero3: bool = False):
-    triton = kernel == "triton"
     """The leaf modules' forwards replaced by the engine's kernels for the duration (their hooks untouched):
     ``q_proj`` computes the engine's packed q/k/v projection and ``gate_proj`` its gate/up one (``k_proj``,
     ``v_proj`` and ``up_proj`` are not called: under ZeRO-3 their parameters are registered as external
     parameters of the module that reads them, so DeepSpeed gathers them there)."""
+    triton = kernel == "triton"
     patched: list[Any] = []
 
     def patch(module: Any, fn) -> None:
@@ -107,6 +104,7 @@ def _engine_math(hf: Any, cfg: ModelConfig, kernel: str, zero3: bool = False):
 
             for p in m.parameters(recurse=False):
                 register_external_parameter(owner, p)
+
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight, bias = _fused_weight(modules)
             return K.linear(x, weight, bias, kernel)
@@ -152,15 +150,9 @@ def _rotary(cfg: ModelConfig, max_position: int) -> RotaryEmbedding:
     return _ROTARY[key]
 
 
-def engine_hidden(model: nn.Module, seqs: list[list[int]], block_size: int = 16,
-                  kernel: Optional[str] = None, triton: Optional[bool] = None) -> torch.Tensor:
-    """The final hidden states [sum of lengths, hidden] of whole sequences laid end to end (each from
-    position 0), computed as the engine computes them in its batch-invariant mode (differentiable).
-    ``triton``: as an engine on the CUDA kernel plan computes them (None: where the model lies on CUDA)."""
-    hf = _bare(model)
-    triton = _on_cuda_plan(hf, triton)
-    cfg = check_model(model, triton)
-    kernel = kernel or gemm_kernel(model, cfg, triton)
+def _hidden(hf: Any, cfg: ModelConfig, seqs: list[list[int]], block_size: int, triton: bool) -> torch.Tensor:
+    """The final hidden states [sum of lengths, hidden] of whole sequences laid end to end (each from position
+    0) as the engine computes them in its batch-invariant mode; inside ``_engine_math``."""
     lens = [len(s) for s in seqs]
     device = hf.model.embed_tokens.weight.device
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
@@ -171,24 +163,38 @@ def engine_hidden(model: nn.Module, seqs: list[list[int]], block_size: int = 16,
     scale = d ** -0.5
     t = len(ids)
     q_size, kv_size = heads * d, kv_heads * d
-    with _engine_math(hf, cfg, kernel, _zero3(model)):
-        h = hf.model.embed_tokens(ids)
-        for layer in hf.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(h)
-            qkv = attn.q_proj(x)  # the packed q/k/v projection (_engine_math)
-            if cfg.qk_norm:  # normed per head, rotated in torch, then attended from the cache (the engine's path)
-                q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-                q = apply_rotary(attn.q_norm(q.reshape(t, heads, d)), cos, sin)
-                k = apply_rotary(attn.k_norm(k.reshape(t, kv_heads, d)), cos, sin)
-                o = K.attention(q, k, v.reshape(t, kv_heads, d), lens, scale, cfg.sliding_window, block_size, triton)
-            else:
-                o = K.rope_attention(qkv, cos, sin, heads, kv_heads, lens, scale, cfg.sliding_window, block_size,
-                                     triton)
-            h = h + attn.o_proj(o)
-            x = layer.post_attention_layernorm(h)
-            h = h + mlp.down_proj(K.silu_mul(mlp.gate_proj(x), triton))  # gate_proj: the packed gate/up projection
-        return hf.model.norm(h)
+    h = hf.model.embed_tokens(ids)
+    for layer in hf.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        x = layer.input_layernorm(h)
+        qkv = attn.q_proj(x)  # the packed q/k/v projection (_engine_math)
+        if cfg.qk_norm:  # normed per head, rotated in torch, then attended from the cache (the engine's path)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rotary(attn.q_norm(q.reshape(t, heads, d)), cos, sin)
+            k = apply_rotary(attn.k_norm(k.reshape(t, kv_heads, d)), cos, sin)
+            o = K.attention(q, k, v.reshape(t, kv_heads, d), lens, scale, cfg.sliding_window, block_size, triton)
+        else:
+            o = K.rope_attention(qkv, cos, sin, heads, kv_heads, lens, scale, cfg.sliding_window, block_size, triton)
+        h = h + attn.o_proj(o)
+        x = layer.post_attention_layernorm(h)
+        h = h + mlp.down_proj(K.silu_mul(mlp.gate_proj(x), triton))  # gate_proj: the packed gate/up projection
+    return hf.model.norm(h)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """The sampler's logprob of a drawn token (``rollout.layers.sampler.dist_logprob``), the softmax gradient."""
+
+    @staticmethod
+    def forward(ctx, dist, ids, fused):
+        ctx.save_for_backward(dist, ids)
+        return dist_logprob(dist, ids, fused)
+
+    @staticmethod
+    def backward(ctx, g):
+        dist, ids = ctx.saved_tensors
+        grad = -torch.softmax(dist, dim=-1)
+        grad.scatter_add_(1, ids.unsqueeze(1), torch.ones_like(ids, dtype=grad.dtype).unsqueeze(1))
+        return grad * g.unsqueeze(1), None, None
 
 
 def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[int], temperature: float,
@@ -198,11 +204,9 @@ def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[i
     reports them in its batch-invariant mode for sampling at ``temperature`` (differentiable).
     ``logits_out``: if a list, each completion's fp32 logits [T, V] (before the temperature) are appended.
     ``triton``: as an engine on the CUDA kernel plan (None: where the model lies on CUDA)."""
-    hf = _bare(model)
+    hf: Any = unwrapped(model)
     triton = _on_cuda_plan(hf, triton)
     cfg = check_model(model, triton)
-    kernel = gemm_kernel(model, cfg, triton)
-    hidden = engine_hidden(model, seqs, block_size, kernel, triton)
     rows: list[int] = []
     targets: list[int] = []
     starts = 0
@@ -210,11 +214,13 @@ def engine_logprobs(model: nn.Module, seqs: list[list[int]], prompt_lens: list[i
         rows += range(starts + p - 1, starts + len(s) - 1)
         targets += s[p:]
         starts += len(s)
-    with _engine_math(hf, cfg, kernel, _zero3(model)):
+    with _engine_math(hf, cfg, gemm_kernel(model, cfg, triton), _zero3(model)):
+        hidden = _hidden(hf, cfg, seqs, block_size, triton)
         logits = hf.lm_head(hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))).float()
     dist = logits if temperature == 1.0 else \
         logits / torch.full((len(rows), 1), temperature, dtype=torch.float32, device=logits.device)
-    lp = K.token_logprob(dist, torch.tensor(targets, dtype=torch.long, device=dist.device), fused=not triton)
+    # the CPU plan's sampler draws with its C++ kernel, the CUDA plan's with the torch formula
+    lp = _TokenLogprob.apply(dist, torch.tensor(targets, dtype=torch.long, device=dist.device), not triton)
     out, at = [], 0
     for s, p in zip(seqs, prompt_lens):
         n = len(s) - p

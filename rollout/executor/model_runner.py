@@ -63,9 +63,11 @@ class ForwardBatch:
     def init_new(batch: ModelWorkerBatch, runner: ModelRunner,
                  future_token_ids: Optional[torch.Tensor] = None) -> ForwardBatch:
         device = runner.device
+        # the batch-invariant mode: every row attended as a decode token over its own context (per_row)
         positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens,
                                                    runner.block_size, device, runner.model_config.sliding_window,
-                                                   ragged=runner.kernels.triton)
+                                                   ragged=runner.kernels.triton and not runner.row_invariant,
+                                                   per_row=runner.row_invariant)
         return ForwardBatch(
             input_ids=_input_ids(batch, device, future_token_ids),
             positions=positions,
@@ -111,21 +113,22 @@ def _plan_gemms(config: EngineConfig, model: nn.Module, device: torch.device, dt
     CUDA kernel plan, ``triton``, the Triton GEMM of fixed tiles)."""
     layer = model.model.layers[0]
     shapes = [tuple(m.weight.shape) for m in layer.modules() if isinstance(m, _GEMM_MODULES)]
+    head = tuple(model.lm_head.weight.shape)
     if row_invariant and triton:  # the CUDA plan's: one Triton GEMM of fixed tiles (rollout.kernels.triton.matmul)
         every = GemmPlan(((1 << 62, "triton"),), "fixed")
-        return GemmPlans(tuple((s, every) for s in dict.fromkeys([*shapes, tuple(model.lm_head.weight.shape)])))
+        return GemmPlans(tuple((s, every) for s in dict.fromkeys([*shapes, head])))
     if device.type != "cpu":
         return GemmPlans(())
     choice = config.kernels
     if row_invariant:
-        kernel = invariant_gemm_kernel(dtype, [*shapes, tuple(model.lm_head.weight.shape)])
+        kernel = invariant_gemm_kernel(dtype, [*shapes, head])
         if choice.gemm not in (None, kernel):
             raise ValueError(f"engine option kernels.gemm={choice.gemm!r} conflicts with deterministic=True, whose "
                              f"GEMMs are the batch-invariant kernel {kernel!r} at every row count here; leave "
                              "kernels.gemm unset")
         choice = replace(choice, gemm=kernel)
     return plan_gemms(dtype, shapes, len(model.model.layers), choice.fp32_gemm_rows, choice.small_gemm_rows,
-                      head_shape=tuple(model.lm_head.weight.shape), kernel=choice.gemm)
+                      head_shape=head, kernel=choice.gemm)
 
 
 def _activation_reserve(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -215,8 +218,9 @@ class ModelRunner:
         self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
         self.penalty_state: Optional[PenaltyState] = None  # per-sequence penalty counts on the device (lazy)
         self.graph_runner = None
-        # CUDA: decode graphs; a CPU engine on the CUDA kernel plan runs the same runner, its bodies eagerly
-        if config.enable_cuda_graph and (device.type == "cuda" or self.kernels.triton):
+        # CUDA: decode graphs; a CPU engine on the CUDA kernel plan runs the same runner, its bodies eagerly (none in
+        # the batch-invariant mode: its steps are not the graphs' plain decode steps, so none would be replayed)
+        if config.enable_cuda_graph and not config.deterministic and (device.type == "cuda" or self.kernels.triton):
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
@@ -276,8 +280,6 @@ class ModelRunner:
             self.refresh_packed_weights(1)
             return self._forward_token_by_token(batch, future_token_ids)
         self.refresh_packed_weights(len(batch.input_ids), len(batch.logits_rows))
-        if self.row_invariant:
-            return self._forward_row_invariant(batch, future_token_ids)
         if self.graph_runner is not None and batch.lora_slots is None and self.graph_runner.can_run(batch):
             self.counts["num_eager_decode_steps" if self.graph_runner.eager else "num_graph_replays"] += 1
             return self.graph_runner.replay(batch, future_token_ids)
@@ -291,24 +293,6 @@ class ModelRunner:
         finally:
             self.lora_context.batch = None
         return self.model.compute_logits(hidden.index_select(0, fb.logits_rows))
-
-    def _forward_row_invariant(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
-        """Batch-invariant mode, one forward: every row attended as a decode token (its own context up to
-        its position, from the cache: ``build_attention_metadata(per_row=True)``), every GEMM the tiled
-        kernel, norms and rotary per row in C++ — a token's logits are a function of its sequence alone,
-        the same bits in a prefill, a chunk, after a prefix-cache hit, in a decode step, under overlap or
-        in a speculative verify, whatever else the step holds."""
-        positions, meta = build_attention_metadata(batch.block_tables, batch.ctx_lens, batch.q_lens, self.block_size,
-                                                   self.device, self.model_config.sliding_window, per_row=True)
-        meta.use_paged_kernel = True
-        self.counts["num_eager_decode_steps"] += all(q == 1 for q in batch.q_lens)
-        self.lora_context.batch = LoraBatch.from_sequences(batch.lora_slots, batch.q_lens, self.device)
-        try:
-            hidden = self.model(_input_ids(batch, self.device, future_token_ids), positions, self.kv.caches, meta)
-        finally:
-            self.lora_context.batch = None
-        rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _forward_token_by_token(self, batch: ModelWorkerBatch, future_token_ids: Optional[torch.Tensor]):
         """Batch-invariant mode: every token of every sequence in a forward of its own (one row, its

@@ -2,9 +2,9 @@
 logprobs bit for bit (``trainer_bridge.on_policy``): the CPU plan's C++ kernels, or (``triton=True``) the
 CUDA plan's Triton ones.
 
-Each function's forward is the engine's own kernel on the same values (the tiled GEMM over the weight's
-fp32 panels, the C++ RMSNorm, rotary with the K/V write and paged attention over each row's context,
-SiLU·up, the sampler's logprob); its backward is the standard one of the same math in torch operators
+Each function's forward is the engine's own kernel on the same values (the batch-invariant GEMM,
+``rollout.kernels.cpu.invariant``; RMSNorm; rotary with the K/V write and paged attention over each row's
+context; SiLU·up); its backward is the standard one of the same math in torch operators
 (``torch.autograd.grad`` of a reference computation in fp32, or the closed form), since these kernels
 have no backward of their own. So the forward's bits are the engine's and the gradient is the usual
 one of that function, as in slime's and vLLM's true-on-policy modes.
@@ -26,12 +26,6 @@ def _triton_fused():
     return fused
 
 
-def _triton_decode(q, k_cache, v_cache, tables, lens, scale):
-    from rollout.kernels.triton.paged_decode import paged_decode_attention
-
-    return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=1)
-
-
 def _reference_grads(fn, inputs: tuple, grad_out: torch.Tensor) -> tuple:
     """Gradients of ``fn(*inputs)`` (recomputed in torch operators) against ``grad_out``, for the inputs
     that need them (None for the rest)."""
@@ -49,12 +43,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, kernel):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        b = None if bias is None else bias.detach()
-        if kernel == "triton":
-            from rollout.kernels.triton.matmul import invariant_linear
-
-            return invariant_linear(x, weight.detach(), b)
-        return invariant.linear(x, weight.detach(), b, kernel)
+        return invariant.linear(x, weight.detach(), None if bias is None else bias.detach(), kernel)
 
     @staticmethod
     def backward(ctx, g):
@@ -136,6 +125,7 @@ def _attention_reference(q, k, v, seq_starts, seq_lens, scale, window):
 
 
 def _rotate(x, cos, sin):
+    """``rollout.layers.rotary.apply_rotary`` in fp32 (the kernels' wing sits below the layers)."""
     return x.float() * cos.float() + x.float().roll(x.shape[-1] // 2, dims=-1) * sin.float()
 
 
@@ -159,6 +149,15 @@ class _PackedCache:
         self.tables, self.lens, self.slots = (torch.cat(x).to(device) for x in (tables, lens, slots))
 
 
+def _attend(q: torch.Tensor, cache: _PackedCache, scale: float, window: Optional[int], triton: bool) -> torch.Tensor:
+    """Every row of q over its own context in ``cache``: the paged decode kernel (Triton's unsplit, or C++)."""
+    if triton:
+        from rollout.kernels.triton.paged_decode import paged_decode_attention
+
+        return paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, num_splits=1)
+    return ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
+
+
 class _RopeAttention(torch.autograd.Function):
     """Rotary with the K/V write (``ops.rope_and_cache``) and attention of every row over its own context
     from that cache (``ops.paged_decode_attention``): the engine's batch-invariant attention."""
@@ -170,10 +169,7 @@ class _RopeAttention(torch.autograd.Function):
         cache = _PackedCache(seq_lens, block_size, kv_heads, d, qkv.dtype, qkv.device)
         rope = _triton_fused().rope_and_cache if triton else ops.rope_and_cache
         q = rope(qkv.contiguous(), cos, sin, cache.k, cache.v, cache.slots, heads, kv_heads)
-        if triton:
-            out = _triton_decode(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale)
-        else:
-            out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
+        out = _attend(q, cache, scale, window, triton)
         ctx.save_for_backward(qkv, cos, sin)
         ctx.shape = (heads, kv_heads, d, list(seq_lens), scale, window)
         return out.view(t, heads * d)
@@ -215,10 +211,7 @@ class _Attention(torch.autograd.Function):
         cache = _PackedCache(seq_lens, block_size, kv_heads, d, q.dtype, q.device)
         cache.k.view(-1, kv_heads, d).index_copy_(0, cache.slots, k)
         cache.v.view(-1, kv_heads, d).index_copy_(0, cache.slots, v)
-        if triton:
-            out = _triton_decode(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale)
-        else:
-            out = ops.paged_decode_attention(q.contiguous(), cache.k, cache.v, cache.tables, cache.lens, scale, window)
+        out = _attend(q, cache, scale, window, triton)
         ctx.save_for_backward(q, k, v)
         ctx.shape = (list(seq_lens), scale, window)
         return out.view(t, heads * d)
@@ -237,27 +230,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[
               window: Optional[int] = None, block_size: int = 16, triton: bool = False) -> torch.Tensor:
     """q [T, Hq, D], k / v [T, Hkv, D] (rotated) of whole sequences end to end -> [T, Hq D]."""
     return _Attention.apply(q, k, v, list(seq_lens), float(scale), window, block_size, triton)
-
-
-class _TokenLogprob(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dist, ids, fused):
-        ctx.save_for_backward(dist, ids)
-        if fused and ops.sampling_available(dist):
-            return ops.logprob(dist.contiguous(), ids)
-        row_max = dist.max(dim=-1, keepdim=True).values  # the sampler's torch formula (drawn_logprob)
-        cdf = (dist - row_max).exp().cumsum(dim=-1)
-        return (dist.gather(1, ids.unsqueeze(1)) - row_max - cdf[:, -1:].log()).squeeze(1)
-
-    @staticmethod
-    def backward(ctx, g):
-        dist, ids = ctx.saved_tensors
-        grad = -torch.softmax(dist, dim=-1)
-        grad.scatter_add_(1, ids.unsqueeze(1), torch.ones_like(ids, dtype=grad.dtype).unsqueeze(1))
-        return grad * g.unsqueeze(1), None, None
-
-
-def token_logprob(dist: torch.Tensor, ids: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """log softmax(dist)[ids] as the engine's sampler computes a drawn token's logprob (fp32 rows): its C++
-    kernel (``fused``, the CPU plan's), or its torch formula (the CUDA plan's)."""
-    return _TokenLogprob.apply(dist, ids, fused)

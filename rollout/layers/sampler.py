@@ -230,7 +230,13 @@ def _fused(dist: torch.Tensor, info: SamplingBatchInfo) -> bool:
 def drawn_logprob(dist: torch.Tensor, ids: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """log softmax(dist)[ids], computed exactly as ``sample`` computes a drawn token's logprob with
     the same ``info`` (so a replayed score equals the reported one bit for bit)."""
-    if _fused(dist, info):
+    return dist_logprob(dist, ids, info.fused_draw)
+
+
+def dist_logprob(dist: torch.Tensor, ids: torch.Tensor, fused: bool) -> torch.Tensor:
+    """log softmax(dist)[ids] as the sampler computes a drawn token's: the C++ kernel where ``fused`` (the CPU
+    plan's sampler) and it serves these rows, else the exp / cumsum pass of the torch draw."""
+    if fused and ops.sampling_available(dist):
         return ops.logprob(dist, ids)
     row_max, cdf = _exp_cumsum(dist)
     return (dist.gather(1, ids.unsqueeze(1)) - row_max - cdf[:, -1:].log()).squeeze(1)

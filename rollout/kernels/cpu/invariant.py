@@ -33,12 +33,9 @@ import torch
 
 from rollout.kernels.cpu import ops
 from rollout.kernels.cpu.capability import cpu_capability
+from rollout.kernels.cpu.packing import onednn_linear
 
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256)  # the row counts oneDNN is called with; past the last, calls of the last
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def chunk_rows(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -133,7 +130,12 @@ def gemm_kernel(dtype: torch.dtype, shapes) -> Optional[str]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kernel: str) -> torch.Tensor:
-    """``F.linear`` as the batch-invariant mode's ``kernel`` computes it (the weight's copy made per call)."""
+    """``F.linear`` as the batch-invariant mode's ``kernel`` computes it (the weight's copy made per call):
+    ``chunked``, ``tiled`` or, on the CUDA kernel plan, ``triton`` (``rollout.kernels.triton.matmul``)."""
+    if kernel == "triton":
+        from rollout.kernels.triton.matmul import invariant_linear
+
+        return invariant_linear(x, weight, bias)
     if kernel == "chunked":
         return chunked_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, weight.shape[0])
     return ops.tiled_linear(x, ops.tile_pack(weight), weight.shape[0], bias)

@@ -125,6 +125,11 @@ def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPl
     return packed
 
 
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` through oneDNN's packed copy of the weight (``torch.ops.mkldnn._reorder_linear_weight``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   packed: Optional[PackedWeight]) -> torch.Tensor:
     """``F.linear``, through the kernel the plan names for this many rows."""
@@ -154,9 +159,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         rows = rows if rows.is_contiguous() else rows.contiguous()
         if kernel == "fp32":
             assert packed.wide is not None, "fp32 copy missing: refresh_packed_weights was not called"
-            y = torch.ops.mkldnn._linear_pointwise(rows.float(), packed.wide, packed.wide_bias, "none", [], "")
-            y = y.to(x.dtype)
+            y = onednn_linear(rows.float(), packed.wide, packed.wide_bias).to(x.dtype)
         else:
             assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
-            y = torch.ops.mkldnn._linear_pointwise(rows, packed.narrow, bias, "none", [], "")
+            y = onednn_linear(rows, packed.narrow, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
