@@ -218,8 +218,7 @@ class ModelRunner:
         self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
         self.penalty_state: Optional[PenaltyState] = None  # per-sequence penalty counts on the device (lazy)
         self.graph_runner = None
-        # CUDA: decode graphs; a CPU engine on the CUDA kernel plan runs the same runner, its bodies eagerly (none in
-        # the batch-invariant mode: its steps are not the graphs' plain decode steps, so none would be replayed)
+        # CUDA: decode graphs (a CPU engine on the CUDA plan: the same runner, bodies eager; none batch-invariant)
         if config.enable_cuda_graph and not config.deterministic and (device.type == "cuda" or self.kernels.triton):
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
 

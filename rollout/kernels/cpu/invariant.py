@@ -33,9 +33,14 @@ import torch
 
 from rollout.kernels.cpu import ops
 from rollout.kernels.cpu.capability import cpu_capability
-from rollout.kernels.cpu.packing import onednn_linear
 
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256)  # the row counts oneDNN is called with; past the last, calls of the last
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear`` through oneDNN's packed copy of the weight (``torch.ops.mkldnn._reorder_linear_weight``): the
+    one call the GEMM plan's ``onednn`` / ``fp32`` kernels (``packing.packed_linear``) and the chunks make."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def chunk_rows(m: int, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:

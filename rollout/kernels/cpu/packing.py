@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.kernels.cpu import ops
+from rollout.kernels.cpu.invariant import chunked_linear, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,6 @@ def pack_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], plan: GemmPl
     return packed
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear`` through oneDNN's packed copy of the weight (``torch.ops.mkldnn._reorder_linear_weight``)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   packed: Optional[PackedWeight]) -> torch.Tensor:
     """``F.linear``, through the kernel the plan names for this many rows."""
@@ -152,8 +148,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         y = invariant_linear(rows, weight, bias)
     elif kernel == "chunked":
         assert packed.narrow is not None, "packed copy missing: refresh_packed_weights was not called"
-        from rollout.kernels.cpu.invariant import chunked_linear
-
         y = chunked_linear(rows, packed.narrow, bias, weight.shape[0])
     else:
         rows = rows if rows.is_contiguous() else rows.contiguous()
