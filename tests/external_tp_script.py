@@ -1,6 +1,7 @@
 """Run under torchrun: every rank hosts one TP worker of the same engine (external launch)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -12,6 +13,7 @@ from rollout import RolloutEngine, SamplingParams
 def main(model_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    threads_before = len(os.listdir("/proc/self/task"))
     prompts = json.loads(sys.argv[3])
     with RolloutEngine(model_path, dtype="float32", kv_cache_tokens=512, tp_size=2, tp_timeout_s=60) as engine:
         assert engine.is_follower == (dist.get_rank() == 1)
@@ -40,7 +42,10 @@ def main(model_path: str, out_path: str) -> None:
                       "version": engine.get_weight_version(), "checksum_kept": engine.get_weights_checksum() == checksum,
                       "after": engine.generate(input_ids=prompts, sampling_params=SamplingParams(
                           max_new_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids}
-    record = {"rank": dist.get_rank(), "greedy": [o.output_token_ids for o in greedy],
+    # the engine's shutdown joined its groups' threads (not left to interpreter teardown, where they abort)
+    threads_after = len(os.listdir("/proc/self/task"))
+    record = {"rank": dist.get_rank(), "threads": [threads_before, threads_after],
+              "greedy": [o.output_token_ids for o in greedy],
               "sampled": [o.output_token_ids for o in sampled], "logprobs": [o.output_logprobs for o in greedy],
               "again": again[0].output_token_ids, "update": update, "rejected": rejected}
     with open(f"{out_path}.{dist.get_rank()}", "w") as f:

@@ -115,9 +115,11 @@ def test_external_launch_under_torchrun(llama_path, model_dir, tmp_path):
     other = model_dir("external-b", "llama", seed=2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(free_port()), script, llama_path, str(out), json.dumps(prompts), other],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
+    # the engine's shutdown joined the threads of the groups it made: none is left for interpreter teardown
+    assert all(r["threads"][1] <= r["threads"][0] for r in recs), [r["threads"] for r in recs]
     assert recs[0]["greedy"] == recs[1]["greedy"] and recs[0]["sampled"] == recs[1]["sampled"]
     assert recs[0]["rejected"] and recs[1]["rejected"]  # the over-long prompt raised on both ranks
     with RolloutEngine(llama_path, dtype="float32", kv_cache_tokens=512, tp_size=2) as spawned:

@@ -796,6 +796,8 @@ class RolloutEngine:
             worker.shutdown()
         if self._weights is not None:
             self._weights.close()  # this engine's own buckets for its spawned ranks
+        if self._ext is not None:
+            self._ext.close()  # the groups this engine created, joined while the interpreter is whole
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -23,6 +23,10 @@ class Communicator:
         assert (pg is None) != (group is None)
         self.pg, self.group = pg, group
 
+    def close(self) -> None:
+        """Drop the group: its owner is tearing it down (a closed communicator serves no collective)."""
+        self.pg = self.group = None
+
     def all_reduce(self, x: torch.Tensor) -> None:
         if self.pg is not None:
             self.pg.allreduce([x]).wait()

@@ -11,8 +11,9 @@ leader's outputs, so every rank returns the same list.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -36,6 +37,8 @@ class ExternalTp:
         device = config.resolve_device()
         backend = "nccl" if device.type == "cuda" else "gloo"
         mine = rank // tp
+        self.device_group: Optional[dist.ProcessGroup] = None
+        self.control_group: Optional[dist.ProcessGroup] = None
         for g in range(world // tp):  # new_group is collective: every rank creates every group, in order
             ranks = list(range(g * tp, (g + 1) * tp))
             dev = dist.new_group(ranks, backend=backend, timeout=timeout)
@@ -46,6 +49,21 @@ class ExternalTp:
         self.leader = self.ranks[0]
         self.is_leader = self.tp_rank == 0
         self.worker = TpModelWorker(config, tp_state=TpState(self.tp_rank, tp, Communicator(group=self.device_group)))
+
+    def close(self) -> None:
+        """Destroy the two groups this engine created, on every rank alike (each rank's engine shuts down
+        after the same last call), and drop every reference to them, so that their gloo threads are joined
+        now. Left to interpreter teardown, a gloo thread still releasing a collective's tensors wants the GIL
+        there and the process aborts ("terminate called without an active exception")."""
+        for group in (self.device_group, self.control_group):
+            if group is None:
+                continue
+            with contextlib.suppress(ValueError):  # the caller destroyed every group already
+                dist.destroy_process_group(group)
+        comm = self.worker.tp_state.comm
+        if comm is not None:
+            comm.close()
+        self.device_group = self.control_group = None
 
     def broadcast(self, obj: Any = None) -> Any:
         box = [obj]
