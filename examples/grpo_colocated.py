@@ -52,7 +52,7 @@ def main(argv=None) -> list:
         raise SystemExit(f"--true-on-policy needs engines at TP=1 (got --tp-size {tp})")
     engine = RolloutEngine(path, dtype=args.dtype, tp_size=tp, launch="external" if tp > 1 else "spawn",
                            kv_cache_tokens=4096, seed=args.seed, use_generation_config=False,
-                           deterministic=args.true_on_policy)
+                           deterministic=args.true_on_policy, enable_return_routed_experts=args.routing_replay)
     prompts, reward = parity_task(engine.model_config.vocab_size)
     log, finish = step_logger(args, rank)
     logs = run_grpo(grpo_config(args, release_memory=not args.no_release), ds_engine, engine, prompts, reward,

@@ -57,12 +57,15 @@ def parse(argv=None):
     return (argparse.Namespace(**{k: args.pop(k) for k in OWN_FLAGS}), argparse.Namespace(**args))
 
 
-def start_servers(path: str, n: int, tp: int, dtype: str, seed: int, on_policy: bool = False) -> list:
+def start_servers(path: str, n: int, tp: int, dtype: str, seed: int, on_policy: bool = False,
+                  routed: bool = False) -> list:
     """``n`` local ``rollout serve`` processes on free loopback ports, one thread each on CPU (not waited for);
-    ``on_policy``: with SGLang's deterministic-inference flag (the batch-invariant mode)."""
+    ``on_policy``: with SGLang's deterministic-inference flag (the batch-invariant mode); ``routed``: recording
+    each token's experts (routing replay)."""
     from rollout.server import launch_server
 
-    extra = ["--enable-deterministic-inference"] if on_policy else []
+    extra = (["--enable-deterministic-inference"] if on_policy else []) + \
+        (["--enable-return-routed-experts"] if routed else [])
     # --max-top-logprobs-num -1: the trainer's full-distribution check asks for the whole vocabulary
     return [launch_server(path, "--dtype", dtype, "--tp-size", str(tp), "--kv-cache-tokens", "4096", "--seed",
                           str(seed), "--no-use-generation-config", "--max-top-logprobs-num", "-1", *extra,
@@ -89,7 +92,7 @@ def main(argv=None) -> list:
     def start_local_replicas(path: str, rank: int) -> None:  # they come up while the trainer loads
         if not own.engine_url and rank == 0:
             servers.extend(start_servers(path, own.replicas, own.server_tp_size, args.dtype, args.seed,
-                                         args.true_on_policy))
+                                         args.true_on_policy, args.routing_replay))
 
     try:
         ds_engine, path, tied, rank, world = build_trainer(args, on_model_folder=start_local_replicas)

@@ -86,13 +86,35 @@ class SpeculativeOptions:
             raise ValueError(f"engine option speculative_policy={self.policy!r}: must be cost or always")
 
 
+@dataclass(frozen=True)
+class OutputOptions:
+    """What every request's output carries beyond its tokens (flat, by their own names: ``logprob_mode``,
+    ``return_sampling_mask``, ``max_sampling_mask_size``, and SGLang's ``enable_return_routed_experts``)."""
+
+    logprob_mode: str = "processed"  # "processed" | "raw"
+    return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
+    max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request
+    # MoE models: keep each token's routed experts per layer beside its KV, for requests that ask
+    # (return_routed_experts; R3's routing replay reads them)
+    return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logprob_mode not in ("processed", "raw"):
+            raise ValueError(f"engine option logprob_mode={self.logprob_mode!r}: must be 'processed' or 'raw'")
+        size = self.max_sampling_mask_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"engine option max_sampling_mask_size={size!r}: must be an integer >= 1")
+
+
 # the groups' fields by their flat option names (SGLang's where it has one)
-GROUPS = {"lora": LoraOptions, "speculative": SpeculativeOptions, "kernels": KernelChoice}
+GROUPS = {"lora": LoraOptions, "speculative": SpeculativeOptions, "kernels": KernelChoice, "outputs": OutputOptions}
 _LORA_NAMES = {"max_loaded": "max_loaded_loras", "max_rank": "max_lora_rank", "max_memory_mb": "max_lora_memory_mb",
                "backend": "lora_backend", "versioned_names": "lora_versioned_names"}
 _FLAT = {**{flat: ("lora", name) for name, flat in _LORA_NAMES.items()},
          **{f"speculative_{n}": ("speculative", n) for n in SpeculativeOptions.__dataclass_fields__},
-         **{f"kernel_{n}": ("kernels", n) for n in KernelChoice.__dataclass_fields__}}
+         **{f"kernel_{n}": ("kernels", n) for n in KernelChoice.__dataclass_fields__},
+         **{n: ("outputs", n) for n in ("logprob_mode", "return_sampling_mask", "max_sampling_mask_size")},
+         "enable_return_routed_experts": ("outputs", "return_routed_experts")}
 
 
 def _flat_name(group: str, field_name: str) -> str:
@@ -134,10 +156,8 @@ class EngineConfig:
     session_timeout_s: Optional[float] = 600.0
     max_sessions: int = 4096  # open sessions at most (each holds a history); one more is refused
     speculative: SpeculativeOptions = SpeculativeOptions()
-    # sampling
-    logprob_mode: str = "processed"  # "processed" | "raw"
-    return_sampling_mask: bool = False  # every request returns sampling masks (per-request switch in generate)
-    max_sampling_mask_size: int = 4096  # a sampled token whose kept set is larger fails its request
+    # what outputs carry: the logprob mode, sampling masks, routed experts (flat: by their own names)
+    outputs: OutputOptions = OutputOptions()
     # weights
     weight_version: str = "default"
     # An update call (tensors or distributed) that arrives while generation is paused stages into a
@@ -186,8 +206,6 @@ class EngineConfig:
             bad("decode_reserve_ratio", "must be in [0, 1]")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 0.98:
             bad("gpu_memory_utilization", "must be in (0, 0.98] (None: kv_cache_memory_fraction of free memory)")
-        if self.logprob_mode not in ("processed", "raw"):
-            bad("logprob_mode", "must be 'processed' or 'raw'")
         if self.launch not in ("auto", "spawn", "external"):
             bad("launch", "must be auto, spawn or external")
         if self.weight_update_timeout_s is not None and not (

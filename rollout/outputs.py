@@ -8,6 +8,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
+import torch
+
 
 @dataclass
 class RolloutOutput:
@@ -43,6 +45,10 @@ class RolloutOutput:
     spec_accept_token_num: Optional[int] = None
     time_to_first_token_s: Optional[float] = None
     latency_s: Optional[float] = None
+    # with return_routed_experts (MoE models; SGLang's meta_info.routed_experts): the experts each layer routed
+    # positions [routed_experts_start_len, prompt + outputs - 1) to, [positions, num_hidden_layers, top_k] int32
+    routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)
+    routed_experts_start_len: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -32,7 +32,9 @@ decode-step ones first (a run cut short keeps what finished: the JSON is written
 - ``limits``: ``rollout bench limits`` on the device (the decode step against its GEMM-only step), and again
   with ``sync_step_timing`` (the step split by what the device spent in forward and in sampling);
 - ``lora_bench``: ``rollout bench lora``'s in-process parts on the device (adapter push vs full push and a
-  bare copy, push to first token, decode with adapters vs without).
+  bare copy, push to first token, decode with adapters vs without);
+- ``moe_parity``: a tiny Qwen3-MoE on the device (the fused Triton MoE, graphs captured): greedy tokens and
+  logprobs against ``transformers`` on the same device, and the routed experts it returns against its top-k.
 ``--device cpu`` runs the CPU-safe parts; ``--dry-run`` runs every check's code path on this CPU at tiny sizes
 (the CUDA kernel plan under Triton's interpreter; the suite does), so a session lent a GPU spends its
 minutes measuring.
@@ -617,6 +619,47 @@ def check_lora_bench(device, workdir, quick):
     return {"ok": not errors, **out, **({"errors": errors} if errors else {})}
 
 
+def check_moe_parity(device, workdir, quick):
+    """A tiny Qwen3-MoE on the device (fp32; the CUDA plan's fused Triton MoE, decode graphs captured; on a CPU
+    dry run the same plan under Triton's interpreter): each greedy token is ``transformers``' argmax over the
+    same tokens on the same device (where its top-2 margin is clear), logprobs within 1e-4, and the routed
+    experts the engine returns equal ``transformers``' top-k at every position and layer."""
+    path = _model(workdir, "tiny-qwen3-moe", arch="qwen3_moe", hidden_size=64, intermediate_size=96, num_layers=3,
+                  seed=21, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[1])
+    prompts = _prompts(2 if quick else 16, lo=5, hi=12 if quick else 40, seed=13)
+    sp = SamplingParams(max_new_tokens=3 if quick else 24, temperature=0, ignore_eos=True)
+    plan = {} if device == "cuda" else {"kernels": {"triton": _triton_here(device)}, "max_model_len": 128,
+                                        "cuda_graph_max_bs": 4}
+    with RolloutEngine(path, dtype="float32", device=device, kv_cache_tokens=4096,
+                       enable_return_routed_experts=True, **plan) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True)
+        graphs = e.worker.model_runner.graph_runner is not None
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    wrong_tokens = routed_diff = 0
+    worst = 0.0
+    for o in outs:
+        ids = o.prompt_token_ids + o.output_token_ids
+        seen = {}
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[2].cpu()))
+                 for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids], device=device)).logits[0].float().cpu()
+        for h in hooks:
+            h.remove()
+        rows = logits[len(o.prompt_token_ids) - 1: -1]
+        top2 = rows.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        wrong_tokens += int(((rows.argmax(-1) != torch.tensor(o.output_token_ids)) & clear).sum())
+        lp = torch.log_softmax(rows, -1).gather(1, torch.tensor(o.output_token_ids)[:, None])[:, 0]
+        worst = max(worst, float((lp - torch.tensor(o.output_logprobs)).abs().max()))
+        routed_diff += sum(int((o.routed_experts[:, i].long() != idx[:-1]).any(-1).sum()) for i, idx in seen.items())
+    return {"ok": wrong_tokens == 0 and worst < 1e-4 and routed_diff == 0, "wrong_tokens": wrong_tokens,
+            "max_logprob_diff": worst, "routed_rows_differing": routed_diff, "graphs_captured": graphs}
+
+
 CHECKS = {
     "batch_invariant": check_batch_invariant,
     "device_uniforms": check_device_uniforms,
@@ -637,6 +680,7 @@ CHECKS = {
     "throughput_vs_hf": check_throughput_vs_hf,
     "limits": check_limits,
     "lora_bench": check_lora_bench,
+    "moe_parity": check_moe_parity,
 }
 
 

@@ -30,6 +30,12 @@ ADAPTERS = {
                                                               alpha_pattern={"o_proj": 64})),
     "qwen2-r6-kvo": ("qwen2", dict(arch="qwen2", tie_word_embeddings=True),
                      dict(r=6, lora_alpha=12, target_modules=["k_proj", "v_proj", "o_proj"], std=0.3)),
+    # a mixture of experts: the adapter on the attention and the shared expert (peft targets no fused expert)
+    "qwen2moe-r8-attn-shared": ("qwen2_moe", dict(arch="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                                                  moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                                  decoder_sparse_step=1, mlp_only_layers=[]),
+                                dict(r=8, lora_alpha=16, std=0.3, target_modules=["q_proj", "v_proj", "o_proj",
+                                                                                  "gate_proj", "up_proj", "down_proj"])),
 }
 
 
@@ -235,6 +241,8 @@ def test_adapters_the_engine_cannot_serve_are_refused_and_nothing_changes(make_e
         "missing_B": (dict(tensor_edit=lambda t: t.pop(first_a.replace("lora_A", "lora_B"))), "lora_B.weight is missing"),
         "nan": (dict(tensor_edit=lambda t: t[first_a].fill_(float("nan"))), "non-finite"),
         "not_lora": (dict(config_edit=lambda c: c.update(peft_type="IA3")), "only LoRA"),
+        "experts": (dict(config_edit=lambda c: c.update(target_parameters=["mlp.experts.gate_up_proj"])),
+                    "LoRA on parameters"),
     }
     engine = make_engine(base, max_lora_rank=8, max_loaded_loras=2)
     assert engine.load_lora_adapter("good", path).success

@@ -35,6 +35,7 @@ from trainer_bridge.on_policy import engine_logprobs
 from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights, unwrapped
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
+from trainer_bridge.routing_replay import replay_rows, replaying
 from trainer_bridge.serving import RolloutService
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
 
@@ -80,6 +81,9 @@ class GRPOConfig:
     # the full-distribution check: per step and rank, the engine's whole next-token distribution at the first
     # DIST_CHECK_POSITIONS positions of this many of its samples against the trainer's (0: off; synchronous only)
     dist_check_samples: int = 1
+    # rollout routing replay (R3; mixture-of-experts models): the rollouts return each token's experts
+    # (return_routed_experts) and the trainer's forward routes every token to them (trainer_bridge.routing_replay)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -109,6 +113,8 @@ class GRPOConfig:
                              "repetition penalty masks are replayed in torch (drop them or the flag)")
         if self.true_on_policy and self.lora_name is not None:
             raise ValueError("GRPOConfig: true_on_policy trains the full weights; it does not take a LoRA adapter")
+        if self.routing_replay and self.true_on_policy:
+            raise ValueError("GRPOConfig: true_on_policy runs dense models; routing_replay is for mixtures of experts")
         if self.max_staleness and self.release_memory:
             raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
                              "devices: set release_memory=False")
@@ -155,13 +161,12 @@ class StepLog:
 
 
 def _generate_share(engine: RolloutService, prompts: list[list[int]], sp: SamplingParams, rank: int, world: int,
-                    masks: bool = False, lora_path: Optional[str] = None) -> list[RolloutOutput]:
+                    masks: bool = False, lora_path: Optional[str] = None, routed: bool = False) -> list[RolloutOutput]:
     """TP engines span all ranks (every rank calls generate alike); with TP=1 every rank has an
     engine (or a router) of its own and generates its share of the prompts."""
-    if engine.tp_size > 1 or world == 1:
-        return engine.generate(input_ids=prompts, sampling_params=sp, return_sampling_mask=masks, lora_path=lora_path)
-    return engine.generate(input_ids=prompts[rank::world], sampling_params=sp, return_sampling_mask=masks,
-                           lora_path=lora_path)
+    mine = prompts if engine.tp_size > 1 or world == 1 else prompts[rank::world]
+    return engine.generate(input_ids=mine, sampling_params=sp, return_sampling_mask=masks, lora_path=lora_path,
+                           return_routed_experts=routed)
 
 
 def _gather_shares(engine: RolloutService, mine: list[RolloutOutput], num_prompts: int, n: int,
@@ -384,7 +389,7 @@ class _GRPORun:
                             top_p=cfg.top_p, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
         t0 = time.perf_counter()
         mine = _generate_share(self.engine, batch_prompts, sp, self.rank, self.world, masks=cfg.masked,
-                               lora_path=cfg.lora_name)
+                               lora_path=cfg.lora_name, routed=cfg.routing_replay)
         return _Rollout(batch_prompts, sp, mine, time.perf_counter() - t0)
 
     def push(self, version: str):
@@ -537,7 +542,13 @@ class _GRPORun:
             if probe_logits is not None:
                 probe_logits.extend(all_logits[len(outs):])
             return new[: len(outs)], new[: len(outs)], engine_lp
-        logits = completion_logits(model, seqs, lens)
+        if self.cfg.routing_replay and replay:  # each token through the experts the engine routed it to
+            rows = replay_rows([o.routed_experts for o in outs] + [None] * len(probes), [len(s) for s in seqs],
+                               max(map(len, seqs)))
+            with replaying(model, rows):
+                logits = completion_logits(model, seqs, lens)
+        else:
+            logits = completion_logits(model, seqs, lens)
         if probe_logits is not None:
             probe_logits.extend(logits[len(outs):])
         logits, seqs = logits[: len(outs)], seqs[: len(outs)]

@@ -17,7 +17,9 @@ from trainer_bridge.ds_setup import ds_config, setup_deepspeed_env
 
 def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags both GRPO examples take (each adds its own in a group of its own)."""
-    ap.add_argument("--model", default="tiny", help="'tiny' (built locally), 'smollm2', or a Hugging Face folder")
+    ap.add_argument("--model", default="tiny",
+                    help="'tiny' (built locally), 'tiny-moe' (a tiny Qwen3-MoE, built locally), 'smollm2', or a "
+                         "Hugging Face folder")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--n", "--group-size", dest="n", type=int, default=8,
@@ -48,6 +50,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--true-on-policy", action="store_true",
                     help="the trainer computes its logprobs as the engine does in its batch-invariant mode (the engines "
                          "run deterministic=True at TP=1): the logprob difference is exactly 0 on every token")
+    ap.add_argument("--routing-replay", action="store_true",
+                    help="mixtures of experts: the engines return each token's experts and the trainer routes every "
+                         "token to them (R3: rollout routing replay)")
     ap.add_argument("--dist-check-samples", type=int, default=1, metavar="K",
                     help="the full-distribution check: the engine's whole next-token distribution at the first "
                          "positions of K samples a rank and step, against the trainer's (0: off)")
@@ -67,9 +72,19 @@ def model_path(name: str, seed: int, lora: bool = False) -> str:
         from rollout.tools.smollm2 import smollm2_path
 
         return smollm2_path()
-    if name != "tiny":
+    if name not in ("tiny", "tiny-moe"):
         return name
     from rollout.tools.tiny import make_tiny_model
+
+    if name == "tiny-moe":  # Qwen3-MoE shaped: 32 experts, 4 routed per token, every layer sparse
+        path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-moe-{seed}")
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            make_tiny_model(path + ".tmp", "qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, with_tokenizer=True,
+                            num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[])
+            os.replace(path + ".tmp", path) if not os.path.exists(path) else None
+        return path
 
     path = os.path.join(tempfile.gettempdir(), f"rollout-grpo-tiny-{'lora-' if lora else ''}{seed}")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -135,7 +150,7 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
                       bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
                       lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy,
-                      dist_check_samples=args.dist_check_samples)
+                      dist_check_samples=args.dist_check_samples, routing_replay=args.routing_replay)
 
 
 def step_logger(args, rank: int):

@@ -38,12 +38,13 @@ class RolloutService(Protocol):
                  return_sampling_mask: Optional[bool] = None,
                  session_id: Union[str, list[Optional[str]], None] = None,
                  lora_path: Optional[str] = None, top_logprobs_num: int = 0,
-                 logprob_start_len: int = -1) -> list[RolloutOutput]:
+                 logprob_start_len: int = -1, return_routed_experts: bool = False) -> list[RolloutOutput]:
         """Prompt-major outputs (every sample of a prompt together), with per-token logprobs.
         ``session_id``: per prompt, the session (``open_session``) it is a turn of; ``lora_path``: the
         LoRA adapter every prompt runs on (None: the base weights); ``top_logprobs_num``: the most likely
         ids with their logprobs at every reported position; ``logprob_start_len``: the prompt's tokens from
-        there on reported too (``input_logprobs``, ``input_top_logprobs``; -1: none)."""
+        there on reported too (``input_logprobs``, ``input_top_logprobs``; -1: none); ``return_routed_experts``:
+        each output's ``routed_experts`` (MoE models: an engine or server that records them)."""
         ...
 
     def open_session(self, session_id: Optional[str] = None, timeout_s: Optional[float] = None) -> str:

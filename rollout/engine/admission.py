@@ -57,6 +57,7 @@ class Admission:
                  eos_ids: tuple[int, ...] = ()):
         self.config = config
         self.vocab_size = model_config.vocab_size
+        self.has_experts = bool(model_config.num_experts)
         self.eos_ids = tuple(eos_ids)
         self.limits = limits  # the TP worker: max_req_input_len, max_req_len, context_len, max_total_num_tokens
         self.tokenizer = tokenizer
@@ -94,11 +95,13 @@ class Admission:
                       logprob_start_len: int, rid, on_update=None,
                       return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
                       session_id: Union[str, list[Optional[str]], None] = None,
-                      lora_path: Union[str, list[Optional[str]], None] = None) -> list[Request]:
+                      lora_path: Union[str, list[Optional[str]], None] = None, *,
+                      return_routed_experts: bool = False, routed_experts_start_len: int = 0) -> list[Request]:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        self._check_routed_experts(return_routed_experts, routed_experts_start_len)
         if return_sampling_mask is None:
-            return_sampling_mask = self.config.return_sampling_mask
+            return_sampling_mask = self.config.outputs.return_sampling_mask
         ids_list = self.prompt_ids(prompts, input_ids)
         if not ids_list:
             raise ValueError("no prompts given")
@@ -151,6 +154,11 @@ class Admission:
                           return_logprob, top_logprobs_num, logprob_start_len, on_update, bool(return_sampling_mask))
             req.cache_salt = cache_salt or None
             req.lora_name = loras[i]
+            req.return_routed_experts = bool(return_routed_experts)
+            if req.return_routed_experts and sessions[i] is None and routed_experts_start_len > len(ids):
+                raise ValueError(f"prompt {i}: routed_experts_start_len={routed_experts_start_len} is past its "
+                                 f"{len(ids)} prompt tokens (it must be in [0, prompt length])")
+            req.routed_experts_start_len = routed_experts_start_len
             if sessions[i] is not None:
                 if sp.n != 1:
                     raise ValueError(f"prompt {i} is a turn of session {sessions[i]!r}: a session turn samples "
@@ -159,6 +167,18 @@ class Admission:
             self._check_step_form(req, i)
             reqs.append(req)
         return reqs
+
+    def _check_routed_experts(self, wanted, start_len) -> None:
+        if not isinstance(wanted, bool):
+            raise ValueError("return_routed_experts must be true or false")
+        if not isinstance(start_len, int) or isinstance(start_len, bool) or start_len < 0:
+            raise ValueError("routed_experts_start_len must be an integer >= 0 (a position of the prompt)")
+        if wanted and not self.has_experts:
+            raise ValueError("return_routed_experts: this model has no mixture-of-experts layers (no routed "
+                             "experts to return)")
+        if wanted and not self.config.outputs.return_routed_experts:
+            raise ValueError("return_routed_experts needs an engine started with enable_return_routed_experts=True "
+                             "(server: --enable-return-routed-experts)")
 
     @staticmethod
     def _lora_names(lora_path, num_prompts: int) -> list[Optional[str]]:
@@ -231,7 +251,7 @@ class Admission:
         """Build this request's sampling row exactly as a step will (on the CPU): what cannot be
         turned into the step's tensors, or turns into non-finite values, fails here."""
         try:
-            info = SamplingInputs.from_seqs(req.seqs[:1], self.eos_ids, self.config.logprob_mode == "raw")
+            info = SamplingInputs.from_seqs(req.seqs[:1], self.eos_ids, self.config.outputs.logprob_mode == "raw")
             dev = info.to_device(self.vocab_size, torch.device("cpu"))
         except (RuntimeError, OverflowError, ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"prompt {i}: its sampling parameters cannot be run ({exc})") from None
@@ -258,7 +278,7 @@ class Admission:
             input_logprobs=list(req.input_logprobs), input_top_logprobs=list(req.input_top_logprobs),
             input_ranks=list(req.input_ranks) if len(req.input_ranks) == len(req.input_logprobs) else [],
             finish_reason=seq.finish_reason, matched_stop=seq.matched_stop, stop_text_offset=seq.stop_text_offset,
-            logprob_mode=self.config.logprob_mode,
+            logprob_mode=self.config.outputs.logprob_mode,
             weight_version=seq.output_versions[-1] if seq.output_versions else current_version,
             output_weight_versions=list(seq.output_versions), num_cached_tokens=seq.num_cached_tokens,
             output_token_sampling_mask=list(seq.output_sampling_masks),
@@ -270,6 +290,8 @@ class Admission:
             time_to_first_token_s=(seq.first_token_time - req.arrival_time) if seq.first_token_time else None,
             latency_s=end - req.arrival_time, lora_name=req.lora_name,
             lora_version=req.lora.version if req.lora is not None else None,
+            routed_experts=seq.routed_experts,
+            routed_experts_start_len=seq.routed_experts_start_len,
         )
 
     def _score_output(self, req: Request, seq: Sequence, current_version: str) -> RolloutOutput:
@@ -279,7 +301,7 @@ class Admission:
             rid=req.rid, prompt_index=req.prompt_index, sample_index=0, prompt_token_ids=req.prompt_ids[:req.score_from],
             output_token_ids=list(outputs), output_logprobs=list(req.input_logprobs), text=text,
             output_top_logprobs=list(req.input_top_logprobs), finish_reason=seq.finish_reason,
-            logprob_mode=self.config.logprob_mode, weight_version=current_version,
+            logprob_mode=self.config.outputs.logprob_mode, weight_version=current_version,
             output_weight_versions=[current_version] * len(outputs), num_cached_tokens=seq.num_cached_tokens,
             output_token_sampling_mask=list(req.score_masks),
             output_token_sampling_logprobs=list(req.score_sampling_logprobs),

@@ -158,7 +158,11 @@ class RolloutEngine:
                  seed: int = 0, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model_path, tp_size=tp_size, dtype=dtype, device=device,
                                                seed=seed, **kwargs)
-        ModelConfig.from_pretrained(model_path).check_tp_size(self.config.tp_size)  # before spawning anything
+        model_config = ModelConfig.from_pretrained(model_path)
+        model_config.check_tp_size(self.config.tp_size)  # before spawning anything
+        if self.config.outputs.return_routed_experts and not model_config.num_experts:
+            raise ValueError(f"enable_return_routed_experts: {model_path} has no mixture-of-experts layers, so no "
+                             f"experts are routed")
         self._ext: Optional[ExternalTp] = None
         self._loop: Optional[EngineLoop] = None
         self._weights: Optional[EngineWeights] = None
@@ -281,7 +285,8 @@ class RolloutEngine:
                  rid: Union[str, list[str], None] = None,
                  return_sampling_mask: Optional[bool] = None, cache_salt: Optional[str] = None,
                  session_id: Union[str, list[Optional[str]], None] = None,
-                 lora_path: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
+                 lora_path: Union[str, list[Optional[str]], None] = None, return_routed_experts: bool = False,
+                 routed_experts_start_len: int = 0) -> list[RolloutOutput]:
         """Generate for every prompt; returns a flat, prompt-major list (prompt 0's n samples first).
 
         ``return_sampling_mask`` (default: the engine's option): every output token also carries the
@@ -296,12 +301,17 @@ class RolloutEngine:
         ``lora_path`` (SGLang's name): the name of a loaded LoRA adapter (``load_lora_adapter``) the
         prompts run on, or a list with one entry per prompt (None: the base weights); one batch serves
         any mix. A request runs to its end on the adapter version it started on.
+        ``return_routed_experts`` (MoE models, an engine with ``enable_return_routed_experts``; SGLang's names):
+        each output's ``routed_experts``, the experts every layer routed positions
+        [``routed_experts_start_len``, prompt + outputs - 1) to.
         External launch: every rank of the engine calls this with the same arguments."""
         # Validation raises here, alike on every rank of an external launch, before any step runs.
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                              logprob_start_len, rid, return_sampling_mask=return_sampling_mask,
-                                             cache_salt=cache_salt, session_id=session_id, lora_path=lora_path)
+                                             cache_salt=cache_salt, session_id=session_id, lora_path=lora_path,
+                                             return_routed_experts=return_routed_experts,
+                                             routed_experts_start_len=routed_experts_start_len)
         if self.is_follower:
             return self._ext.follow()
         if self._ext is None:
@@ -352,7 +362,8 @@ class RolloutEngine:
                              stream: bool = False, return_sampling_mask: Optional[bool] = None,
                              cache_salt: Optional[str] = None,
                              session_id: Union[str, list[Optional[str]], None] = None,
-                             lora_path: Union[str, list[Optional[str]], None] = None):
+                             lora_path: Union[str, list[Optional[str]], None] = None,
+                             return_routed_experts: bool = False, routed_experts_start_len: int = 0):
         """Awaitable ``generate``. With ``stream=True`` returns an async iterator of partial
         ``RolloutOutput`` snapshots (one per sample and step; the last one has ``finish_reason``)."""
         if self._ext is not None:
@@ -370,7 +381,8 @@ class RolloutEngine:
         self._check_ready()
         reqs = self._admission.make_requests(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                              logprob_start_len, rid, on_update, return_sampling_mask, cache_salt,
-                                             session_id, lora_path)
+                                             session_id, lora_path, return_routed_experts=return_routed_experts,
+                                             routed_experts_start_len=routed_experts_start_len)
         for r in reqs:
             self._loop.submit(r)
 

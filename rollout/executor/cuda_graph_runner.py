@@ -77,7 +77,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.sampling = StaticSampling(self.max_bs, device)
-        self.raw_logprobs = runner.config.logprob_mode == "raw"
+        self.raw_logprobs = runner.config.outputs.logprob_mode == "raw"
         # (batch size, with top-k/top-p/min-p, with penalties, with masks) -> graph, and its outputs
         self.sampler_graphs: dict[tuple[int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.sampled: dict[tuple[int, bool, bool, bool], tuple[torch.Tensor, ...]] = {}

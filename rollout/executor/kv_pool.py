@@ -50,12 +50,16 @@ def kv_tokens_for_utilization(device: torch.device, utilization: float, bytes_pe
 
 class KvPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, top_k: int = 0):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks  # one block past the pool
         self.buffer = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
                                   device=device)
         self.caches = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
+        # top_k > 0 (enable_return_routed_experts): each slot's routed experts per layer, beside its K/V
+        # (rollout.layers.moe.RoutingRecord); copied with the blocks, kept when the K/V storage is released
+        self.experts = torch.zeros((num_blocks + 1) * block_size, num_layers, top_k, dtype=torch.int32,
+                                   device=device) if top_k else None
         self.released = False
 
     @property
@@ -73,6 +77,9 @@ class KvPool:
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.buffer.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.buffer.device)
         self.buffer.index_copy_(2, dst, self.buffer.index_select(2, src))
+        if self.experts is not None:
+            rows = self.experts.view(self.num_blocks + 1, self.block_size, *self.experts.shape[1:])
+            rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def release(self) -> int:
         """Return the buffer's storage; the bytes freed (0 if it was released already)."""

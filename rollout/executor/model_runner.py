@@ -31,6 +31,7 @@ from rollout.kernels.cpu.plan import GemmPlans, plan_gemms
 from rollout.layers.attention import AttentionMetadata, build_attention_metadata
 from rollout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from rollout.layers.lora import LoraBatch, LoraContext
+from rollout.layers.moe import attach_routing_record
 from rollout.layers.rotary import RotaryEmbedding
 from rollout.layers.sampler import (
     PenaltyState,
@@ -172,16 +173,8 @@ class ModelRunner:
         logger.info("loaded %d tensors (%.1f MB) in %.2fs", self.load_report.num_tensors,
                     self.load_report.num_bytes / 1e6, time.perf_counter() - t0)
         self.max_model_len = max_model_len
-        layers, kv_heads = model_config.num_hidden_layers, self.model.model.layers[0].self_attn.num_kv_heads
-        per_token = kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype)
-        tokens = config.kv_cache_tokens
-        if tokens is None and device.type == "cuda" and config.gpu_memory_utilization is not None:
-            tokens = min(kv_tokens_for_utilization(device, config.gpu_memory_utilization, per_token,
-                                                   _activation_reserve(config, model_config, dtype)),
-                         config.max_num_seqs * max_model_len)
-        blocks = num_kv_blocks(tokens, self.block_size, per_token, device, config.kv_cache_memory_fraction,
-                               config.max_num_seqs * max_model_len)
-        self.kv = KvPool(layers, blocks, self.block_size, kv_heads, model_config.head_dim, dtype, device)
+        self.kv = self._kv_pool()
+        self.routing = attach_routing_record(self.model, self.kv.experts) if self.kv.experts is not None else None
         # decode attention from the block cache: Triton's on CUDA; on CPU the C++ kernel (fp32 softmax and
         # sums, one rounding) for every cache dtype, where the kernel plan has it
         self.use_paged_kernel = (device.type == "cuda" and _has_triton()) or self.kernels.paged_attention
@@ -218,12 +211,30 @@ class ModelRunner:
         self.counts = {"num_graph_replays": 0, "num_eager_decode_steps": 0, "num_graph_samples": 0}
         self.penalty_state: Optional[PenaltyState] = None  # per-sequence penalty counts on the device (lazy)
         self.graph_runner = None
-        # CUDA: decode graphs (a CPU engine on the CUDA plan: the same runner, bodies eager; none batch-invariant)
-        if config.enable_cuda_graph and not config.deterministic and (device.type == "cuda" or self.kernels.triton):
+        # CUDA: decode graphs (a CPU engine on the CUDA plan: the same runner, bodies eager; none batch-invariant,
+        # none of a mixture of experts off the CUDA plan: its per-expert loop reads the routed experts on the host)
+        if config.enable_cuda_graph and not config.deterministic and (not model_config.num_experts or self.kernels.triton) \
+                and (device.type == "cuda" or self.kernels.triton):
             from rollout.executor.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_num_seqs))
             self.graph_runner.capture()
+
+    def _kv_pool(self) -> KvPool:
+        """The KV pool: kv_cache_tokens, or what the memory options leave for it (with each slot's routed
+        experts beside it where the engine returns them)."""
+        config, model_config, device, dtype = self.config, self.model_config, self.device, self.dtype
+        layers, kv_heads = model_config.num_hidden_layers, self.model.model.layers[0].self_attn.num_kv_heads
+        per_token = kv_bytes_per_token(layers, kv_heads, model_config.head_dim, dtype)
+        tokens = config.kv_cache_tokens
+        if tokens is None and device.type == "cuda" and config.gpu_memory_utilization is not None:
+            tokens = min(kv_tokens_for_utilization(device, config.gpu_memory_utilization, per_token,
+                                                   _activation_reserve(config, model_config, dtype)),
+                         config.max_num_seqs * self.max_model_len)
+        blocks = num_kv_blocks(tokens, self.block_size, per_token, device, config.kv_cache_memory_fraction,
+                               config.max_num_seqs * self.max_model_len)
+        return KvPool(layers, blocks, self.block_size, kv_heads, model_config.head_dim, dtype, device,
+                      model_config.num_experts_per_tok if config.outputs.return_routed_experts else 0)
 
     def refresh_packed_weights(self, *rows: int) -> None:
         """Build the weight copies that forwards of these row counts read, where the weights changed
@@ -360,7 +371,7 @@ class ModelRunner:
         idx = torch.tensor(batch.input_logprob_idx, dtype=torch.long, device=self.device)
         targets = torch.tensor(batch.input_logprob_targets, dtype=torch.long, device=self.device)
         return score_processed(logits.index_select(0, idx), targets, self._sampling_info(batch.input_logprob_sampling),
-                               raw=self.config.logprob_mode == "raw", top_n=batch.input_top_logprobs_num)
+                               raw=self.config.outputs.logprob_mode == "raw", top_n=batch.input_top_logprobs_num)
 
     @torch.inference_mode()
     def compute_input_logprobs(self, logits: torch.Tensor, batch: ModelWorkerBatch):

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from rollout.kernels.cpu import ops
+from rollout.layers.linear import LoadSlice, attach_loader_hooks, cat_parts
+from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -38,3 +40,38 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         # torch.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split across the TP ranks (OLMoE's q/k norms span every head of the projection):
+    each rank holds its part of the weight; the sum of squares is all-reduced before the division."""
+
+    def __init__(self, full_size: int, params_dtype: torch.dtype, eps: float):
+        super().__init__()
+        self.tp = get_tp_state()
+        self.eps, self.full_size = eps, full_size
+        self.local = divide(full_size, self.tp.tp_size, "normalised width")
+        self.weight = attach_loader_hooks(nn.Parameter(torch.empty(self.local, dtype=params_dtype),
+                                                       requires_grad=False), self)
+
+    def shard_shape(self, param, shard_id=None) -> tuple[int, ...]:
+        return (self.full_size,)
+
+    def load_slice(self, param, shard_id=None) -> LoadSlice:
+        if self.tp.tp_size == 1:
+            return LoadSlice(param.data)
+        return LoadSlice(param.data, 0, self.tp.tp_rank * self.local, self.local)
+
+    def local_part(self, param, shard_id=None) -> torch.Tensor:
+        return param.data
+
+    def full_from_parts(self, parts: list[torch.Tensor], shard_id=None) -> torch.Tensor:
+        return cat_parts(parts, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if self.tp.tp_size == 1:
+            var = h.pow(2).mean(-1, keepdim=True)
+        else:
+            var = tp_all_reduce(h.pow(2).sum(-1, keepdim=True), self.tp) / self.full_size
+        return self.weight * (h * torch.rsqrt(var + self.eps)).to(x.dtype)

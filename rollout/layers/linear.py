@@ -18,13 +18,15 @@ from rollout.kernels.cpu.packing import PackedWeight, packed_linear
 from rollout.layers.lora import LoraSlots
 from rollout.layers.parallel_state import divide, get_tp_state, tp_all_reduce
 
+# hf_pieces / hf_whole: the checkpoint tensors one parameter holds, the name of all of them (rollout.layers.moe)
 LOADER_HOOKS = ("weight_loader", "shard_shape", "load_slice", "local_part", "full_from_parts",
-                "hf_pieces")  # hf_pieces: the checkpoint tensors one parameter holds (rollout.layers.moe)
+                "hf_pieces", "hf_whole")
 
 
 class LoadSlice(NamedTuple):
     """Where a full Hugging Face tensor lands on this rank: ``dst`` (a view of the parameter)
-    receives ``full.narrow(dim, start, length)`` (the whole tensor when ``dim`` is None);
+    receives ``full.narrow(dim, start, length)`` (the whole tensor when ``dim`` is None), the full
+    tensor first viewed as ``shape`` where given (a fused pair of pieces, narrowed in each);
     ``zero_tail`` (padding rows, if any) is zeroed."""
 
     dst: torch.Tensor
@@ -32,8 +34,11 @@ class LoadSlice(NamedTuple):
     start: int = 0
     length: int = 0
     zero_tail: Optional[torch.Tensor] = None
+    shape: Optional[tuple[int, ...]] = None
 
     def source(self, full: torch.Tensor) -> torch.Tensor:
+        if self.shape is not None:
+            full = full.reshape(self.shape)
         return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
 
     def copy_from(self, full: torch.Tensor) -> None:

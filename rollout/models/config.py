@@ -20,7 +20,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(family="llama", qk_norm=True),
     # mixtures of experts: the Llama layer with a sparse MoE block (rollout.layers.moe) in place of its MLP
     "Qwen3MoeForCausalLM": dict(family="llama", qk_norm=True),
+    "Qwen2MoeForCausalLM": dict(family="llama", qk_norm=False),  # + a shared expert behind a sigmoid gate
     "MixtralForCausalLM": dict(family="llama", qk_norm=False),
+    "OlmoeForCausalLM": dict(family="llama", qk_norm=False),  # q/k RMSNorm over the whole projection
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -55,6 +57,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: every token also through a shared expert (0: none)
+    qk_norm_full: bool = False  # OLMoE: q and k RMS-normalised over the whole projection (all heads at once)
+    clip_qkv: Optional[float] = None  # OLMoE: q, k and v clamped to +-clip_qkv after the projection
 
     @staticmethod
     def from_pretrained(model_path: str) -> ModelConfig:
@@ -83,8 +88,10 @@ class ModelConfig:
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         bias = bool(hf.get("attention_bias", False))
         qkv_bias, o_bias = (True, False) if arch == "Qwen2ForCausalLM" else (bias, bias)
+        if arch == "Qwen2MoeForCausalLM":  # (transformers v5 names it qkv_bias; the hub's configs predate it)
+            qkv_bias, o_bias = bool(hf.get("qkv_bias", True)), False
         window = hf.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             if hf.get("use_sliding_window"):
                 raise ValueError(f"{arch} with use_sliding_window=true is not supported (per-layer windows)")
             window = None
@@ -97,12 +104,19 @@ class ModelConfig:
         moe: dict[str, Any] = {}
         layers = hf["num_hidden_layers"]
         experts = hf.get("num_experts") or hf.get("num_local_experts")  # the hub's name; transformers v5 writes the other
-        if arch == "Qwen3MoeForCausalLM" and experts:
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM") and experts:
             skip, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step", 1) or 1
             moe = dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
                        moe_intermediate_size=hf["moe_intermediate_size"],
                        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                       moe_layers=tuple(i for i in range(layers) if i not in skip and (i + 1) % step == 0))
+                       moe_layers=tuple(i for i in range(layers) if i not in skip and (i + 1) % step == 0),
+                       shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0
+                       if arch == "Qwen2MoeForCausalLM" else 0)
+        elif arch == "OlmoeForCausalLM":
+            moe = dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["intermediate_size"],
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=tuple(range(layers)),
+                       qk_norm_full=True, clip_qkv=hf.get("clip_qkv"))
         elif arch == "MixtralForCausalLM":
             moe = dict(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
                        moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
@@ -134,22 +148,22 @@ class ModelConfig:
 
     def check_tp_size(self, tp_size: int) -> None:
         valid = self.valid_tp_sizes(16)
-        if self.num_experts and tp_size != 1:
-            raise ValueError(f"tp_size={tp_size}: {self.architecture} is a mixture of experts, served at tp_size=1 for "
-                             "now (expert tensor parallelism is not built yet)")
         if tp_size not in valid:
+            experts = f", experts' intermediate {self.moe_intermediate_size}" if self.num_experts else ""
             raise ValueError(f"tp_size={tp_size} does not split {self.architecture} ({self.num_attention_heads} heads, "
-                             f"{self.num_key_value_heads} KV heads, intermediate {self.intermediate_size}) evenly; "
-                             f"valid TP sizes: {valid}")
+                             f"{self.num_key_value_heads} KV heads, intermediate {self.intermediate_size}{experts}) "
+                             f"evenly; valid TP sizes: {valid}")
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
-        """TP sizes this model splits evenly over (KV heads may be replicated); a mixture of experts: 1 for now."""
-        if self.num_experts:
-            return [1]
+        """TP sizes this model splits evenly over (KV heads may be replicated; a mixture of experts' intermediate
+        dimension too, and the dense one only where some layer is dense)."""
+        dense = not self.num_experts or len(self.moe_layers) < self.num_hidden_layers
         ok = []
         for tp in range(1, limit + 1):
-            kv_ok = self.num_key_value_heads % tp == 0 or tp % self.num_key_value_heads == 0
-            if (self.num_attention_heads % tp == 0 and self.intermediate_size % tp == 0
+            kv_ok = self.num_key_value_heads % tp == 0 or (tp % self.num_key_value_heads == 0 and not self.qk_norm_full)
+            mlp_ok = (not dense or self.intermediate_size % tp == 0) and \
+                (not self.num_experts or self.moe_intermediate_size % tp == 0)
+            if (self.num_attention_heads % tp == 0 and mlp_ok
                     and (self.num_attention_heads * self.head_dim) % tp == 0 and kv_ok):
                 ok.append(tp)
         return ok

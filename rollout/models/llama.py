@@ -6,6 +6,8 @@ loader maps checkpoint names with ``packed_modules_mapping`` alone.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,9 +15,9 @@ from torch import nn
 from rollout.kernels.choice import KernelPlan
 from rollout.kernels.cpu import fused, ops
 from rollout.layers.attention import AttentionMetadata, PagedAttention
-from rollout.layers.layernorm import RMSNorm
+from rollout.layers.layernorm import RMSNorm, ShardedRMSNorm
 from rollout.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from rollout.layers.moe import SparseMoe
+from rollout.layers.moe import RoutingRecord, SparseMoe
 from rollout.layers.rotary import RotaryEmbedding, apply_rotary
 from rollout.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout.models.config import ModelConfig
@@ -39,10 +41,15 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.local_heads, self.qkv_proj.local_kv_heads
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, dtype)
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
-        self.qk_norm = cfg.qk_norm
+        elif cfg.qk_norm_full:  # OLMoE: over every head of the projection at once
+            self.q_norm = ShardedRMSNorm(cfg.num_attention_heads * cfg.head_dim, dtype, cfg.rms_norm_eps)
+            self.k_norm = ShardedRMSNorm(cfg.num_key_value_heads * cfg.head_dim, dtype, cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_full, self.clip_qkv = cfg.qk_norm, cfg.qk_norm_full, cfg.clip_qkv
         # decode steps: rotary and the K/V write in one call (CPU: C++; CUDA: Triton)
         self.fused_rope = kernels.rope or kernels.triton
         self.rope_and_cache = _triton_op("rope_and_cache") if kernels.triton else ops.rope_and_cache
@@ -53,6 +60,11 @@ class LlamaAttention(nn.Module):
         """rope: ``RotaryEmbedding.tables`` of this forward's positions."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.qk_norm_full:  # OLMoE: q and k normalised whole, then (where the model says) q, k, v clamped
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+            if self.clip_qkv is not None:
+                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.fused_rope and meta.all_decode and meta.use_paged_kernel and not self.qk_norm:
             # a CPU decode step: rotary and the K/V write in one call, attention from the cache
             q = self.rope_and_cache(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
@@ -70,11 +82,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelPlan, inter: Optional[int] = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias,
-                                                 shard_ids=[0, 1], params_dtype=dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+        inter = inter or cfg.intermediate_size  # (a MoE block's shared expert has its own width)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter] * 2, cfg.mlp_bias, shard_ids=[0, 1],
+                                                 params_dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
         self.fused_act = kernels.silu or kernels.triton  # silu(gate) * up in one call (CPU: C++; CUDA: Triton)
         self.silu_mul = _triton_op("silu_mul") if kernels.triton else ops.silu_mul
 
@@ -92,9 +105,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, dtype, kernels)
         # a mixture of experts' sparse block where the model has one (rollout.layers.moe), else the dense MLP
         mixtral = cfg.architecture == "MixtralForCausalLM"
+        shared = LlamaMLP(cfg, dtype, kernels, cfg.shared_expert_intermediate_size) \
+            if cfg.shared_expert_intermediate_size and index in cfg.moe_layers else None  # Qwen2-MoE
         self.mlp: nn.Module = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                         cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype,
-                                        ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")) \
+                                        ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"), index,
+                                        shared, kernels.triton) \
             if index in cfg.moe_layers else LlamaMLP(cfg, dtype, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm,
@@ -124,9 +140,12 @@ class LlamaModel(nn.Module):
         self.fused_decode = kernels.layer  # CPU decode steps: each layer in one call (rollout.kernels.cpu.fused)
         self.fused_stack = kernels.stack  # the same, every layer in one call where the GEMM plans allow
         self.stack_tensors: dict = {}  # rollout.layers.fused.decode_stack's arguments, emptied by the runner
+        self.routing: Optional[RoutingRecord] = None  # each slot's routed experts (enable_return_routed_experts)
 
     def forward(self, input_ids, positions, kv_caches: KVCaches, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
+        if self.routing is not None:
+            self.routing.slots = meta.slot_mapping  # where each row's MoE layers record its experts
         rope = self.rotary.tables(positions, hidden.dtype)
         lora = self.layers[0].self_attn.qkv_proj.lora.context
         # adapters each on one run of rows (torch backend): each layer's C++ call adds their low-rank terms

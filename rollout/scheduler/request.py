@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
+import torch
+
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler.lora_registry import AdapterVersion
 
@@ -50,6 +52,8 @@ class Sequence:
         self.spec_verify_ct = 0  # verify steps it ran, guesses in them, guesses accepted (SGLang's names)
         self.spec_draft_token_num = 0
         self.spec_accept_token_num = 0
+        self.routed_experts: Optional[torch.Tensor] = None  # read when it finishes (return_routed_experts)
+        self.routed_experts_start_len = 0  # the position its first row is (the request's, within its length)
 
     @property
     def params(self) -> SamplingParams:
@@ -89,6 +93,9 @@ class Request:
         self.session_id: Optional[str] = None  # a session turn: the session's history is prepended
         self.lora_name: Optional[str] = None  # the LoRA adapter asked for (None: the base weights)
         self.lora: Optional[AdapterVersion] = None  # the adapter version it runs on, set when it is added
+        # SGLang's return_routed_experts: each sample's experts at positions [routed_experts_start_len, len - 1)
+        self.return_routed_experts = False
+        self.routed_experts_start_len = 0
         # Replayed scoring: prompt_ids[score_from:] are given output tokens, scored under
         # ``score_params`` as generation would have (processed logprobs, masks); None otherwise.
         self.score_from: Optional[int] = None

@@ -114,8 +114,8 @@ class ResultFolder:
 
     def _mask_too_large(self) -> ValueError:
         return ValueError(f"a sampling mask of this request would hold more than max_sampling_mask_size="
-                          f"{self.s.config.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, min_p, "
-                          f"allowed_token_ids) or raise the engine's max_sampling_mask_size")
+                          f"{self.s.config.outputs.max_sampling_mask_size} token ids; restrict sampling (top_k, top_p, "
+                          f"min_p, allowed_token_ids) or raise the engine's max_sampling_mask_size")
 
     def _record_input_logprobs(self, batch: ScheduledBatch, result: GenerationBatchResult) -> None:
         if result.input_sampling_logprobs is not None:  # replayed scoring

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
 
+import torch
+
 from rollout.batch import (
     GenerationBatchResult,
     ModelWorkerBatch,
@@ -296,8 +298,8 @@ class Scheduler:
 
     def _sampling_inputs(self, samplers: list[Sequence]) -> SamplingInputs:
         """Built from sequence state when sampling happens (late, under overlap)."""
-        return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.logprob_mode == "raw",
-                                        self.config.max_sampling_mask_size, self.penalty_slots)
+        return SamplingInputs.from_seqs(samplers, self.eos_ids, self.config.outputs.logprob_mode == "raw",
+                                        self.config.outputs.max_sampling_mask_size, self.penalty_slots)
 
     def drain(self) -> None:
         """Finish the launched batch (overlap mode) so the model is quiet: for flushes, updates, stops."""
@@ -432,7 +434,7 @@ class Scheduler:
         verifies: list[tuple[Sequence, int, list[int]]] = []  # (sequence, its first sample row, its guesses)
         in_top = 0
         has_placeholders = False
-        raw = self.config.logprob_mode == "raw"
+        raw = self.config.outputs.logprob_mode == "raw"
         row = 0
         for seq, q in scheduled:
             start = seq.num_computed_tokens
@@ -498,7 +500,7 @@ class Scheduler:
         if not any(s is not None for s in scored):
             return None
         rows = [s if s is not None else ScoredPosition(_neutral(t), [], 0, _NO_MASK) for s, t in zip(scored, temps)]
-        return SamplingInputs.from_seqs(rows, self.eos_ids, False, self.config.max_sampling_mask_size)
+        return SamplingInputs.from_seqs(rows, self.eos_ids, False, self.config.outputs.max_sampling_mask_size)
 
     def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Make prompt blocks completed by this step matchable by later requests."""
@@ -556,6 +558,17 @@ class Scheduler:
         req.error = error
         self.abort(req.rid)
 
+    def _routed_experts(self, seq: Sequence) -> tuple[int, torch.Tensor]:
+        """The experts recorded at the sequence's positions [routed_experts_start_len, len - 1) (the last token
+        is never a forward's input), read from its KV slots before they are freed; a sequence aborted before
+        some were computed reports those it has."""
+        end = min(seq.num_computed_tokens, len(seq.token_ids) - 1, len(seq.block_table) * self.block_size)
+        start = min(seq.req.routed_experts_start_len, max(end, 0))
+        positions = torch.arange(start, max(end, start))
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return start, self.worker.model_runner.routing.read(slots)
+
     def finish(self, seq: Sequence, reason: str, matched=None) -> None:
         seq.finish_reason = reason
         seq.matched_stop = matched
@@ -566,6 +579,8 @@ class Scheduler:
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+        if seq.req.return_routed_experts:
+            seq.routed_experts_start_len, seq.routed_experts = self._routed_experts(seq)
         if seq.req.session_id is not None:
             self.sessions.end_turn(seq)
         self.block_manager.free(seq.block_table)

@@ -3,6 +3,7 @@ in-process engine (``RolloutOutput`` lists, ``WeightResult``s)."""
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any, Optional, Union
 
@@ -30,7 +31,19 @@ def _sampling(sp) -> Union[dict, list, None]:
     return {k: v for k, v in vars(sp).items() if v is not None}
 
 
-def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None) -> RolloutOutput:
+def _routed_experts(meta: dict, shape: Optional[list]) -> Optional[torch.Tensor]:
+    """``meta_info.routed_experts`` (base64 int32) as [positions, layers, top_k]."""
+    data = meta.get("routed_experts")
+    if data is None:
+        return None
+    if not shape:
+        raise ValueError("the server returned routed experts without saying their shape (routed_experts_shape)")
+    flat = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.int32)
+    return flat.reshape(-1, *shape)
+
+
+def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None,
+                     routed_shape: Optional[list] = None) -> RolloutOutput:
     """A ``/generate`` item back into the engine's ``RolloutOutput``."""
     meta = item["meta_info"]
     finish = meta.get("finish_reason") or {}
@@ -48,7 +61,9 @@ def output_from_item(item: dict, prompt_ids: Optional[list[int]] = None) -> Roll
         output_token_sampling_mask=list(meta.get("output_token_sampling_mask") or []),
         output_token_sampling_logprobs=list(meta.get("output_token_sampling_logprobs") or []),
         num_cached_tokens=meta.get("cached_tokens", 0), latency_s=meta.get("e2e_latency"),
-        lora_name=meta.get("lora_name"), lora_version=meta.get("lora_version"))
+        lora_name=meta.get("lora_name"), lora_version=meta.get("lora_version"),
+        routed_experts=_routed_experts(meta, routed_shape),
+        routed_experts_start_len=meta.get("routed_experts_start_len", 0))
 
 
 class RolloutClient:
@@ -98,7 +113,8 @@ class RolloutClient:
                  return_sampling_mask: Optional[bool] = None,
                  session_id: Union[str, list[Optional[str]], None] = None,
                  routing_key: Union[str, list[str], None] = None,
-                 lora_path: Union[str, list[Optional[str]], None] = None) -> list[RolloutOutput]:
+                 lora_path: Union[str, list[Optional[str]], None] = None,
+                 return_routed_experts: bool = False) -> list[RolloutOutput]:
         """Like ``RolloutEngine.generate``: a flat, prompt-major list of ``RolloutOutput``. A session
         turn's ``prompt_token_ids`` are the tokens it appended (``session_info`` has the history).
 
@@ -106,7 +122,8 @@ class RolloutClient:
         (``sglang-router`` / SMG with ``--policy manual`` or ``consistent_hashing``) sends every request
         with one key to one worker, as slime does per multi-turn session. A list (one key per prompt):
         each prompt goes as a request of its own with its key, all at once. ``lora_path``: a loaded LoRA
-        adapter's name, or one per prompt (None: the base weights)."""
+        adapter's name, or one per prompt (None: the base weights). ``return_routed_experts``: each output's
+        ``routed_experts`` (a server started with ``--enable-return-routed-experts``)."""
         if input_ids is not None and input_ids and isinstance(input_ids[0], int):
             input_ids = [input_ids]
         if isinstance(prompts, str):
@@ -114,26 +131,27 @@ class RolloutClient:
         if isinstance(routing_key, list):
             return self._generate_keyed(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                                         logprob_start_len, rid, return_sampling_mask, session_id, routing_key,
-                                        lora_path)
+                                        lora_path, return_routed_experts)
         sessions = session_id if isinstance(session_id, list) else None
         body = {"text": prompts, "input_ids": input_ids, "sampling_params": _sampling(sampling_params) or {},
                 "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                 "logprob_start_len": logprob_start_len, "rid": rid, "return_sampling_mask": return_sampling_mask,
                 "session_params": ([{"id": s} if s is not None else None for s in sessions] if sessions is not None
                                    else {"id": session_id} if session_id is not None else None),
-                "lora_path": lora_path}
+                "lora_path": lora_path, "return_routed_experts": return_routed_experts or None}
         headers = self._headers(False)
         if routing_key is not None:
             headers["X-SMG-Routing-Key"] = routing_key
         r = self.http.post("/generate", json={k: v for k, v in body.items() if v is not None}, headers=headers)
         items = self._json(r)
         items = items if isinstance(items, list) else [items]
-        return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None)
+        shape = self._info().get("routed_experts_shape") if return_routed_experts else None
+        return [output_from_item(it, input_ids[it["meta_info"].get("prompt_index", 0)] if input_ids else None, shape)
                 for it in items]
 
     def _generate_keyed(self, prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                         logprob_start_len, rid, return_sampling_mask, session_id, routing_keys: list[str],
-                        lora_path=None):
+                        lora_path=None, return_routed_experts: bool = False):
         """One request per prompt, each with its own routing key, concurrently; prompt-major outputs."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -151,7 +169,7 @@ class RolloutClient:
                                  top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                                  rid=nth(rid, i), return_sampling_mask=return_sampling_mask,
                                  session_id=nth(session_id, i), routing_key=routing_keys[i],
-                                 lora_path=nth(lora_path, i))
+                                 lora_path=nth(lora_path, i), return_routed_experts=return_routed_experts)
             for o in outs:
                 o.prompt_index = i
             return outs

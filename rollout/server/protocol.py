@@ -83,7 +83,6 @@ NOT_HERE = {
     "input_embeds": "input_embeds are not supported: send text or input_ids",
     "token_ids_logprob": "token_ids_logprob is not supported: use top_logprobs_num",
     "return_hidden_states": "hidden states are not returned by this engine",
-    "return_routed_experts": "routed experts exist only in MoE models; this engine serves dense models",
     "return_entropy": "return_entropy is not supported",
     "return_bytes": "return_bytes is not supported",
     "lora_id": "lora_id is SGLang's internal adapter id: name the adapter in lora_path",
@@ -148,7 +147,8 @@ class GenerateRequest(Lenient):
     input_embeds: Any = None
     token_ids_logprob: Any = None
     return_hidden_states: Any = False
-    return_routed_experts: Any = False
+    return_routed_experts: Union[bool, list[bool]] = False
+    routed_experts_start_len: Union[int, list[int]] = 0  # SGLang's: the first position whose experts return
     return_entropy: Any = False
     return_bytes: Any = False
     # a loaded LoRA adapter's name (SGLang's), or one per prompt (null: the base weights)

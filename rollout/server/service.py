@@ -490,7 +490,11 @@ class EngineService:
                 # what slime's external-engine mode reads and compares with its own launch arguments
                 "tensor_parallel_size": tp, "pp_size": 1, "pipeline_parallel_size": 1, "ep_size": 1,
                 "moe_dp_size": 1, "dp_size": 1, "num_gpus": tp if engine.device.type == "cuda" else 0,
-                "enable_memory_saver": config.enable_memory_saver, "enable_return_routed_experts": False,
+                "enable_memory_saver": config.enable_memory_saver,
+                "enable_return_routed_experts": engine.config.outputs.return_routed_experts,
+                # how meta_info.routed_experts' rows reshape (ours): [layers, top_k]; None for a dense model
+                "routed_experts_shape": [engine.model_config.num_hidden_layers, engine.model_config.num_experts_per_tok]
+                if engine.model_config.num_experts else None,
                 "disaggregation_mode": "null", "disaggregation_bootstrap_port": None, "encoder_only": False,
                 "stats": stats, "weight_version": engine.get_weight_version(),
                 "dtype": self.dtype_name, "tp_size": engine.tp_size,

@@ -3,6 +3,7 @@ per-token weight versions) and ``/health_generate``."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Callable
 from typing import Any, Optional
@@ -70,7 +71,15 @@ def sglang_item(o: RolloutOutput, return_logprob: bool, text_of: TokenText = _no
     if o.output_token_sampling_mask:  # SGLang's names
         meta["output_token_sampling_mask"] = o.output_token_sampling_mask
         meta["output_token_sampling_logprobs"] = o.output_token_sampling_logprobs
+    if o.routed_experts is not None:  # SGLang's: base64 of int32 [positions, layers, top_k], once finished
+        meta["routed_experts"] = routed_experts_base64(o.routed_experts)
+        meta["routed_experts_start_len"] = o.routed_experts_start_len
     return {"text": o.text, "output_ids": o.output_token_ids, "meta_info": meta}
+
+
+def routed_experts_base64(experts) -> str:
+    """SGLang's wire form of routed experts: the int32 values, little-endian, row-major, in base64."""
+    return base64.b64encode(experts.numpy().astype("<i4", copy=False).tobytes()).decode("ascii")
 
 
 # the per-output-token lists of meta_info, sliced to the new tokens in an incremental stream
@@ -112,7 +121,9 @@ async def generate(body: P.GenerateRequest, request: Request, svc: EngineService
                       return_logprob=return_logprob, top_logprobs_num=top_n,
                       logprob_start_len=body.one("logprob_start_len", -1), rid=body.rid,
                       return_sampling_mask=body.return_sampling_mask, cache_salt=body.one("extra_key", None),
-                      session_id=body.session_ids(), lora_path=body.lora_path)
+                      session_id=body.session_ids(), lora_path=body.lora_path,
+                      return_routed_experts=body.one("return_routed_experts", False),
+                      routed_experts_start_len=body.one("routed_experts_start_len", 0))
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from None
     text_of = svc.token_text if body.return_text_in_logprobs else _no_text

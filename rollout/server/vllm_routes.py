@@ -20,6 +20,7 @@ generation is paused (published at ``/resume``). prime-rl's ``/update_weights {"
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from typing import Any, Literal, Optional
 
@@ -401,6 +402,40 @@ async def generate_tokens(body: TokensRequest, request: Request, svc: EngineServ
     generation route): ``choices[i].token_ids``, ``finish_reason``, ``logprobs.content[j].logprob``
     with ``sampling_params.logprobs``; ``prompt_logprobs`` with ``sampling_params.prompt_logprobs``.
     ``X-Session-ID`` (SkyRL's sticky routing) is accepted."""
+    return await _generate_tokens(body, request, svc, routed=False)
+
+
+class SkyrlTokensRequest(TokensRequest):
+    """``/skyrl/v1/generate``'s body: vLLM's, and SkyRL's evidence switches (refused here when set)."""
+
+    return_full_logprobs: bool = False
+    return_sample_support: bool = False
+
+
+@router.post("/skyrl/v1/generate", dependencies=USER)
+async def skyrl_generate(body: SkyrlTokensRequest, request: Request, svc: EngineService = Svc):
+    """SkyRL's generation route when routed experts are on (its routing replay): ``/inference/v1/generate``'s
+    answer with each choice's ``routed_experts`` packed as SkyRL reads it — ``{"data": base64, "shape":
+    [positions, layers, top_k], "dtype"}`` in the smallest of uint8 / int16 / int32 that holds the ids, the
+    positions those of prompt + outputs but the last. Needs a server started with
+    ``--enable-return-routed-experts``."""
+    if not svc.engine.config.outputs.return_routed_experts:
+        raise HTTPException(400, "/skyrl/v1/generate returns routed experts: start the server with "
+                                 "--enable-return-routed-experts (a mixture-of-experts model)")
+    if body.return_full_logprobs or body.return_sample_support:
+        raise HTTPException(400, "return_full_logprobs and return_sample_support are not served here: send neither")
+    return await _generate_tokens(body, request, svc, routed=True)
+
+
+def packed_routed_experts(experts) -> dict:
+    """SkyRL's envelope: ``data`` first (its reader cuts the base64 out of the raw body by that prefix)."""
+    top = int(experts.max()) if experts.numel() else 0
+    dtype = "uint8" if top < 2**8 else "int16" if top < 2**15 else "int32"
+    data = experts.numpy().astype(dtype, copy=False)
+    return {"data": base64.b64encode(data.tobytes()).decode("ascii"), "shape": list(data.shape), "dtype": dtype}
+
+
+async def _generate_tokens(body: TokensRequest, request: Request, svc: EngineService, routed: bool):
     svc.metrics.started(request.url.path)
     if body.stream:
         raise HTTPException(400, "stream is not supported on /inference/v1/generate here; send stream: false")
@@ -414,7 +449,8 @@ async def generate_tokens(body: TokensRequest, request: Request, svc: EngineServ
     want = out_k is not None or prompt_k is not None
     kwargs = dict(input_ids=[body.token_ids], sampling_params=sp.ours(len(body.token_ids), svc.context_len),
                   return_logprob=want, top_logprobs_num=max(out_k or 0, prompt_k or 0, int(prompt_k is not None)),
-                  logprob_start_len=0 if prompt_k is not None else -1, cache_salt=body.cache_salt)
+                  logprob_start_len=0 if prompt_k is not None else -1, cache_salt=body.cache_salt,
+                  return_routed_experts=routed)
     outs = await svc.generate(request, kwargs)
     token_str = svc.token_text
     choices = []
@@ -426,6 +462,9 @@ async def generate_tokens(body: TokensRequest, request: Request, svc: EngineServ
                                     for t, lp, top in zip(o.output_token_ids, o.output_logprobs, tops)]}
         choices.append({"index": o.sample_index, "logprobs": logprobs, "finish_reason": o.finish_reason or "stop",
                         "token_ids": o.output_token_ids})
+        if routed:
+            choices[-1]["routed_experts"] = packed_routed_experts(o.routed_experts) \
+                if o.routed_experts is not None else None
     prompt_logprobs = prompt_logprob_dicts(token_str, outs[0], prompt_k) if prompt_k is not None else None
     return {"request_id": body.request_id or f"generate-tokens-{uuid.uuid4().hex}", "choices": choices,
             "prompt_logprobs": prompt_logprobs, "kv_transfer_params": None}

@@ -36,6 +36,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "olmoe": "OlmoeConfig",
 }
 
 
@@ -104,9 +106,9 @@ def make_tiny_model(path: str, arch: str = "llama", *, hidden_size: int = 64, in
                     vocab_size: Optional[int] = None, tie_word_embeddings: bool = False, seed: int = 0,
                     embed_std: float = 1.0, head_std: float = 0.5, dtype: torch.dtype = torch.float32,
                     with_tokenizer: bool = True, max_position_embeddings: int = 512, tokenizer=None,
-                    router_std: float = 1.0, **config_extra) -> str:
-    """Write a random tiny model of ``arch`` (llama, mistral, qwen2, qwen3; mixtures of experts qwen3_moe and
-    mixtral, their routers drawn with ``router_std``) to ``path``; return it.
+                    router_std: float = 1.0, expert_std: float = 0.08, **config_extra) -> str:
+    """Write a random tiny model of ``arch`` (llama, mistral, qwen2, qwen3; mixtures of experts qwen3_moe, qwen2_moe,
+    mixtral and olmoe, their routers drawn with ``router_std``, their experts with ``expert_std``) to ``path``; return it.
     ``tokenizer``: one to ship instead of the embedded one (e.g. ``build_chat_tokenizer``)."""
     import transformers
 
@@ -143,6 +145,8 @@ def make_tiny_model(path: str, arch: str = "llama", *, hidden_size: int = 64, in
                 p.normal_(0, 0.1)
             elif name.endswith("mlp.gate.weight"):  # a MoE router: wide margins, so no top-k is a near tie
                 p.normal_(0, router_std)
+            elif ".experts." in name:  # (transformers v5: experts.gate_up_proj / down_proj, every expert's)
+                p.normal_(0, expert_std)
             else:
                 p.normal_(0, 0.08)
     model.config.dtype = dtype

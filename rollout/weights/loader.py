@@ -12,6 +12,7 @@ at a time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Union
@@ -56,11 +57,25 @@ class _Target:
     param: nn.Parameter
     shard_id: object
     slice: LoadSlice  # where a full tensor of this name lands (its views follow their storage)
+    # another spelling of pieces that canonical names cover (a tied head; transformers v5's fused experts,
+    # ``experts.gate_up_proj``, for the per-expert checkpoint names; Mixtral's ``mlp`` for ``block_sparse_moe``):
+    # accepted, never required, never listed
+    alias: bool = False
 
 
-def _target(pname: str, param: nn.Parameter, shard_id) -> _Target:
+def _target(pname: str, param: nn.Parameter, shard_id, alias: bool = False) -> _Target:
     load_slice = getattr(param, "load_slice", None)
-    return _Target(pname, param, shard_id, load_slice(param, shard_id) if load_slice else LoadSlice(param.data))
+    return _Target(pname, param, shard_id, load_slice(param, shard_id) if load_slice else LoadSlice(param.data),
+                   alias)
+
+
+def pieces_of(t: _Target) -> set:
+    """The (parameter, shard) pieces a tensor of this target writes: a whole parameter that checkpoints hold
+    in pieces (``hf_pieces``) writes every one of them."""
+    pieces = getattr(t.param, "hf_pieces", None)
+    if t.shard_id is None and pieces is not None:
+        return {(t.param_name, shard) for _, shard in pieces}
+    return {(t.param_name, t.shard_id)}
 
 
 def nonfinite_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -100,6 +115,9 @@ def weight_name_map(model: nn.Module) -> NameMap:
             prefix = pname.rsplit(".", 1)[0] + "."
             for hf, shard in pieces:
                 names[prefix + hf] = _target(pname, param, shard)
+            whole = getattr(param, "hf_whole", None)  # the name transformers v5 gives the whole (fused experts)
+            if whole is not None:
+                names[prefix + whole] = _target(pname, param, None, alias=True)
             continue
         packed = [(hf, shard) for hf, (ours, shard) in mapping.items() if f".{ours}." in pname]
         if packed:
@@ -109,11 +127,13 @@ def weight_name_map(model: nn.Module) -> NameMap:
         else:
             names[pname] = _target(pname, param, None)
     renames = getattr(model, "module_renames", {})  # module names the checkpoint spells otherwise
-    for ours, theirs in renames.items():
-        names = {n.replace(f".{ours}.", f".{theirs}."): t for n, t in names.items()}
+    for ours, theirs in renames.items():  # the checkpoint's spelling; ours (transformers v5's) an alias
+        renamed = {n.replace(f".{ours}.", f".{theirs}."): t for n, t in names.items()}
+        renamed.update({n: dataclasses.replace(t, alias=True) for n, t in names.items() if n not in renamed})
+        names = renamed
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and _TIED_ALIAS not in names:
-        names[_TIED_ALIAS] = names["model.embed_tokens.weight"]  # accepted, never required
+        names[_TIED_ALIAS] = dataclasses.replace(names["model.embed_tokens.weight"], alias=True)
     return names
 
 
@@ -141,6 +161,7 @@ def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]]
     items: list[tuple[str, TensorLike, _Target]] = []
     errors: list[str] = []
     seen: set[str] = set()
+    written: dict = {}  # (parameter, shard) piece -> the first item's name that writes it
     to_check: list[tuple[str, torch.Tensor]] = []  # in-memory tensors: checked together
     for item in named_tensors:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -163,6 +184,13 @@ def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]]
             errors.append(f"weight {name!r} given twice")
             continue
         seen.add(name)
+        writes = pieces_of(target)
+        clash = next((written[p] for p in writes if p in written and _TIED_ALIAS not in (name, written[p])), None)
+        if clash is not None:  # (a tied head may come with its embedding, as checkpoints carry both)
+            errors.append(f"{name}: writes what {clash} in this load writes too (a fused tensor and its pieces, or "
+                          f"two spellings of one weight): send one of them")
+        for p in writes:
+            written.setdefault(p, name)
         want, got = _expected_shape(target), tuple(tensor.shape)
         if want != got:
             errors.append(f"{name}: shape {list(got)} does not match the model's {list(want)}")
@@ -180,9 +208,7 @@ def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]]
         items.append((name, tensor, target))
     errors += [f"{name}: contains NaN or Inf values" for name in nonfinite_names(to_check)]
     if require_complete:
-        covered = {(name_map[n].param_name, name_map[n].shard_id) for n in seen}
-        missing = sorted({n for n, t in name_map.items()
-                          if (t.param_name, t.shard_id) not in covered and n != _TIED_ALIAS})
+        missing = sorted({n for n, t in name_map.items() if not t.alias and not pieces_of(t) <= written.keys()})
         if missing:
             more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
             errors.append(f"missing weights: {', '.join(missing[:8])}{more}")
@@ -193,12 +219,17 @@ def plan_load(name_map: NameMap, named_tensors: Iterable[tuple[str, TensorLike]]
 
 def coverage(name_map: NameMap, names: Iterable[str]) -> set:
     """The (parameter, shard) pieces the named tensors write."""
-    return {(name_map[n].param_name, name_map[n].shard_id) for n in names if n in name_map}
+    return set().union(*(pieces_of(name_map[n]) for n in names if n in name_map))
 
 
 def covers_all(name_map: NameMap, covered: set) -> bool:
     """Whether ``covered`` pieces are every piece a complete load writes."""
-    return all((t.param_name, t.shard_id) in covered for n, t in name_map.items() if n != _TIED_ALIAS)
+    return all(pieces_of(t) <= covered for t in name_map.values() if not t.alias)
+
+
+def canonical_names(name_map: NameMap) -> list[str]:
+    """Every name a complete load gives, sorted (no aliases)."""
+    return sorted(n for n, t in name_map.items() if not t.alias)
 
 
 def rejection_message(errors: list[str]) -> str:

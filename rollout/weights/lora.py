@@ -115,6 +115,9 @@ class AdapterConfig:
             (cfg.get("trainable_token_indices"), "trainable_token_indices (embedding targets) is not supported"),
             (cfg.get("use_qalora"), "QA-LoRA is not supported"),
             (cfg.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens) is not supported"),
+            (cfg.get("target_parameters"), f"target_parameters={cfg.get('target_parameters')!r}: LoRA on parameters "
+                                           "(a mixture of experts' fused experts) is not supported yet; target the "
+                                           "attention's (and any shared expert's) linears"),
         ]
         for bad, why in refusals:
             if bad:

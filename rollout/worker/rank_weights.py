@@ -35,7 +35,14 @@ from rollout.layers.linear import copy_slices
 from rollout.layers.parallel_state import TpState
 from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
 from rollout.weights import lora
-from rollout.weights.loader import WeightLoadError, apply_load, nonfinite_names, plan_load, rejection_message
+from rollout.weights.loader import (
+    WeightLoadError,
+    apply_load,
+    canonical_names,
+    nonfinite_names,
+    plan_load,
+    rejection_message,
+)
 from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
     AbortTransaction,
@@ -715,6 +722,5 @@ class RankWeights:
         error = self._released_error()
         if error is not None:
             return WeightResult.fail(error)
-        tied = self.runner.model_config.tie_word_embeddings
-        names = sorted(n for n in self.runner.name_map if not (n == "lm_head.weight" and tied))
+        names = canonical_names(self.runner.name_map)
         return WeightResult.ok("checksum", value=checksum_named_tensors((n, self.full_weight(n)) for n in names))
