@@ -78,7 +78,7 @@ def lookup_model(name: str, seed: int, warmup_steps: int, right: float = 0.0, ro
     return out
 
 
-def format_warmup(path: str, out: str, steps: int, seed: int, batch: int = 16, lr: float = 3e-3,
+def format_warmup(path: str, out: str, steps: int, seed: int, batch: int = 8, lr: float = 3e-3,
                   right: float = 0.0) -> None:
     """Supervised steps on demonstrations in the task's format: each call names the asked fruit and each
     answer says its colour with probability ``right``, a random one otherwise (``right=0``: the format

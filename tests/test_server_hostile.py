@@ -381,13 +381,15 @@ def test_requests_that_never_arrive_whole_are_dropped_and_slow_answers_are_not(m
     than that to answer (here: queued behind a pause)."""
     server = make_server(model, "--dtype", "float32", "--kv-cache-tokens", "2048", "--request-read-timeout-s", "2")
     host, port = server.url.removeprefix("http://").split(":")
+    opened = []  # the three at once: each is timed from its own first byte
     for payload in (b"", b"POST /generate HTTP/1.1\r\nHost: x\r\n",
                     b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n{\"input_ids\""):
         sock = socket.create_connection((host, int(port)))
         sock.sendall(payload)
         sock.settimeout(20)
-        t0 = time.monotonic()
+        opened.append((payload, sock, time.monotonic()))
+    for payload, sock, t0 in opened:
         try:
             while sock.recv(4096):
                 pass
