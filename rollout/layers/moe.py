@@ -159,14 +159,25 @@ class SparseMoe(nn.Module):
         return out
 
     def _per_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One GEMM per expert and projection over the tokens routed there (the routed experts read on the
-        host), summed back in the order ``transformers`` sums them."""
+        """One GEMM per expert and projection over the tokens routed there, summed back expert by expert in
+        ascending order, as ``transformers`` sums them. The (token, slot) rows are grouped by expert with one
+        stable sort and the experts' row counts read on the host once a layer; each expert then takes a slice."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
+        token = order // k
+        rows, scale = x.index_select(0, token), weights.reshape(-1).index_select(0, order)[:, None]
         out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():  # ascending, as transformers visits them
-            slot, token = torch.where((experts == e).t())  # by slot, then token: transformers' order
-            gate, up = F.linear(x[token], self.experts.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.w2[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            end = start + n
+            gate, up = F.linear(rows[start:end], self.experts.w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.w2[e]) * scale[start:end]
+            out.index_add_(0, token[start:end], y.to(out.dtype))
+            start = end
         return out
 
 
