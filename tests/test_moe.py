@@ -18,7 +18,8 @@ MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[1]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
+    # (experts 64 wide: at TP=2 a rank's gate+up rows, 2 x 32, are as many as the hidden size — shapes alike)
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
                       shared_expert_intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[1]),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=1.0),
 }
@@ -116,9 +117,11 @@ def test_tp2_equals_tp1_with_every_expert_split_over_the_ranks(tp_moe_model):
             outs[tp] = engine.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True)
             assert engine.update_weights_from_tensor(named, weight_version="v5").success
             after[tp] = engine.generate(input_ids=prompts, sampling_params=sp)
-            up = dict(named)["model.layers.0.mlp.experts.gate_up_proj"]
-            got = engine.get_weights_by_name("model.layers.0.mlp.experts.gate_up_proj", up.numel())
-            assert torch.equal(torch.tensor(got).view_as(up), up)
+            for fused in ("gate_up_proj", "down_proj"):  # read back whole from every rank's part
+                name = f"model.layers.0.mlp.experts.{fused}"
+                want = dict(named)[name]
+                got = engine.get_weights_by_name(name, want.numel())
+                assert torch.equal(torch.tensor(got).view_as(want), want)
     for a, b in [*zip(outs[1], outs[2]), *zip(after[1], after[2])]:
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)

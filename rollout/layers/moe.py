@@ -55,6 +55,9 @@ class _Experts(nn.Module):
         self.w2.hf_pieces = [(f"{e}.{down}.weight", (e, "down")) for e in range(num_experts)]
         # transformers v5 holds them fused under these names (a trainer's named_parameters): the same layout
         self.w13.hf_whole, self.w2.hf_whole = "gate_up_proj", "down_proj"
+        # every rank's parts back into one tensor: which parameter they are of decides how (never their shapes,
+        # which can coincide: w13's parts are [E, 2I/tp, H], w2's [E, H, I/tp])
+        self.w13.full_from_parts = lambda parts, shard_id=None: self._full(parts, shard_id, fused=True)
 
     def shard_shape(self, param, shard_id=None) -> tuple[int, ...]:
         if shard_id is None:
@@ -87,9 +90,13 @@ class _Experts(nn.Module):
         return self._view(param, shard_id)
 
     def full_from_parts(self, parts: list[torch.Tensor], shard_id=None) -> torch.Tensor:
+        return self._full(parts, shard_id, fused=False)  # (w13's hook passes fused=True)
+
+    def _full(self, parts: list[torch.Tensor], shard_id, fused: bool) -> torch.Tensor:
+        """``parts`` of ``w13`` (``fused``) or ``w2`` from every rank, as the full Hugging Face tensor."""
         if len(parts) == 1:
             return parts[0]
-        if shard_id is None and parts[0].shape[1] == 2 * self.local:  # w13: gate rows of every rank, then up
+        if shard_id is None and fused:  # w13: the gate rows of every rank, then their up rows
             e, h = self.num_experts, self.hidden
             return torch.cat([p.view(e, 2, self.local, h) for p in parts], 2).view(e, 2 * self.inter, h)
         if shard_id is None:
