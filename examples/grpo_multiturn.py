@@ -74,14 +74,14 @@ def main(argv=None) -> list:
     own, args = parse(argv)
     from lookup_task import lookup_model, lookup_tasks, make_lookup_env
 
-    warmup = own.warmup_steps if own.warmup_steps is not None else (150 if args.model == "tiny" else 0)
+    warmup = own.warmup_steps if own.warmup_steps is not None else (150 if args.model in ("tiny", "tiny-moe") else 0)
     servers: list = []
 
     def on_folder(path: str, rank: int) -> None:
         if own.replicas and rank == 0:
             from grpo_disaggregated import start_servers
 
-            servers.extend(start_servers(path, own.replicas, 1, args.dtype, args.seed))
+            servers.extend(start_servers(path, own.replicas, 1, args.dtype, args.seed, routed=args.routing_replay))
 
     def model_folder(name: str, seed: int) -> str:
         return lookup_model(name, seed, warmup, own.warmup_right)
@@ -132,7 +132,7 @@ def main(argv=None) -> list:
             from rollout import RolloutEngine
 
             engine = RolloutEngine(path, dtype=args.dtype, tp_size=1, kv_cache_tokens=16384, seed=args.seed,
-                                   use_generation_config=False)
+                                   use_generation_config=False, enable_return_routed_experts=args.routing_replay)
             service = engine
             runner = MultiTurnRunner(engine, tokenizer, max_turns=max_turns, max_total_tokens=2048,
                                      sessions=not own.no_sessions, tool_call_parser=parser)

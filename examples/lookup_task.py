@@ -48,19 +48,23 @@ def _tokenizer_corpus() -> str:
 
 
 def lookup_model(name: str, seed: int, warmup_steps: int, right: float = 0.0, root: Optional[str] = None) -> str:
-    """The model folder the example trains: ``tiny`` (built here) or another (``smollm2``, a folder),
+    """The model folder the example trains: ``tiny`` or ``tiny-moe`` (built here) or another (``smollm2``, a folder),
     after ``warmup_steps`` of the warm-up (cached under ``root``, default the temp folder; the caller's
     rank 0 builds it, the others wait)."""
     root = root or tempfile.gettempdir()
-    if name == "tiny":
+    if name in ("tiny", "tiny-moe"):
         from rollout.tools.tiny import build_chat_tokenizer, make_tiny_model
 
-        base = os.path.join(root, f"rollout-multiturn-tiny-{seed}")
+        base = os.path.join(root, f"rollout-multiturn-{name}-{seed}")
+        # tiny-moe: a Qwen3-MoE of the same size (8 experts, 2 routed per token; for --routing-replay)
+        arch = dict(arch="qwen2") if name == "tiny" else dict(
+            arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[])
         if not os.path.isfile(os.path.join(base, "model.safetensors")):
             tok = build_chat_tokenizer("qwen2_5", extra_corpus=_tokenizer_corpus(), vocab_size=800)
-            make_tiny_model(base + ".tmp", "qwen2", hidden_size=128, intermediate_size=256, num_layers=2,
-                            num_heads=4, num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, tokenizer=tok,
-                            max_position_embeddings=2048)
+            make_tiny_model(base + ".tmp", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                            num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, tokenizer=tok,
+                            max_position_embeddings=2048, **arch)
             os.replace(base + ".tmp", base) if not os.path.exists(base) else None
     elif name == "smollm2":
         from rollout.tools.smollm2 import smollm2_path
@@ -71,7 +75,7 @@ def lookup_model(name: str, seed: int, warmup_steps: int, right: float = 0.0, ro
     if not warmup_steps:
         return base
     out = os.path.join(root, f"rollout-multiturn-{os.path.basename(base)}-{seed}-w{warmup_steps}-r{right}") \
-        if name != "tiny" else f"{base}-w{warmup_steps}-r{right}"
+        if name not in ("tiny", "tiny-moe") else f"{base}-w{warmup_steps}-r{right}"
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
         format_warmup(base, out + ".tmp", warmup_steps, seed, right=right)
         os.replace(out + ".tmp", out) if not os.path.exists(out) else None

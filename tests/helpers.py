@@ -179,10 +179,11 @@ def learns_after_its_control_arm(logs: list[dict], control_steps: int, spread: f
     return control, pushed
 
 
-def near_tied_moe(path: str, eps: float = 1e-6, seed: int = 3) -> str:
+def near_tied_moe(path: str, eps: float = 1e-6, seed: int = 3, tokenizer=None) -> str:
     """A tiny Qwen3-MoE (8 experts, top-3, distinct experts) whose router rows come in pairs equal to within
     ``eps`` (relative): where a token's k-th choice falls in a pair, fp32's rounding decides it, so two correct
-    implementations route it differently (~5% of token-layers at 1e-6) — what routing replay is for."""
+    implementations route it differently (~5% of token-layers at 1e-6) — what routing replay is for.
+    ``tokenizer``: one to ship (a chat template's, ``build_chat_tokenizer``) instead of the embedded one."""
     import os
 
     from safetensors.torch import load_file, save_file
@@ -194,7 +195,7 @@ def near_tied_moe(path: str, eps: float = 1e-6, seed: int = 3) -> str:
     make_tiny_model(path, "qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, seed=seed, embed_std=0.05, head_std=0.05, num_experts=8, num_experts_per_tok=3,
                     moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                    expert_std=0.3)
+                    expert_std=0.3, tokenizer=tokenizer)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
     for name, w in tensors.items():

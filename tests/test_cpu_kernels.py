@@ -615,6 +615,52 @@ def test_fused_silu_mul_rounds_where_the_torch_path_rounds(dtype):
         cpu_build.kernels().silu_mul(torch.randn(3, 5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_kernel_is_the_per_expert_loop_of_the_same_kernels_bit_for_bit(dtype):
+    """``moe_experts`` (csrc/moe.cpp, every ISA variant this CPU runs): the experts side by side over the
+    threads give the bits of a Python loop over the experts in index order of the same GEMMs (the wing's below
+    ``linear_rows`` rows an expert, ``F.linear`` from there) and ``silu_mul``, summed back with ``index_add_``;
+    against the torch operators' block (``SparseMoe._per_expert``) they differ only by the GEMMs' order of
+    sums. Experts routed nothing, one expert taking every token, a single token; bad routing refused."""
+    from rollout.kernels.cpu import build as cpu_build
+    from rollout.kernels.cpu import ops
+    from rollout.layers.moe import SparseMoe
+
+    def loop(x, w13, w2, experts, weights, linear_rows, k):
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token, scale = order // experts.shape[1], weights.reshape(-1)[order][:, None]
+        out, start = torch.zeros_like(x), 0
+        for e, n in enumerate(torch.bincount(flat, minlength=w13.shape[0]).tolist()):
+            gemm = F.linear if n >= linear_rows else k.bf16_linear
+            if n:
+                rows = x[token[start:start + n]]
+                y = gemm(k.silu_mul(gemm(rows, w13[e], None)), w2[e], None) * scale[start:start + n]
+                out.index_add_(0, token[start:start + n], y)
+            start += n
+        return out
+
+    g = torch.Generator().manual_seed(9)
+    moe = SparseMoe(8, 2, 64, 48, True, dtype)
+    moe.experts.w13.data = (torch.randn(8, 96, 64, generator=g) * 0.1).to(dtype)
+    moe.experts.w2.data = (torch.randn(8, 64, 48, generator=g) * 0.1).to(dtype)
+    w13, w2 = moe.experts.w13.data, moe.experts.w2.data
+    for t, routing in ((37, "random"), (40, "one expert"), (1, "random"), (300, "random")):
+        x = torch.randn(t, 64, generator=g).to(dtype)
+        experts = torch.tensor([[3, 5]] * t) if routing == "one expert" else \
+            torch.stack([torch.randperm(7, generator=g)[:2] for _ in range(t)])  # expert 7 routed nothing
+        weights = torch.rand(t, 2, generator=g).to(dtype)
+        for isa in cpu_capability().runnable_isas:
+            k = cpu_build.kernels_for(isa)
+            for linear_rows in (1 << 62, 9):
+                got = k.moe_experts(x, w13, w2, experts, weights, linear_rows)
+                assert torch.equal(got, loop(x, w13, w2, experts, weights, linear_rows, k)), (t, routing, isa)
+        torch.testing.assert_close(got.float(), moe._per_expert(x, experts, weights).float(),
+                                   atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="expert 8 out of range"):
+        ops.moe_experts(x[:1], w13, w2, torch.tensor([[8, 1]]), weights[:1])
+
+
 def test_scatter_scaled_writes_what_copy_and_mul_write_and_counts_what_is_not_finite():
     """A received bucket into an adapter's places in one call (rollout.kernels.cpu.ops), every ISA
     variant this CPU runs: fp32, bf16 and fp16 pieces, narrowed sources (a TP rank's slice) and

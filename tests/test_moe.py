@@ -13,6 +13,7 @@ import torch
 from helpers import hf_greedy, hf_logits, hf_model, near_tied_moe, random_prompts
 
 from rollout import RolloutEngine, SamplingParams
+from trainer_bridge.multiturn import Environment, EnvStep
 
 MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
@@ -101,27 +102,62 @@ def trained_experts(path: str):
     return model, [(n, p.detach().clone()) for n, p in model.named_parameters()]
 
 
-def test_tp2_equals_tp1_with_every_expert_split_over_the_ranks(tp_moe_model):
+def _update_over(engine: RolloutEngine, how: str, named: list, folder) -> None:
+    """``named`` into ``engine`` in process, from a checkpoint folder, or over a weight-update group from a
+    separate sender process (several buckets)."""
+    import multiprocessing as mp
+
+    from safetensors.torch import save_file
+    from test_weight_sync import _dist_sender
+
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    if how == "tensors":
+        assert engine.update_weights_from_tensor(named, weight_version="v5").success
+    elif how == "disk":
+        save_file({n: t.contiguous() for n, t in named}, str(folder / "model.safetensors"))
+        assert engine.update_weights_from_disk(str(folder), weight_version="v5").success
+    else:
+        port, world = free_port(), 1 + engine.tp_size
+        proc = mp.get_context("spawn").Process(target=_dist_sender, args=(port, world, named, 32 << 10, False))
+        proc.start()
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, world, "g", timeout_s=30).success
+        result = engine.update_weights_from_distributed(*WeightUpdateSender.describe(named), "g", weight_version="v5",
+                                                        load_format="rollout_bucket", bucket_bytes=32 << 10)
+        proc.join(30)
+        assert result.success, result.message
+
+
+def test_tp2_equals_tp1_with_every_expert_split_over_the_ranks(tp_moe_model, tmp_path):
     """Expert tensor parallelism (each rank every expert's half of the intermediate dimension, one all-reduce a
     block): greedy tokens and routed experts equal TP=1's, logprobs within 1e-5; a trainer's fused v5 tensors
-    load into the split parameters (each rank its gate rows and its up rows) and read back whole; a TP size that
-    does not split the experts is refused naming them."""
+    load into the split parameters (each rank its gate rows and its up rows) and read back whole — in process at
+    TP=1, from a checkpoint folder (OLMoE) or over a weight-update group from a separate sender (Qwen2-MoE) at
+    TP=2, the same weights (checksums) either way; a TP size that does not split the experts is refused naming
+    them."""
+    import shutil
+
     arch, path = tp_moe_model
     prompts = random_prompts(256, [6, 13, 9], seed=27)
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     _, named = trained_experts(path)
-    outs, after = {}, {}
+    folder = tmp_path / "trained"
+    shutil.copytree(path, folder)
+    outs, after, checksums = {}, {}, {}
     for tp in (1, 2):
         with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, tp_size=tp,
                            enable_return_routed_experts=True) as engine:
             outs[tp] = engine.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True)
-            assert engine.update_weights_from_tensor(named, weight_version="v5").success
+            _update_over(engine, "tensors" if tp == 1 else "disk" if arch == "olmoe" else "group", named, folder)
+            checksums[tp] = engine.get_weights_checksum()
             after[tp] = engine.generate(input_ids=prompts, sampling_params=sp)
             for fused in ("gate_up_proj", "down_proj"):  # read back whole from every rank's part
                 name = f"model.layers.0.mlp.experts.{fused}"
                 want = dict(named)[name]
                 got = engine.get_weights_by_name(name, want.numel())
                 assert torch.equal(torch.tensor(got).view_as(want), want)
+    assert checksums[1] == checksums[2]
     for a, b in [*zip(outs[1], outs[2]), *zip(after[1], after[2])]:
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
@@ -179,6 +215,22 @@ def test_routed_experts_are_the_experts_transformers_routes_every_position_to(mo
         ids = late.prompt_token_ids + late.output_token_ids
         assert late.routed_experts_start_len == 4
         assert torch.equal(late.routed_experts, hf_routed(path, ids)[4:-1])
+
+
+def test_exact_ties_in_the_router_are_broken_as_transformers_breaks_them(tmp_path):
+    """Router rows in exactly equal pairs (``near_tied_moe`` at eps 0): with top-3 of 8, every token-layer's
+    third choice is one of a tied pair, and the two experts of a chosen pair come in tied order; the engine
+    routes (greedy, prefill and decode, batched) to exactly the experts, in the order, ``transformers`` does."""
+    path = near_tied_moe(str(tmp_path / "exact-tie"), eps=0.0)
+    prompts = random_prompts(256, [12, 7, 12, 9], seed=5)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=1024, enable_return_routed_experts=True) as engine:
+        outs = engine.generate(input_ids=prompts, return_routed_experts=True,
+                               sampling_params=SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    for o in outs:
+        ids = o.prompt_token_ids + o.output_token_ids
+        chosen = [set(row.tolist()) for row in o.routed_experts.reshape(-1, 3)]
+        assert all(any((2 * j in c) != (2 * j + 1 in c) for j in range(4)) for c in chosen)  # a tie decided
+        assert torch.equal(o.routed_experts, hf_routed(path, ids)[:-1])
 
 
 def test_routed_experts_are_refused_where_they_cannot_be_returned(moe_model, llama_path):
@@ -313,6 +365,54 @@ def test_routing_replay_gives_the_trainer_the_engines_experts_where_a_near_tie_s
     assert float(natural.max()) > 0.05 and float(natural.mean()) > 10 * float(replayed.mean()), float(natural.max())
     assert all(float(layer.mlp.gate.weight.grad.abs().sum()) > 0 for layer in model.model.layers)
     model.zero_grad()
+
+
+class _Chat(Environment):
+    """A user who asks again after every reply (tool-free: the tiny chat tokenizer's prompts stay short)."""
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": "Tell me a colour."}]
+
+    def step(self, message: dict) -> EnvStep:
+        return EnvStep(messages=[{"role": "user", "content": "And another one?"}])
+
+
+def test_a_multi_turn_trajectory_replays_the_experts_of_every_turn_environment_tokens_included(tmp_path):
+    """Multi-turn GRPO with routing replay (``run_grpo_multiturn``'s rollout and logprobs; the near-tied model,
+    episodes played as engine sessions): each trajectory carries the experts of every position but its last —
+    each turn's sampled tokens and the environment's tokens as the next turn's prefill routed them — and the
+    trainer's forward replays them on every one of those positions, giving every sampled token of every turn
+    the engine's logprob (fp32, 1e-4), where the trainer's own routing is far off."""
+    from transformers import AutoTokenizer
+
+    from rollout.tools.tiny import build_chat_tokenizer
+    from trainer_bridge.grpo import GRPOConfig
+    from trainer_bridge.grpo_multiturn import _MultiTurnRun
+    from trainer_bridge.multiturn import MultiTurnRunner
+    from trainer_bridge.targets import ColocatedTarget
+
+    path = near_tied_moe(str(tmp_path / "tied-chat"), tokenizer=build_chat_tokenizer("qwen2_5"))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = hf_model(path)
+    cfg = GRPOConfig(steps=1, prompts_per_step=2, n=2, max_new_tokens=12, routing_replay=True, release_memory=False,
+                     dist_check_samples=0)
+    with RolloutEngine(path, dtype="float32", kv_cache_tokens=4096, enable_return_routed_experts=True) as engine:
+        runner = MultiTurnRunner(engine, tok, max_turns=3, max_total_tokens=400, tool_call_parser=None)
+        run = _MultiTurnRun(cfg, model, engine, ["colours"] * 2, lambda task: _Chat(), runner, None, False,
+                            ColocatedTarget(engine))
+        ro = run.rollout(0)
+    trajs = ro.outputs
+    seqs = [t.prompt_token_ids + t.output_token_ids for t in trajs]
+    assert len(trajs) == 4 and all(len(t.turns) == 3 and 0 in t.loss_mask for t in trajs)  # environment tokens
+    assert all(t.routed_experts.shape == (len(s) - 1, 2, 3) for t, s in zip(trajs, seqs))
+    with torch.no_grad():
+        replayed, _, engine_lp = run.logprobs(model, ro, trajs)
+        assert run.replayed_tokens == sum(len(s) - 1 for s in seqs)
+        natural, _, _ = run.logprobs(model, ro, trajs, replay=False)
+    engine_lp = torch.cat(engine_lp)
+    replayed, natural = (torch.cat(replayed) - engine_lp).abs(), (torch.cat(natural) - engine_lp).abs()
+    assert float(replayed.max()) < 1e-4, float(replayed.max())
+    assert float(natural.max()) > 0.05 and float(natural.mean()) > 10 * float(replayed.mean()), float(natural.max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -313,3 +313,4 @@ def test_the_multiturn_example_learns_from_its_pushes_with_masks_replayed_exactl
     assert all(x["push_verified"] is None for x in control[:-1])
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in pushed), [x["mismatch_max"] for x in pushed]
     assert all(x["turns_mean"] == 4 and x["finish_reasons"] == {"done": 64} for x in logs)
+

@@ -12,13 +12,13 @@ from rollout.config import EngineConfig, KernelChoice, LoraOptions, SpeculativeO
 from rollout.kernels.choice import FUSED_OPS, KernelPlan
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-ALL_OPS = {op: True for op in FUSED_OPS}
+ALL_OPS = {op: True for op in FUSED_OPS if op != "moe"}  # (a dense model's)
 
 
 def plan(choice=KernelChoice(), device=CPU, built=True, tp_size=1, qk_norm=False, dtype=torch.bfloat16,
-         deterministic=False) -> KernelPlan:
+         deterministic=False, moe=False) -> KernelPlan:
     return choice.resolve(device=device, built=built, tp_size=tp_size, qk_norm=qk_norm, dtype=dtype,
-                          deterministic=deterministic)
+                          deterministic=deterministic, moe=moe)
 
 
 def test_the_config_is_frozen_grouped_and_small():
@@ -50,6 +50,16 @@ def test_each_rung_of_the_ladder_contains_the_one_below():
 def test_a_layer_in_one_call_only_where_every_piece_it_strings_together_serves(why, kwargs):
     resolved = plan(**kwargs)
     assert not resolved.layer and not resolved.stack, why
+
+
+def test_the_experts_kernel_serves_mixtures_of_experts_outside_the_batch_invariant_mode():
+    assert plan(moe=True).moe and plan(KernelChoice(fusion="ops"), moe=True, dtype=torch.float32).moe
+    assert not plan(moe=True).layer  # the one-call layer strings a dense MLP
+    for why, kwargs in [("a dense model", {}), ("batch-invariant", dict(deterministic=True)),
+                        ("unfused", dict(choice=KernelChoice(unfused=("moe",)))), ("fp16", dict(dtype=torch.float16)),
+                        ("torch rung", dict(choice=KernelChoice(fusion="torch"))), ("no build", dict(built=False)),
+                        ("CUDA (Triton's fused MoE)", dict(device=CUDA))]:
+        assert not plan(**{"moe": why != "a dense model", **kwargs}).moe, why
 
 
 def test_rotary_with_the_cache_write_follows_the_paged_kernel_and_the_sampler_is_its_own():

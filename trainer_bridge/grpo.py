@@ -158,6 +158,8 @@ class StepLog:
     dist_positions: int = 0
     turns_mean: float = 0.0  # multi-turn: assistant turns per episode
     finish_reasons: dict = field(default_factory=dict)  # multi-turn: episodes per finish reason
+    # routing replay: positions (this rank's samples) whose experts the trainer's forward was forced to
+    replayed_tokens: int = 0
 
 
 def _generate_share(engine: RolloutService, prompts: list[list[int]], sp: SamplingParams, rank: int, world: int,
@@ -378,6 +380,7 @@ class _GRPORun:
         self.dist_check = DistCheck()  # the last step's full-distribution check (this rank's)
         policy: Any = unwrapped(ds_engine)
         self.vocab = int(policy.config.vocab_size)  # the full-distribution check's width
+        self.replayed_tokens = 0  # the step's routing-replay count (forward)
 
     def rollout(self, step: int) -> _Rollout:
         """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
@@ -542,13 +545,7 @@ class _GRPORun:
             if probe_logits is not None:
                 probe_logits.extend(all_logits[len(outs):])
             return new[: len(outs)], new[: len(outs)], engine_lp
-        if self.cfg.routing_replay and replay:  # each token through the experts the engine routed it to
-            rows = replay_rows([o.routed_experts for o in outs] + [None] * len(probes), [len(s) for s in seqs],
-                               max(map(len, seqs)))
-            with replaying(model, rows):
-                logits = completion_logits(model, seqs, lens)
-        else:
-            logits = completion_logits(model, seqs, lens)
+        logits = self.forward(model, seqs, lens, outs, replay)
         if probe_logits is not None:
             probe_logits.extend(logits[len(outs):])
         logits, seqs = logits[: len(outs)], seqs[: len(outs)]
@@ -556,6 +553,17 @@ class _GRPORun:
         new = [replay_logprobs(lg, o.prompt_token_ids, o.output_token_ids, o.output_token_sampling_mask, ro.sampling)
                for lg, o in zip(logits, outs)] if self.cfg.masked and replay else unmasked
         return new, unmasked, engine_lp
+
+    def forward(self, model, seqs: list[list[int]], lens: list[int], outs: list, replay: bool) -> list[torch.Tensor]:
+        """``completion_logits`` of ``seqs`` (``outs``' first, probes after them); with routing replay every
+        position ``outs`` carry experts for routed to them (counted in the step's ``replayed_tokens``)."""
+        if not (self.cfg.routing_replay and replay):
+            return completion_logits(model, seqs, lens)
+        routed = [o.routed_experts for o in outs] + [None] * (len(seqs) - len(outs))
+        rows = replay_rows(routed, [len(s) for s in seqs], max(map(len, seqs)))
+        self.replayed_tokens += int((rows[:, :, 0, 0] >= 0).sum())
+        with replaying(model, rows):
+            return completion_logits(model, seqs, lens)
 
     def rewards(self, outs: list) -> torch.Tensor:
         return torch.tensor([self.reward_fn(o.prompt_token_ids, o.output_token_ids) for o in outs])
@@ -580,6 +588,7 @@ class _GRPORun:
         released = self.release_engine_memory(pushing)
         peak = rss_mb()
         t1 = time.perf_counter()
+        self.replayed_tokens = 0
         loss, mismatch = self.train(ro, outs, group_advantages(rewards, self.cfg.n), ages, probes)
         peak = max(peak, rss_mb())
         train_s = time.perf_counter() - t1
@@ -603,7 +612,8 @@ class _GRPORun:
                       trainer_wait_s=trainer_wait, replica_events=list(self.events),
                       step_s=time.perf_counter() - t_step,
                       num_serving_replicas=self.engine.serving_replicas(), dist_max_abs_diff=dc.max_abs,
-                      dist_kl_mean=dc.kl_mean, dist_positions=dc.positions, **self.extra_log(outs))
+                      dist_kl_mean=dc.kl_mean, dist_positions=dc.positions, replayed_tokens=self.replayed_tokens,
+                      **self.extra_log(outs))
         self.events.clear()
         return log
 

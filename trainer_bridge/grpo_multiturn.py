@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from rollout.sampling_params import SamplingParams
-from trainer_bridge.grpo import GRPOConfig, StepLog, _GRPORun, _Rollout, _token_logprobs, completion_logits, resolve_target
+from trainer_bridge.grpo import GRPOConfig, StepLog, _GRPORun, _Rollout, _token_logprobs, resolve_target
 from trainer_bridge.multiturn import Environment, MultiTurnRunner, Trajectory
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.serving import RolloutService
@@ -66,7 +66,8 @@ class _MultiTurnRun(_GRPORun):
                 params.append(dataclasses.replace(base, seed=seed))
         t0 = time.perf_counter()
         trajs = self.runner.run(envs, params, return_sampling_mask=cfg.masked,
-                                session_prefix=f"grpo-{cfg.seed}-{step}-{0 if spmd else self.rank}")
+                                session_prefix=f"grpo-{cfg.seed}-{step}-{0 if spmd else self.rank}",
+                                return_routed_experts=cfg.routing_replay)
         # the rollout's sampling as the loop reads it: n episodes per task (each episode samples n=1 a turn)
         return _Rollout([self.tasks[i] for i in pick], dataclasses.replace(base, n=cfg.n), trajs,
                         time.perf_counter() - t0)
@@ -74,8 +75,8 @@ class _MultiTurnRun(_GRPORun):
     def logprobs(self, model, ro: _Rollout, outs: list, replay: bool = True, probes: tuple = (),
                  probe_logits: Optional[list] = None):
         assert not probes, "episodes are not probed (_GRPORun.probe)"
-        logits = completion_logits(model, [o.prompt_token_ids + o.output_token_ids for o in outs],
-                                   [len(o.prompt_token_ids) for o in outs])
+        seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
+        logits = self.forward(model, seqs, [len(o.prompt_token_ids) for o in outs], outs, replay)
         new, unmasked = [], []
         for lg, o in zip(logits, outs):
             a, b = trajectory_logprobs(lg, o, ro.sampling, self.cfg.temperature, self.cfg.masked and replay)

@@ -23,6 +23,7 @@ from torch import nn
 from rollout.outputs import WeightResult
 from rollout.weights.lora import peft_quietly, wire_order
 from trainer_bridge.push import gathered, unwrapped
+from trainer_bridge.routing_replay import routers
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import FlattenedTensorBucket
 
@@ -42,10 +43,16 @@ class LoraSpec:
 
 
 def wrap_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
-    """The model with a trainable ``peft`` LoRA adapter; everything else frozen."""
+    """The model with a trainable ``peft`` LoRA adapter; everything else frozen. On a mixture of experts
+    "all-linear" means the linears (attention, any shared expert), never the fused experts' parameters or the
+    router that ``peft`` would add as ``target_parameters`` (the engine serves LoRA on linears only)."""
     import peft
 
-    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=spec.target_modules,
+    targets = spec.target_modules
+    if targets == "all-linear" and routers(model):
+        targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and ".layers." in name and not name.endswith("_gate")})
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets,
                              use_rslora=spec.use_rslora, lora_dropout=0.0)
     with peft_quietly():
         return peft.get_peft_model(model, config)

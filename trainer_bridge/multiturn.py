@@ -28,6 +28,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import torch
+
 from rollout.engine.chat import ChatRenderer
 from rollout.engine.tool_calls import has_reasoning, parse_reply, parser_for_template
 from rollout.outputs import RolloutOutput
@@ -77,6 +79,9 @@ class Trajectory:
     render_modes: list[str] = field(default_factory=list)  # per appended block: template or per-message
     turn_cached_tokens: list[int] = field(default_factory=list)  # per turn: history tokens served from cache
     turn_finish_reasons: list[str] = field(default_factory=list)  # per turn: the engine's (stop, length)
+    # with return_routed_experts (a mixture of experts): the experts the engine routed every position to but the
+    # last, [len(prompt + output) - 1, layers, top_k] — the environment's tokens those of the turn that prefilled them
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def sampled_positions(self) -> list[int]:
@@ -136,9 +141,10 @@ class MultiTurnRunner:
         self.reasoning = has_reasoning(template) if reasoning_parser == "auto" else bool(reasoning_parser)
 
     def run(self, envs: list[Environment], sampling: list[SamplingParams], return_sampling_mask: bool = False,
-            session_prefix: Optional[str] = None) -> list[Trajectory]:
+            session_prefix: Optional[str] = None, return_routed_experts: bool = False) -> list[Trajectory]:
         """Play one episode per environment (``sampling[i]`` for episode i; its seed is the episode's,
-        each turn drawing from its own stream); returns their trajectories in order."""
+        each turn drawing from its own stream); returns their trajectories in order. ``return_routed_experts``
+        (a mixture of experts, for routing replay): each trajectory's ``routed_experts``, its turns' in turn."""
         if self.service is None:
             raise ValueError("this runner has no rollout service: it only builds scripted episodes")
         if len(envs) != len(sampling):
@@ -160,7 +166,7 @@ class MultiTurnRunner:
                 live = [ep for ep in episodes if not ep.finished]
                 if not live:
                     break
-                self._round(live, turn, return_sampling_mask)
+                self._round(live, turn, return_sampling_mask, return_routed_experts)
             for ep in episodes:
                 if not ep.finished:
                     ep.traj.finish_reason, ep.finished = "max_turns", True
@@ -185,7 +191,7 @@ class MultiTurnRunner:
         traj = Trajectory(prompt, [], [], [], [], [], [], messages=list(messages))
         return _Episode(env, renderer, replace(sp, stop_token_ids=stops), messages, traj, pending=list(prompt))
 
-    def _round(self, live: list[_Episode], turn: int, masks: bool) -> None:
+    def _round(self, live: list[_Episode], turn: int, masks: bool, routed: bool = False) -> None:
         """One turn of every live episode, batched into one generate call."""
         assert self.service is not None  # run() checked
         params = []
@@ -193,7 +199,7 @@ class MultiTurnRunner:
             room = self.max_total_tokens - len(ep.tokens)
             params.append(replace(ep.sampling, seed=turn_seed(int(ep.sampling.seed or 0), turn),
                                   max_new_tokens=min(ep.sampling.max_new_tokens, room)))
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"return_routed_experts": True} if routed else {}
         if self.sessions:
             kwargs["session_id"] = [ep.session for ep in live]
         if self.routing_keys:
@@ -205,6 +211,8 @@ class MultiTurnRunner:
         for ep, out in zip(live, outs):
             if out.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"a turn ended with finish reason {out.finish_reason!r}: the episode cannot go on")
+            if routed:
+                _take_experts(ep.traj, out)
             self._take_turn(ep, out, turn)
 
     def script(self, env: Environment, replies: list[str]) -> Trajectory:
@@ -269,3 +277,17 @@ class MultiTurnRunner:
         ep.messages = ep.messages + [{"role": "assistant", "content": ep.renderer.text(body)}] + list(result.messages)
         traj.messages.extend(result.messages)
         ep.pending = list(appended.token_ids)
+
+
+def _take_experts(traj: Trajectory, out: RolloutOutput) -> None:
+    """A turn's routed experts onto its trajectory's: the positions not yet covered (the last turn's final
+    token, the environment's tokens, this turn's; the history before them as earlier turns recorded it)."""
+    if out.routed_experts is None:
+        raise RuntimeError("return_routed_experts: the rollout service returned no routed experts (serve a mixture "
+                           "of experts with enable_return_routed_experts)")
+    have = 0 if traj.routed_experts is None else traj.routed_experts.shape[0]
+    if out.routed_experts_start_len > have or out.routed_experts_start_len + out.routed_experts.shape[0] < have:
+        raise RuntimeError(f"a turn's routed experts cover positions [{out.routed_experts_start_len}, "
+                           f"{out.routed_experts_start_len + out.routed_experts.shape[0]}); the trajectory has {have}")
+    new = out.routed_experts[have - out.routed_experts_start_len:]
+    traj.routed_experts = new if traj.routed_experts is None else torch.cat([traj.routed_experts, new])

@@ -113,6 +113,9 @@ class CudaGraphRunner:
     def run(self, bs: int) -> torch.Tensor:
         """The device work of a decode step of ``bs`` rows over the static buffers (what a graph captures):
         logits [bs, vocab]."""
+        # the copies the CPU's GEMM plan reads at bs rows (a padded batch: the forward refreshed its own count;
+        # none on CUDA)
+        self.runner.refresh_packed_weights(bs)
         model = self.runner.model
         hidden = model(self.input_ids[:bs], self.positions[:bs], self.runner.kv.caches, self._meta(bs))
         return model.compute_logits(hidden)

@@ -7,7 +7,8 @@ The CPU fusion ladder is one value, each rung containing the one below it:
 
 - ``torch``: torch operators only (decode attention gathers the KV blocks for SDPA);
 - ``ops``: each of ``FUSED_OPS`` in one C++ call — decode attention from the paged cache, RMSNorm, rotary
-  with the K/V cache write, SiLU·up, the sampler's draw and its logprob — unless named in ``unfused``;
+  with the K/V cache write, SiLU·up, the sampler's draw and its logprob, a mixture of experts' experts
+  (outside the batch-invariant mode) — unless named in ``unfused``;
 - ``layer``: also each decoder layer of a plain decode step in one C++ call (the same kernels, the same
   bits), where every op it strings together is on, one TP rank serves and the model has no q/k norm;
 - ``stack`` (the default): also every layer of a decode step in one call with one team of threads, at
@@ -36,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 FUSION_LEVELS = ("torch", "ops", "layer", "stack")
-FUSED_OPS = ("paged_attention", "norm", "rope", "silu", "sampler")
+FUSED_OPS = ("paged_attention", "norm", "rope", "silu", "sampler", "moe")
 GEMM_KERNELS = ("linear", "onednn", "fp32", "own", "tiled", "chunked")
 _LAYER_OPS = ("paged_attention", "norm", "rope", "silu")  # what a decoder layer's one call strings together
 
@@ -119,6 +120,8 @@ class KernelChoice:
         cpu = device.type == "cpu" and built  # the C++ kernels exist on this machine (no compiler: torch serves)
         ops = {op: cpu and level >= 1 and op not in self.unfused for op in FUSED_OPS}
         ops["rope"] = ops["rope"] and ops["paged_attention"]  # K/V the kernel reads is written by the same call
+        # the experts' kernel is not batch-invariant (its GEMMs sum by how many rows an expert has)
+        ops["moe"] = ops["moe"] and moe and not deterministic and dtype in (torch.float32, torch.bfloat16)
         layer = (level >= 2 and all(ops[op] for op in _LAYER_OPS) and tp_size == 1 and not qk_norm and not moe
                  and dtype in (torch.float32, torch.bfloat16))  # the one-call layer strings the dense MLP
         adapt = self.adapt_threads if self.adapt_threads is not None else dtype == torch.bfloat16 and not deterministic
@@ -150,6 +153,7 @@ class KernelPlan:
     rope: bool = False
     silu: bool = False
     sampler: bool = False
+    moe: bool = False
     layer: bool = False
     stack: bool = False
     adapt_threads: bool = False

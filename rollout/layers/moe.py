@@ -7,7 +7,9 @@ The experts' weights lie in two 3-D parameters (``w13``: every expert's gate row
 down projection), loaded from the checkpoints' per-expert names (``experts.{e}.gate_proj.weight`` ...; Mixtral's
 ``block_sparse_moe`` block and ``w1`` / ``w3`` / ``w2``: ``LlamaForCausalLM.module_renames``, ``names``) as
 shards of them. Tokens are grouped by expert: one GEMM per expert and projection over the tokens routed
-there, summed back in the order ``transformers`` sums them (the experts in index order).
+there, summed back in the order ``transformers`` sums them (the experts in index order) — on the CPU kernel
+plan in one C++ call with the experts side by side over the threads (``rollout.kernels.cpu.ops.moe_experts``),
+on the CUDA plan by the fused Triton kernel (``rollout.kernels.triton.moe``), else a loop of torch operators.
 
 Tensor parallel as SGLang's TP MoE (``_Experts``): every rank routes every token (the router is replicated)
 and computes its slice of each expert's intermediate dimension; one all-reduce per block.
@@ -126,9 +128,13 @@ class RoutingRecord:
 class SparseMoe(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, norm_topk_prob: bool,
                  dtype: torch.dtype, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 layer_index: int = 0, shared_expert: Optional[nn.Module] = None, triton: bool = False):
+                 layer_index: int = 0, shared_expert: Optional[nn.Module] = None, triton: bool = False,
+                 cpu_kernel: bool = False):
         super().__init__()
         self.triton = triton  # the CUDA plan: the fused Triton kernels (rollout.kernels.triton.moe), no host sync
+        # the CPU plan: the experts in one C++ call (rollout.kernels.cpu.ops.moe_experts); an expert of this
+        # many rows or more takes F.linear (oneDNN) there, fewer the wing's small-batch GEMM
+        self.cpu_kernel, self.linear_rows = cpu_kernel, _linear_rows(dtype) if cpu_kernel else 0
         self.top_k, self.norm_topk_prob, self.inter = top_k, norm_topk_prob, inter
         self.layer_index = layer_index
         # Qwen2-MoE: a dense MLP every token goes through, scaled by sigmoid(shared_expert_gate(x))
@@ -158,6 +164,10 @@ class SparseMoe(nn.Module):
             from rollout.kernels.triton.moe import fused_moe
 
             out = fused_moe(x, self.experts.w13, self.experts.w2, experts, weights)
+        elif self.cpu_kernel:
+            from rollout.kernels.cpu import ops
+
+            out = ops.moe_experts(x, self.experts.w13, self.experts.w2, experts, weights, self.linear_rows)
         else:
             out = self._per_expert(x, experts, weights)
         out = tp_all_reduce(out, self.experts.tp)
@@ -186,6 +196,17 @@ class SparseMoe(nn.Module):
             out.index_add_(0, token[start:end], y.to(out.dtype))
             start = end
         return out
+
+
+def _linear_rows(dtype: torch.dtype) -> int:
+    """From how many rows an expert's GEMMs take ``F.linear`` in the CPU kernel: 9 for fp32 (MKL) and for bf16
+    where oneDNN has native bf16 GEMMs (AMX, AVX512-BF16); never elsewhere, where oneDNN widens bf16 on a slow
+    path and the wing's GEMM serves every row count. Measured on a Xeon with AMX (Qwen3-30B-A3B's expert shape
+    scaled down, 64 experts, bf16, 2 threads): the wing's GEMM is faster to 8 rows an expert, oneDNN from 9
+    (benchmarks/NOTES.md)."""
+    from rollout.kernels.cpu.capability import cpu_capability
+
+    return 9 if dtype == torch.float32 or cpu_capability().onednn_bf16 else 1 << 62
 
 
 def attach_routing_record(model: nn.Module, experts: torch.Tensor) -> RoutingRecord:

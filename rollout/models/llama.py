@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoe(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                         cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype,
                                         ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"), index,
-                                        shared, kernels.triton) \
+                                        shared, kernels.triton, kernels.moe) \
             if index in cfg.moe_layers else LlamaMLP(cfg, dtype, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm, kernels.triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.norm,

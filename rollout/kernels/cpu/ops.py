@@ -7,6 +7,8 @@ torch path's, is written at the top of its C++ file in ``csrc/``:
   (``gemm.cpp``; which one serves a forward is the GEMM plan's choice, ``packing.py``);
 - ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``), ``silu_mul`` (``act.cpp``);
 - ``draw`` / ``logprob``: the sampler's inverse-CDF draw and its logprobs (``sample.cpp``);
+- ``moe_experts``: a mixture of experts' block, its rows grouped by expert and the experts side by side
+  over the threads (``moe.cpp``);
 - ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
   values counted (``copy.cpp``; a LoRA adapter's bucket on arrival).
 """
@@ -54,6 +56,15 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """``F.linear(x, weight, bias)`` for a contiguous bf16 ``weight`` (or an fp32 one with fp32 ``x``):
     fp32 accumulation, one rounding to ``x.dtype``."""
     return build.kernels().bf16_linear(x, weight, bias)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor,
+                weights: torch.Tensor, linear_rows: int = 1 << 62) -> torch.Tensor:
+    """A sparse block's experts: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], each
+    token's ``experts`` [T, k] and their ``weights`` [T, k] -> [T, H]: the per-expert loop of ``bf16_linear``
+    (``F.linear`` for an expert of ``linear_rows`` rows or more), ``silu_mul``, the same GEMM, summed back in
+    ascending expert order, bit for bit."""
+    return build.kernels().moe_experts(x, w13, w2, experts.long(), weights, int(linear_rows))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
