@@ -76,10 +76,12 @@ class WeightResult:
     detail: dict = field(default_factory=dict)
     value: Any = None
     # what failed, where a caller must tell it apart: GROUP (the weight-update group broke: rebuild
-    # it); None for a refusal of the input (fix the request) or success
+    # it), BASE (a delta against weights the engine does not hold: push in full); None for a refusal of the
+    # input (fix the request) or success
     error_kind: Optional[str] = None
 
     GROUP: ClassVar[str] = "group"
+    BASE: ClassVar[str] = "base"  # a delta's base is not what the engine holds: push in full
 
     @staticmethod
     def ok(message: str, num_bytes: int = 0, value: Any = None, **detail) -> WeightResult:

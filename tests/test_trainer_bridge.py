@@ -104,7 +104,9 @@ def test_grpo_true_on_policy_bf16_has_no_mismatch_at_all(tmp_path):
 def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
     """``deepspeed`` and ``accelerate launch`` run the colocated example as torchrun does: the same first steps.
     The accelerate run is the control run too (``--no-push``): every step samples with the initial weights (step
-    k's samples k versions behind the trainer), nothing is pushed or verified, the reward stays flat."""
+    k's samples k versions behind the trainer), nothing is pushed or verified, the reward stays flat. The deepspeed
+    run pushes with ``--delta-sync`` (the first push whole, then only the changed elements against the version the
+    engine holds, checked before and after): the same rewards step for step as torchrun's full pushes."""
     import shutil
 
     from weight_sync.process_group import free_port
@@ -114,8 +116,8 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
         pytest.skip(f"{launcher} launcher not installed")
     out = tmp_path / launcher
     control = launcher == "accelerate"
-    script = [os.path.join(ROOT, "examples", "grpo_colocated.py"), "--steps", "3" if control else "2", "--no-wandb",
-              "--out-dir", str(out), *(["--no-push"] if control else [])]
+    script = [os.path.join(ROOT, "examples", "grpo_colocated.py"), "--steps", "3", "--no-wandb",
+              "--out-dir", str(out), *(["--no-push"] if control else ["--delta-sync"])]
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = [exe, "--num_gpus", "2", "--master_port", port, *script]
@@ -132,9 +134,11 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
         assert [x["max_sample_staleness"] for x in logs] == [0, 1, 2]
         assert all(x["sync_phases"] == {} and x["push_verified"] is None for x in logs)
         return
-    reference = zero3_run[0][:2]
-    assert len(logs) == 2 and [x["reward"] for x in logs] == [x["reward"] for x in reference]
+    reference = zero3_run[0][:3]
+    assert len(logs) == 3 and [x["reward"] for x in logs] == [x["reward"] for x in reference]
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
+    assert [x["sync_phases"]["delta"] for x in logs] == [False, True, True]  # (the step-3 rollout ran on a delta)
+    assert not any(x["sync_phases"]["fell_back"] for x in logs) and logs[0]["engine_released_bytes"] > 0
 
 
 def test_grpo_with_truncated_sampling_replays_masks_exactly(tmp_path):

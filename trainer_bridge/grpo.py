@@ -32,12 +32,13 @@ from rollout.sampling_params import SamplingParams
 from rollout.server.client import RolloutServerError
 from trainer_bridge.lora import push_adapter
 from trainer_bridge.on_policy import engine_logprobs
-from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_weights, unwrapped
+from trainer_bridge.push import DEFAULT_PUSH_BUCKET_BYTES, PushStats, push_delta, push_weights, unwrapped
 from trainer_bridge.replay import replay_logprobs
 from trainer_bridge.replicas import ReplicaError
 from trainer_bridge.routing_replay import replay_rows, replaying
 from trainer_bridge.serving import RolloutService
 from trainer_bridge.targets import ColocatedTarget, WeightTarget
+from weight_sync.delta import DeltaTracker
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,10 @@ class GRPOConfig:
     # rollout routing replay (R3; mixture-of-experts models): the rollouts return each token's experts
     # (return_routed_experts) and the trainer's forward routes every token to them (trainer_bridge.routing_replay)
     routing_replay: bool = False
+    # delta weight sync (weight_sync.delta): after the first full push each push sends only the changed
+    # elements against the last published version (a full push where the engine refuses the base); the
+    # colocated engine keeps its weights resident while the trainer trains (they are the next delta's base)
+    delta_sync: bool = False
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -115,6 +120,9 @@ class GRPOConfig:
             raise ValueError("GRPOConfig: true_on_policy trains the full weights; it does not take a LoRA adapter")
         if self.routing_replay and self.true_on_policy:
             raise ValueError("GRPOConfig: true_on_policy runs dense models; routing_replay is for mixtures of experts")
+        if self.delta_sync and (self.lora_name is not None or not self.push_weights):
+            raise ValueError("GRPOConfig: delta_sync sends the full weights' changes; a LoRA run pushes its adapter "
+                             "alone, a run without pushes nothing (drop one of them)")
         if self.max_staleness and self.release_memory:
             raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
                              "devices: set release_memory=False")
@@ -381,6 +389,10 @@ class _GRPORun:
         policy: Any = unwrapped(ds_engine)
         self.vocab = int(policy.config.vocab_size)  # the full-distribution check's width
         self.replayed_tokens = 0  # the step's routing-replay count (forward)
+        self.tracker = DeltaTracker() if cfg.delta_sync else None  # the last published weights (delta sync)
+        if cfg.delta_sync and type(target).push_delta is WeightTarget.push_delta:
+            raise ValueError(f"GRPOConfig.delta_sync: {type(target).__name__} takes no delta pushes yet (colocated "
+                             "engines do); run without --delta-sync")
 
     def rollout(self, step: int) -> _Rollout:
         """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
@@ -399,6 +411,9 @@ class _GRPORun:
         """One push; a replica failing mid-push is dropped (named), the group rebuilt, the push redone."""
         for attempt in range(8):
             try:
+                if self.tracker is not None:
+                    return push_delta(self.ds_engine, self.target, version, self.tracker, self.cfg.bucket_bytes,
+                                      tie_word_embeddings=self.tie)
                 return push_weights(self.ds_engine, self.target, version=version, bucket_bytes=self.cfg.bucket_bytes,
                                     per_parameter=self.cfg.push_per_parameter, tie_word_embeddings=self.tie)
             except ReplicaError as err:
@@ -421,7 +436,8 @@ class _GRPORun:
         return int(self.engine.release_memory_occupation(self._released(pushing)).detail["freed_bytes"])
 
     def _released(self, pushing: bool) -> list[str]:
-        return ["kv_cache"] if self.cfg.lora_name is not None or not pushing else ["kv_cache", "weights"]
+        keep = self.cfg.lora_name is not None or not pushing or self.cfg.delta_sync  # (delta sync: the base)
+        return ["kv_cache"] if keep else ["kv_cache", "weights"]
 
     def push_adapter(self, version: str) -> dict:
         """LoRA: the adapter's tensors as a new version of ``cfg.lora_name`` (to a colocated engine, or

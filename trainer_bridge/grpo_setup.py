@@ -53,6 +53,9 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--routing-replay", action="store_true",
                     help="mixtures of experts: the engines return each token's experts and the trainer routes every "
                          "token to them (R3: rollout routing replay)")
+    ap.add_argument("--delta-sync", action="store_true",
+                    help="after the first full push, push only the elements that changed since the last one, against "
+                         "the version the engine holds (checked before and after; a full push where it is refused)")
     ap.add_argument("--dist-check-samples", type=int, default=1, metavar="K",
                     help="the full-distribution check: the engine's whole next-token distribution at the first "
                          "positions of K samples a rank and step, against the trainer's (0: off)")
@@ -150,7 +153,8 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       out_dir=args.out_dir, push_per_parameter=args.push_per_parameter,
                       bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
                       lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy,
-                      dist_check_samples=args.dist_check_samples, routing_replay=args.routing_replay)
+                      dist_check_samples=args.dist_check_samples, routing_replay=args.routing_replay,
+                      delta_sync=args.delta_sync)
 
 
 def step_logger(args, rank: int):

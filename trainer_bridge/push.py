@@ -17,9 +17,11 @@ from typing import Optional
 
 import torch
 
+from rollout.outputs import WeightResult
 from trainer_bridge.names import to_hf_name
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool, FlattenedTensorBucket
+from weight_sync.delta import DeltaTracker, changed_fraction
 from weight_sync.layout import layout
 
 SAMPLE_VALUES = 64
@@ -206,17 +208,23 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 def push_weights(model: torch.nn.Module, target: WeightTarget, version: str,
                  bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES,
-                 per_parameter: bool = False, tie_word_embeddings: bool = False) -> PushStats:
-    """One transaction: gather (bucketed, or one parameter at a time) -> hand to target -> commit."""
+                 per_parameter: bool = False, tie_word_embeddings: bool = False,
+                 tracker: Optional[DeltaTracker] = None) -> PushStats:
+    """One transaction: gather (bucketed, or one parameter at a time) -> hand to target -> commit.
+    ``tracker``: keeps what went out as the base of the next delta push (once committed)."""
     stats = PushStats()
     target.begin(version)
     module = unwrapped(model)
     tied = {"lm_head.weight"} if tie_word_embeddings else set()
     pool = target.buffers
+    if tracker is not None:
+        tracker.reset()
     # per parameter: the baseline most integrations use, one GatheredParameters + hand-off per parameter
     for bucket in gathered_buckets(module, target.dtype, 1 if per_parameter else bucket_bytes, stats, tied, pool,
                                    direct=not per_parameter):
         t0 = time.perf_counter()
+        if tracker is not None:
+            tracker.take(bucket)
         target.add(bucket)
         stats.transfer_s += time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -224,4 +232,49 @@ def push_weights(model: torch.nn.Module, target: WeightTarget, version: str,
     stats.commit_s = time.perf_counter() - t0
     stats.phases = {"gather_s": stats.gather_s, "pack_s": stats.pack_s, "transfer_s": stats.transfer_s,
                     "commit_s": stats.commit_s}
+    if tracker is not None:
+        if isinstance(stats.result, WeightResult) and stats.result.success:
+            tracker.recorded(version)
+        else:
+            tracker.reset()
+    return stats
+
+
+def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, tracker: DeltaTracker,
+               bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES, tie_word_embeddings: bool = False) -> PushStats:
+    """Only what changed since the last push (``weight_sync.delta``): the weights gathered bucket by bucket and
+    diffed against ``tracker``'s base as they come (no second gather), sent as one delta that the target
+    applies all or nothing. A full push instead (kept as the next base) where the tracker has no base or an
+    anchor is due, or where the target refuses the delta's base (an engine that missed a push, a new one).
+    ``stats.phases``: ``delta`` (whether a delta went), ``delta_bytes``, ``changed_fraction``,
+    ``held_bytes`` (the base the trainer keeps), ``fell_back`` (a refused base, pushed in full)."""
+    if tracker.wants_full():
+        stats = push_weights(model, target, version, bucket_bytes, tie_word_embeddings=tie_word_embeddings,
+                             tracker=tracker)
+        stats.phases.update(delta=False, delta_bytes=0, changed_fraction=1.0, held_bytes=tracker.held_bytes,
+                            fell_back=False)
+        return stats
+    stats = PushStats()
+    module = unwrapped(model)
+    tied = {"lm_head.weight"} if tie_word_embeddings else set()
+    t0 = time.perf_counter()
+    delta = tracker.diff((item for bucket in gathered_buckets(module, target.dtype, bucket_bytes, stats, tied)
+                          for item in bucket), version)
+    t1 = time.perf_counter()
+    stats.pack_s += t1 - t0 - stats.gather_s
+    stats.result = result = target.push_delta(delta)
+    stats.commit_s = time.perf_counter() - t1
+    sizes = [t.numel() for t in tracker.base.values()]
+    if result.success:
+        tracker.commit(delta)
+    elif result.error_kind == WeightResult.BASE:  # the engine holds another version: a full push, the new base
+        full = push_weights(model, target, version, bucket_bytes, tie_word_embeddings=tie_word_embeddings,
+                            tracker=tracker)
+        full.phases.update(delta=False, delta_bytes=delta.num_bytes, changed_fraction=changed_fraction(delta, sizes),
+                           held_bytes=tracker.held_bytes, fell_back=True, refused=result.message)
+        return full
+    stats.num_bytes = delta.num_bytes
+    stats.phases = {"gather_s": stats.gather_s, "pack_s": stats.pack_s, "transfer_s": 0.0, "commit_s": stats.commit_s,
+                    "delta": True, "delta_bytes": delta.num_bytes, "changed_fraction": changed_fraction(delta, sizes),
+                    "held_bytes": tracker.held_bytes, "fell_back": False}
     return stats

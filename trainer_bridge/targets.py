@@ -12,6 +12,7 @@ import torch
 from rollout.engine.engine import RolloutEngine
 from rollout.outputs import WeightResult
 from weight_sync.bucket import BucketPool
+from weight_sync.delta import WeightDelta
 
 
 class WeightTarget(ABC):
@@ -38,6 +39,12 @@ class WeightTarget(ABC):
                      version: str) -> WeightResult:
         """A LoRA adapter (peft's config and tensors, whole) as a new version of ``name`` whose tokens
         carry ``version``; only its tensors move. Every trainer rank calls it alike."""
+
+    def push_delta(self, delta: WeightDelta) -> WeightResult:
+        """A delta push (``weight_sync.delta``) to every engine, each all-or-nothing; a target that takes none
+        refuses it as against the wrong base (``WeightResult.BASE``), so the trainer pushes in full."""
+        return WeightResult.fail(f"{type(self).__name__} takes no delta pushes yet: push in full",
+                                 kind=WeightResult.BASE)
 
     def heal(self) -> bool:
         """Collective on every trainer rank: bring the target's membership up to date; True when the
@@ -73,6 +80,9 @@ class ColocatedTarget(WeightTarget):
         pending, self._pending = self._pending, []
         return self.engine.update_weights_from_tensor(pending, weight_version=self._version,
                                                       flush_cache=self.flush_cache)
+
+    def push_delta(self, delta: WeightDelta) -> WeightResult:
+        return self.engine.update_weights_from_delta(delta, flush_cache=self.flush_cache)
 
     def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
                      version: str) -> WeightResult:

@@ -55,6 +55,7 @@ from rollout.worker.tp_external import ExternalLeaderWorker, ExternalTp
 from rollout.worker.tp_group import TpWorkerGroup
 from rollout.worker.tp_worker import TpModelWorker
 from weight_sync.bucket import FlattenedTensorBucket
+from weight_sync.delta import WeightDelta
 from weight_sync.distributed import DEFAULT_BUCKET_BYTES, DIRECT, LOAD_FORMATS, PACKED, VLLM_PACKED_BUFFER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -545,6 +546,17 @@ class RolloutEngine:
         if transaction:
             return self._weights.stage(msg)
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
+
+    def update_weights_from_delta(self, delta: WeightDelta, flush_cache: bool = True,
+                                  abort_all_requests: bool = False) -> WeightResult:
+        """A delta push (``weight_sync.delta.WeightDelta``: the changed elements of the changed tensors, against
+        a named base): refused before anything is written where the engine does not hold the base (its version,
+        then the fingerprint of its weights; ``error_kind == WeightResult.BASE``: push in full); applied on
+        every rank, checked against the trainer's fingerprint of every changed tensor, and published as
+        ``delta.version`` only if all match — else every change is undone and the old version keeps serving."""
+        if not isinstance(delta, WeightDelta):
+            raise InputError(f"delta must be a weight_sync.delta.WeightDelta, got {type(delta).__name__}")
+        return self._weights.update_delta(delta, flush_cache, abort_all_requests)
 
     def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",
                                  flush_cache: bool = True, weight_version: Optional[str] = None,

@@ -22,9 +22,10 @@ from rollout.engine.lifecycle import WeightUpdateLifecycle
 from rollout.engine.loop import EngineLoop
 from rollout.outputs import WeightResult
 from rollout.scheduler.scheduler import Scheduler
-from rollout.worker.messages import ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors
+from rollout.worker.messages import ApplyDelta, ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors
 from rollout.worker.tp_worker import BaseTpWorker
 from weight_sync.cuda_ipc import CudaIpcBucket
+from weight_sync.delta import WeightDelta
 from weight_sync.shm import SharedMemoryBucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -83,6 +84,33 @@ class EngineWeights:
         if abort_all_requests:
             self.loop.abort(None)
         return self.run(msg, quiet=True, publish=(weight_version, flush_cache))
+
+    def update_delta(self, delta: WeightDelta, flush_cache: bool = True, abort_all_requests: bool = False) -> WeightResult:
+        """A delta push (``weight_sync.delta``) at a quiet point, published as ``delta.version`` only if every
+        rank's result matches the trainer's; refused (``WeightResult.BASE``, nothing touched) where the engine
+        serves another version than the delta's base, or while a transaction is open."""
+        if self.lifecycle.current() is not None:
+            return WeightResult.fail(f"a delta applies on its own: {self.lifecycle.busy_message()}")
+        if abort_all_requests:
+            self.loop.abort(None)
+        named = delta.named_tensors()
+        msg = ApplyDelta(delta.header(), handle=self.write_bucket(named)) if self.ranks_in_other_processes and named \
+            else ApplyDelta(delta.header(), tuple(named))
+        t0 = time.perf_counter()
+
+        def on_loop() -> WeightResult:
+            held = self.scheduler.weight_version
+            if held != delta.base_version:
+                result = WeightResult.fail(f"the engine serves version {held!r}, the delta applies to "
+                                           f"{delta.base_version!r}; nothing was written: push in full",
+                                           kind=WeightResult.BASE, held_version=held)
+            else:
+                result = self.worker.run_weight_op(msg)
+                if result.success:
+                    self.scheduler.publish_weights(delta.version, flush_cache)
+            return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
+
+        return self.loop.call(on_loop, quiet=True)
 
     def release(self, tags: tuple[str, ...], backup_weights: bool) -> WeightResult:
         """Free memory at a quiet point; released KV takes the prefix cache with it. Requests paused

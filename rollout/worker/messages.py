@@ -91,6 +91,16 @@ class ApplyDisk:
 
 
 @dataclass(frozen=True)
+class ApplyDelta:
+    """A delta push (``weight_sync.delta.WeightDelta``): its header (JSON) and its tensors, in this process
+    (``named_tensors``) or in another process's bucket (``handle``)."""
+
+    header: dict
+    named_tensors: tuple = ()
+    handle: Optional[dict] = None
+
+
+@dataclass(frozen=True)
 class ReceiveDistributed:
     """Buckets broadcast by rank 0 of a weight-update group (``weight_sync.WeightUpdateSender``)."""
 
@@ -255,7 +265,7 @@ class UnloadLora:
     slot: int
 
 
-WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, BeginTransaction, StageTensors,
+WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ApplyDelta, ReceiveDistributed, BeginTransaction, StageTensors,
                    StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
                    AwaitUpdateGroup, DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory,
                    ResumeMemory, ReadWeight, WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)

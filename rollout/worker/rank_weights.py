@@ -46,6 +46,7 @@ from rollout.weights.loader import (
 from rollout.weights.safetensors_io import SafetensorsFolder
 from rollout.worker.messages import (
     AbortTransaction,
+    ApplyDelta,
     ApplyDisk,
     ApplyHandle,
     ApplyTensors,
@@ -68,7 +69,9 @@ from rollout.worker.messages import (
     UnloadLora,
     WeightsChecksum,
 )
+from rollout.worker.rank_delta import DeltaState
 from weight_sync.checksum import checksum_named_tensors
+from weight_sync.delta import WeightDelta
 from weight_sync.distributed import (
     ROLLOUT_BUCKET,
     WeightGroup,
@@ -122,6 +125,11 @@ class _JoiningGroup:
     error: Optional[str] = None
 
 
+# messages after which the live weights may differ from what the delta fingerprints describe
+_CHANGES_WEIGHTS = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, CommitTransaction, ReleaseMemory,
+                    ResumeMemory)
+
+
 class RankWeights:
     def __init__(self, runner: ModelRunner, tp_state: TpState, device: torch.device):
         self.runner = runner
@@ -139,9 +147,16 @@ class RankWeights:
         self.lora_collected: Optional[tuple[int, lora.AdapterPlan]] = None
         self.last_specs: Optional[tuple] = None  # (names, dtypes, shapes, specs) of the last distributed call
         self.lora_pool: list[torch.Tensor] = []  # adapters' two receive buffers (their copy programs view them)
+        # this rank's part of each tensor's fingerprint, for delta pushes (forgotten by any other weight change)
+        self.delta = DeltaState(runner.name_map, tp_state, device)
 
     def handle(self, msg) -> WeightResult:
         """Run one weight message on this rank (every rank of the engine runs the same one)."""
+        if isinstance(msg, _CHANGES_WEIGHTS):  # (a failed one may have changed nothing: forgetting costs a pass)
+            self.delta.forget()
+        return self._handle(msg)
+
+    def _handle(self, msg) -> WeightResult:
         match msg:
             case ApplyTensors():
                 return self._apply(msg.named_tensors, strict_dtype=True, check_finite=msg.check_finite,
@@ -151,6 +166,10 @@ class RankWeights:
                     named, strict_dtype=True, check_finite=msg.check_finite, partial=msg.partial), vote=True)
             case ApplyDisk():
                 return self._apply_disk(msg)
+            case ApplyDelta():
+                if msg.handle is not None:
+                    return self._with_bucket(msg.handle, lambda named: self._apply_delta(msg.header, named), vote=False)
+                return self._apply_delta(msg.header, msg.named_tensors)
             case ReceiveDistributed():
                 return self._receive(msg)
             case BeginTransaction():
@@ -375,6 +394,23 @@ class RankWeights:
         self.runner.after_weights_changed(complete=not partial, force_recapture=recapture,
                                           names=[name for name, _, _ in plan.items])
         return WeightResult.ok(f"loaded {report.num_tensors} tensors", num_bytes=report.num_bytes)
+
+    def _apply_delta(self, header: dict, named) -> WeightResult:
+        """A delta push (``rank_delta.DeltaState.apply``): all or nothing on every rank; the weight copies
+        kernels keep follow the tensors it changed."""
+        error, delta = self._released_error(), None
+        if error is None:
+            try:
+                delta = WeightDelta.from_parts(header, named)
+            except ValueError as exc:
+                error = str(exc)
+        if delta is None:
+            self.delta.vote(False)  # the first collective of DeltaState.apply, which the other ranks run
+            return WeightResult.fail(error or "no delta")
+        result = self.delta.apply(delta)
+        if result.success and delta.entries:
+            self.runner.after_weights_changed(complete=False, names=sorted(delta.entries))
+        return result
 
     def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
         """Read through the folder the engine pinned (``msg.folder``; a spawned rank received the

@@ -1,0 +1,186 @@
+"""A delta push on one TP rank (``weight_sync.delta``): the base checked, the changed elements written where
+this rank holds them, the result fingerprinted, every rank's parts summed, and the changes undone on every
+rank unless every changed tensor came out as the trainer's.
+
+Each full Hugging Face tensor lands on a rank as ``LoadSlice.source(full)`` into ``dst``: the whole tensor,
+or the run of one dimension ``[start, start + length)`` (the full tensor first viewed as ``shape`` where
+given). A full-tensor flat index g maps to that run by arithmetic on (outer, d, inner) coordinates, so the
+rank writes only what it holds and fingerprints its elements at their full-tensor indices; a replicated
+tensor (every rank holds all of it) counts on rank 0 alone, so the ranks' parts sum to the whole tensor's
+fingerprint.
+
+``DeltaState`` keeps this rank's part of each tensor's fingerprint of the live weights (computed when a
+delta first needs it, moved by each delta, forgotten by any other change of the weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rollout.layers.linear import LoadSlice
+from rollout.layers.parallel_state import TpState
+from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
+from weight_sync.delta import WeightDelta, check_entry, fingerprint_at, moved_by, name_salt, wrap64
+
+_CHUNK = 1 << 22
+
+
+@dataclass
+class _Span:
+    """Where a full tensor's flat indices land in ``dst``: full = (outer, size, inner) around the split
+    dimension; this rank holds [start, start + length) of it (all of it: start 0, length size)."""
+
+    dst: torch.Tensor
+    size: int
+    inner: int
+    start: int
+    length: int
+    counts: bool  # its elements count in this rank's fingerprint part (a replicated tensor: rank 0 only)
+
+    @staticmethod
+    def of(sl: LoadSlice, full_shape: tuple[int, ...], rank: int) -> _Span:
+        if sl.dim is None:
+            return _Span(sl.dst, math.prod(full_shape), 1, 0, math.prod(full_shape), rank == 0)
+        shape = tuple(sl.shape) if sl.shape is not None else full_shape
+        return _Span(sl.dst, shape[sl.dim], math.prod(shape[sl.dim + 1:]), sl.start, sl.length, True)
+
+    def local(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which of the full-tensor flat indices ``g`` this rank holds, their flat indices in ``dst``)."""
+        outer, rest = g // (self.size * self.inner), g % (self.size * self.inner)
+        d, b = rest // self.inner, rest % self.inner
+        mine = (d >= self.start) & (d < self.start + self.length)
+        return mine, (outer * self.length + (d - self.start)) * self.inner + b
+
+    def positions(self, s: int, n: int) -> torch.Tensor:
+        """The full-tensor flat indices of ``dst``'s flat elements [s, s + n)."""
+        loc = torch.arange(s, s + n, device=self.dst.device)
+        per = self.length * self.inner
+        outer, rest = loc // per, loc % per
+        return outer * (self.size * self.inner) + self.start * self.inner + rest
+
+    def fingerprint(self, name: str) -> int:
+        if not self.counts:
+            return 0
+        flat, salt, total = self.dst.reshape(-1), name_salt(name), 0
+        for s in range(0, flat.numel(), _CHUNK):
+            n = min(_CHUNK, flat.numel() - s)
+            total += fingerprint_at(flat[s: s + n], self.positions(s, n), salt)
+        return wrap64(total)
+
+
+def _flat_write(dst: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+    if dst.is_contiguous():
+        dst.view(-1)[loc] = values
+    else:
+        dst[torch.unravel_index(loc, dst.shape)] = values
+
+
+def _flat_read(dst: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    if dst.is_contiguous():
+        return dst.view(-1)[loc].clone()
+    return dst[torch.unravel_index(loc, dst.shape)].clone()
+
+
+class DeltaState:
+    def __init__(self, name_map, tp_state: TpState, device: torch.device):
+        self.name_map, self.tp, self.device = name_map, tp_state, device
+        self.parts: dict[str, int] = {}  # name -> this rank's part of the live tensor's fingerprint
+
+    def forget(self) -> None:
+        self.parts.clear()
+
+    def _span(self, name: str) -> _Span:
+        target = self.name_map[name]
+        return _Span.of(target.slice, _shape(target), self.tp.tp_rank)
+
+    def part(self, name: str) -> int:
+        if name not in self.parts:
+            self.parts[name] = self._span(name).fingerprint(name)
+        return self.parts[name]
+
+    def _sum(self, values: list[int]) -> list[int]:
+        """Every rank's values summed mod 2^64 (a collective at TP > 1; every rank calls it alike)."""
+        if self.tp.tp_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        self.tp.comm.all_reduce(t)
+        return [wrap64(int(v)) for v in t.tolist()]
+
+    def vote(self, ok: bool) -> bool:
+        return self._sum([0 if ok else 1])[0] == 0
+
+    def check(self, delta: WeightDelta) -> Optional[str]:
+        """Why ``delta`` cannot apply to these weights before anything is written (None: it can)."""
+        unknown = [n for n in (*delta.names, *delta.entries) if n not in self.name_map]
+        if unknown:
+            return f"unknown weight names in the delta: {sorted(set(unknown))[:8]}"
+        outside = sorted(set(delta.entries) - set(delta.names))
+        if outside:
+            return f"changed tensors the delta's fingerprints do not cover: {outside[:8]}"
+        for name, entry in delta.entries.items():
+            target = self.name_map[name]
+            why = check_entry(name, entry, _numel(target), target.param.dtype)
+            if why is None and entry.dense is not None and not bool(torch.isfinite(entry.dense).all()):
+                why = f"{name}: contains NaN or Inf values"
+            if why is None and entry.values is not None and not bool(torch.isfinite(entry.values).all()):
+                why = f"{name}: contains NaN or Inf values"
+            if why is not None:
+                return why
+        return None
+
+    def apply(self, delta: WeightDelta) -> WeightResult:
+        """The whole delta on this rank, all or nothing with the other ranks (collectives: every rank runs it)."""
+        error = self.check(delta)
+        if not self.vote(error is None):
+            return WeightResult.fail(error or REJECTED_ELSEWHERE)
+        base = self._sum([wrap64(sum(self.part(n) for n in delta.names))])[0]
+        if base != delta.base_fingerprint:
+            return WeightResult.fail(
+                f"the engine's weights are not the delta's base {delta.base_version!r} (its fingerprint "
+                f"{delta.base_fingerprint}, the engine's {base}); nothing was written: push in full",
+                kind=WeightResult.BASE, fingerprint=str(base))
+        names = sorted(delta.entries)
+        undo, moved = [], []
+        for name in names:
+            span, entry = self._span(name), delta.entries[name]
+            if entry.dense is not None:
+                old = span.dst.clone()
+                self.name_map[name].slice.copy_from(entry.dense.to(self.device).reshape(_shape(self.name_map[name])))
+                undo.append((span.dst, None, old))
+                moved.append(wrap64(span.fingerprint(name) - self.part(name)))
+                continue
+            assert entry.indices is not None and entry.values is not None
+            g = entry.indices.to(self.device, torch.int64)
+            mine, loc = span.local(g)
+            g, loc, values = g[mine], loc[mine], entry.values.to(self.device)[mine]
+            old = _flat_read(span.dst, loc)
+            _flat_write(span.dst, loc, values)
+            undo.append((span.dst, loc, old))
+            moved.append(moved_by(name, g, old, _flat_read(span.dst, loc)) if span.counts else 0)
+        after = self._sum([wrap64(self.part(n) + m) for n, m in zip(names, moved)])
+        wrong = [n for n, got in zip(names, after) if got != delta.after[n]]
+        if wrong:
+            for dst, loc, old in reversed(undo):
+                dst.copy_(old) if loc is None else _flat_write(dst, loc, old)
+            return WeightResult.fail(f"after the delta {len(wrong)} tensors are not the trainer's (a value lost or "
+                                     f"corrupted on the way): {wrong[:8]}; every change undone, the old weights "
+                                     "serve")
+        for name, m in zip(names, moved):
+            self.parts[name] = wrap64(self.part(name) + m)
+        changed = sum(int(e.values.numel()) if e.values is not None else 0 for e in delta.entries.values())
+        return WeightResult.ok(f"applied a delta of {len(names)} tensors ({changed} sparse elements)",
+                               num_bytes=delta.num_bytes, fingerprint=str(base))
+
+
+def _shape(target) -> tuple[int, ...]:
+    """The full Hugging Face tensor's shape."""
+    shard_shape = getattr(target.param, "shard_shape", None)
+    return tuple(shard_shape(target.param, target.shard_id) if shard_shape else target.param.shape)
+
+
+def _numel(target) -> int:
+    return math.prod(_shape(target))

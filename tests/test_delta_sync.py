@@ -1,0 +1,252 @@
+"""Delta weight pushes (``weight_sync.delta``, ``RolloutEngine.update_weights_from_delta``,
+``trainer_bridge.push.push_delta``): only the changed elements travel, against a named base, checked before and
+after, all or nothing.
+
+The trainer's step is simulated the way an optimizer step moves bf16 weights: fp32 master weights nudged by a
+tiny relative amount each step, pushed cast to bf16, whose bits change only where a master weight crossed a
+rounding boundary: a few percent of the elements a step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import random_prompts
+
+from rollout import RolloutEngine, SamplingParams
+from rollout.outputs import WeightResult
+from weight_sync.delta import (
+    DeltaTracker,
+    WeightDelta,
+    fingerprint,
+    fingerprint_at,
+    moved_by,
+    name_salt,
+    wrap64,
+)
+
+
+def _hf_state(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t.to(dtype) for n, t in load_file(f"{path}/model.safetensors").items()}
+
+
+def _master(path: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 master weights of a bf16 checkpoint as after some training: each anywhere within the rounding
+    interval of its bf16 value (0.2 of a bf16 ulp either side), so that cast back they are the checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in _hf_state(path, torch.bfloat16).items():
+        up = t.clone()
+        up.view(torch.int16).add_(1)  # the next bf16 value away from zero: one ulp
+        ulp = (up.float() - t.float()).abs()
+        out[n] = t.float() + (torch.rand(t.shape, generator=g) - 0.5) * 0.4 * ulp  # (the ulp below: >= half)
+        assert torch.equal(out[n].to(torch.bfloat16), t)
+    return out
+
+
+def _step(master: dict[str, torch.Tensor], seed: int, lr: float = 1e-3) -> dict[str, torch.Tensor]:
+    """The fp32 master weights after an optimizer step: each moved by ~lr relative."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t.float() * (1 + lr * torch.randn(t.shape, generator=g)) for n, t in master.items()}
+
+
+def _pushed(master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.to(torch.bfloat16) for n, t in master.items()}
+
+
+def _weights(engine: RolloutEngine, names) -> dict[str, torch.Tensor]:
+    return {n: torch.tensor(engine.get_weights_by_name(n, truncate_size=10**9)) for n in names}
+
+
+def test_the_fingerprint_sums_over_any_split_and_moves_with_each_changed_element():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(37, 53, generator=g).to(dtype)
+        whole, salt = fingerprint("w", t), name_salt("w")
+        flat = t.reshape(-1)
+        perm = torch.randperm(flat.numel(), generator=g)
+        parts = [fingerprint_at(flat[p], p, salt) for p in perm.chunk(3)]  # three "ranks", scattered elements
+        assert wrap64(sum(parts)) == whole
+        assert fingerprint("v", t) != whole  # the name salts it
+        changed = flat.clone()
+        changed[[5, 900]] = changed[[900, 5]]  # two elements swapped
+        assert fingerprint("w", changed) != whole or bool(flat[5] == flat[900])
+        one = flat.clone()
+        one.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[17] += 1  # the last bit of one element
+        pos = torch.tensor([17])
+        assert fingerprint("w", one) == wrap64(whole + moved_by("w", pos, flat[pos], one[pos])) != whole
+
+
+def test_a_tracker_sends_only_the_changed_elements_and_commits_them():
+    g = torch.Generator().manual_seed(1)
+    master = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(100, generator=g)}
+    base = _pushed(master)
+    tracker = DeltaTracker()
+    tracker.record(base.items(), "v0")
+    new = _pushed(_step(master, 2))
+    new["b"] = -base["b"]  # every element changed: sent dense
+    delta = tracker.diff(new.items(), "v1")
+    assert delta.base_version == "v0" and set(delta.entries) == {"a", "b"}
+    assert delta.entries["b"].dense is not None and delta.entries["a"].dense is None
+    assert 0 < delta.entries["a"].num_changed < 0.25 * 64 * 32
+    back = WeightDelta.from_parts(delta.header(), delta.named_tensors())
+    assert back.header() == delta.header() and set(back.entries) == {"a", "b"}
+    tracker.commit(delta)
+    assert tracker.version == "v1" and all(torch.equal(tracker.base[n], new[n].reshape(-1)) for n in new)
+    assert tracker.fingerprints == {n: fingerprint(n, new[n]) for n in new}
+    with pytest.raises(ValueError, match="lack tensors of the base"):
+        tracker.diff([("a", new["a"])], "v2")
+    with pytest.raises(ValueError, match="names it changed but carries no"):
+        WeightDelta.from_parts(delta.header(), [])
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(model_dir):
+    return model_dir("delta-llama", "llama", seed=31, dtype=torch.bfloat16)
+
+
+def test_a_delta_push_leaves_the_engine_bitwise_where_a_full_push_leaves_it(bf16_llama):
+    """TP=1, bf16: three steps as deltas into one engine, the same steps in full into another; after each, every
+    tensor equal bit for bit, the same checksum, the same greedy tokens; a few percent of the elements sent (a
+    tensor that changed throughout, whole)."""
+    master = _master(bf16_llama)
+    state = _pushed(master)
+    prompts = random_prompts(256, [7, 12], seed=3)
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    kw = dict(dtype="bfloat16", kv_cache_tokens=512)
+    with RolloutEngine(bf16_llama, **kw) as by_delta, RolloutEngine(bf16_llama, **kw) as in_full:
+        tracker = DeltaTracker()
+        tracker.record(state.items(), by_delta.get_weight_version())
+        for step in range(1, 4):
+            master = _step(master, step)
+            if step == 2:  # a tensor changed throughout: sent whole
+                master["model.layers.0.self_attn.o_proj.weight"] *= -1
+            state = _pushed(master)
+            delta = tracker.diff(state.items(), f"step-{step}")
+            assert (delta.entries["model.layers.0.self_attn.o_proj.weight"].dense is not None) == (step == 2)
+            fraction = sum(e.num_changed for e in delta.entries.values()) / sum(t.numel() for t in state.values())
+            assert 0.001 < fraction < 0.2, fraction
+            result = by_delta.update_weights_from_delta(delta)
+            assert result.success and result.weight_version == f"step-{step}", result.message
+            tracker.commit(delta)
+            assert in_full.update_weights_from_tensor(list(state.items()), weight_version=f"step-{step}").success
+            assert by_delta.get_weights_checksum() == in_full.get_weights_checksum()
+            got = by_delta.generate(input_ids=prompts, sampling_params=sp)
+            want = in_full.generate(input_ids=prompts, sampling_params=sp)
+            assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+        names = sorted(state)
+        assert all(torch.equal(a, b) for a, b in zip(_weights(by_delta, names).values(), _weights(in_full, names).values()))
+
+
+def test_a_delta_against_another_base_or_with_a_corrupted_value_is_refused_and_the_old_weights_serve(bf16_llama):
+    master = _master(bf16_llama)
+    with RolloutEngine(bf16_llama, dtype="bfloat16", kv_cache_tokens=512) as engine:
+        before = engine.get_weights_checksum()
+        tracker = DeltaTracker()
+        tracker.record(_pushed(master).items(), engine.get_weight_version())
+        new = _pushed(_step(master, 7))
+        delta = tracker.diff(new.items(), "v1")
+        # another version named as the base: refused at once, by version
+        wrong = copy.copy(delta)
+        wrong.base_version = "v0"
+        r = engine.update_weights_from_delta(wrong)
+        assert not r.success and r.error_kind == WeightResult.BASE and "serves version 'default'" in r.message
+        # the right version's name over other bits (a full push that kept the name): refused by fingerprint
+        wrong = copy.copy(delta)
+        wrong.base_fingerprint = wrap64(delta.base_fingerprint + 1)
+        r = engine.update_weights_from_delta(wrong)
+        assert not r.success and r.error_kind == WeightResult.BASE and "not the delta's base" in r.message
+        # a value corrupted on the way: applied, found different from the trainer's, every change undone
+        name = next(n for n, e in delta.entries.items() if e.values is not None and e.values.numel() > 2)
+        bad = copy.deepcopy(delta)
+        bad.entries[name].values[1] = bad.entries[name].values[1] * 2 + 1
+        r = engine.update_weights_from_delta(bad)
+        assert not r.success and r.error_kind is None and name in r.message and "undone" in r.message
+        # a short delta (a tensor's entry lost) and a NaN: refused by name before anything is written
+        short = copy.deepcopy(delta)
+        del short.entries[name]
+        r = engine.update_weights_from_delta(short)
+        assert not r.success and name in r.message
+        nan = copy.deepcopy(delta)
+        nan.entries[name].values[0] = float("nan")
+        r = engine.update_weights_from_delta(nan)
+        assert not r.success and "NaN" in r.message and name in r.message
+        assert engine.get_weights_checksum() == before and engine.get_weight_version() == "default"
+        # the trainer's next push against the same base goes through
+        r = engine.update_weights_from_delta(delta)
+        assert r.success and r.weight_version == "v1", r.message
+        assert engine.get_weights_checksum() != before
+
+
+def test_a_delta_at_tp2_lands_on_each_rank_as_at_tp1(model_dir):
+    """TP=2 (spawned ranks, each writing and fingerprinting only its shard at the full tensors' indices; the
+    router and norms replicated): a Qwen2-MoE in bf16 — column- and row-parallel linears, q/k/v biases, fused
+    expert tensors split over their intermediate dimension, a shared expert — takes two deltas; every tensor then
+    equals a TP=1 engine's after the same steps in full, bit for bit."""
+    path = model_dir("delta-qwen2moe", "qwen2_moe", seed=32, dtype=torch.bfloat16, hidden_size=64,
+                     intermediate_size=96, num_layers=2, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=64, shared_expert_intermediate_size=80, decoder_sparse_step=1,
+                     mlp_only_layers=[])
+    master = _master(path)
+    kw = dict(dtype="bfloat16", kv_cache_tokens=512)
+    with RolloutEngine(path, tp_size=2, **kw) as tp2, RolloutEngine(path, **kw) as tp1:
+        tracker = DeltaTracker()
+        tracker.record(_pushed(master).items(), tp2.get_weight_version())
+        for step in (1, 2):
+            master = _step(master, 40 + step)
+            if step == 2:  # whole tensors split over the ranks, sent dense
+                master = {n: -t if "experts" in n or "q_proj" in n else t for n, t in master.items()}
+            state = _pushed(master)
+            delta = tracker.diff(state.items(), f"step-{step}")
+            result = tp2.update_weights_from_delta(delta)
+            assert result.success, result.message
+            tracker.commit(delta)
+            assert tp1.update_weights_from_tensor(list(state.items()), weight_version=f"step-{step}").success
+        bad = copy.deepcopy(tracker.diff(_pushed(_step(master, 50)).items(), "step-3"))
+        name = next(n for n, e in bad.entries.items() if "experts" in n and e.values is not None)
+        bad.entries[name].values[-1] = -bad.entries[name].values[-1] + 1  # lands on one rank only: both undo
+        r = tp2.update_weights_from_delta(bad)
+        assert not r.success and name in r.message
+        names = sorted(state)
+        assert tp2.get_weights_checksum() == tp1.get_weights_checksum()
+        assert all(torch.equal(a, b) for a, b in zip(_weights(tp2, names).values(), _weights(tp1, names).values()))
+
+
+def test_the_trainer_pushes_deltas_and_falls_back_to_a_full_push_where_the_engine_holds_another_base(bf16_llama):
+    """``push_delta`` from a trainer's model (bf16 parameters) into a colocated engine: the first push whole
+    (kept as the base), then deltas; an engine whose weights changed behind the trainer's back (another
+    writer, under the same version name) refuses the next delta by fingerprint and gets a full push, after which
+    deltas go again. After each push the engine's tensors are the model's, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.push import push_delta
+    from trainer_bridge.targets import ColocatedTarget
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.bfloat16)
+    master = {n: p.detach().float() for n, p in model.named_parameters()}
+    tracker = DeltaTracker()
+    with RolloutEngine(bf16_llama, dtype="bfloat16", kv_cache_tokens=512) as engine:
+        target = ColocatedTarget(engine)
+        kinds = []
+        for step in range(1, 5):
+            master = _step(master, 60 + step)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(master[n])
+            if step == 3:  # someone else writes a weight, keeping the version's name
+                name = "model.norm.weight"
+                assert engine.update_weights_from_tensor([(name, -model.get_parameter(name).detach())],
+                                                         partial=True, weight_version=f"step-{step - 1}").success
+            stats = push_delta(model, target, f"step-{step}", tracker)
+            assert stats.result.success, stats.result.message
+            kinds.append("delta" if stats.phases["delta"] else "fell back" if stats.phases["fell_back"] else "full")
+            if step == 3:
+                assert "not the delta's base" in stats.phases["refused"]
+            want = {n: p.detach() for n, p in model.named_parameters()}
+            bad = [n for n, t in want.items() if not torch.equal(_weights(engine, [n])[n].to(torch.bfloat16), t.reshape(-1))]
+            assert not bad, (step, bad)
+            assert engine.get_weight_version() == f"step-{step}"
+        assert kinds == ["full", "delta", "fell back", "delta"]

@@ -1,0 +1,283 @@
+"""Delta weight pushes: only the changed elements travel, against a named base, checked before and after.
+
+Between two RL steps most bf16 weights keep their bits. A delta names the version it applies to and the
+fingerprint of that base; for each tensor that changed it carries the flat indices of the changed elements
+and their new values (or the whole tensor where most of it changed), and the fingerprint every changed
+tensor must have afterwards. An engine that does not hold the base refuses before touching anything and
+says what it holds; one that does applies the delta, fingerprints what it now holds, and publishes only if
+every tensor (every TP rank's part of it) matches — otherwise it restores the changed elements and keeps
+serving the old version. Nothing needs a restart.
+
+The fingerprint: for a tensor named n with elements e_i (their bit patterns as unsigned integers), the sum
+over i of e_i * m(n, i) mod 2^64, where m(n, i) is an odd 64-bit multiplier from a hash of the name and
+the flat index. It is additive over any split of the elements, so a TP rank fingerprints its own shard at the
+elements' full-tensor indices and the ranks' parts sum to the whole tensor's (as a ZeRO-3 partition's would),
+a changed element moves it by (new - old) * m (a delta's check costs its changed elements, not the model),
+and an odd multiplier makes any single changed element change it. It is a checksum against mistakes (a wrong
+base, a lost or corrupted value, a missed push), not against an adversary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FORMAT = "rollout-delta/1"
+_K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's odd 64-bit constant), as int64
+_K2 = 0x2545F4914F6CDD1D  # an odd 64-bit constant (Marsaglia's xorshift multiplier)
+_CHUNK = 1 << 22  # elements fingerprinted at a time (bounds the int64 temporaries)
+INDEX_SUFFIX, VALUE_SUFFIX = "#indices", "#values"  # a sparse entry's two tensors in a bucket ('#': never in a name)
+_BITS = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
+         torch.float16: (torch.int16, 0xFFFF)}
+
+
+def wrap64(x: int) -> int:
+    """``x`` modulo 2^64 as a signed 64-bit integer (what an int64 tensor sum wraps to)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def name_salt(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little", signed=True)
+
+
+def element_bits(values: torch.Tensor) -> torch.Tensor:
+    """Each element's bit pattern as a non-negative int64 (fp32, bf16, fp16)."""
+    if values.dtype not in _BITS:
+        raise ValueError(f"no delta fingerprint for dtype {values.dtype}: fp32, bf16 or fp16 weights")
+    view, mask = _BITS[values.dtype]
+    return values.contiguous().view(view).to(torch.int64) & mask
+
+
+def multipliers(positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """m(n, i) for flat indices ``positions`` (int64) of the tensor whose name hashes to ``salt``: odd."""
+    return ((positions ^ salt) * _K1 + _K2) | 1
+
+
+def fingerprint_at(values: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
+    """The fingerprint's terms of ``values`` at their full-tensor flat indices ``positions`` (same shape)."""
+    v, p = values.reshape(-1), positions.reshape(-1)
+    total = 0
+    for s in range(0, v.numel(), _CHUNK):
+        part = element_bits(v[s: s + _CHUNK]) * multipliers(p[s: s + _CHUNK].to(torch.int64), salt)
+        total += int(part.sum())
+    return wrap64(total)
+
+
+def fingerprint(name: str, t: torch.Tensor) -> int:
+    """A whole tensor's fingerprint."""
+    flat, salt, total = t.detach().reshape(-1), name_salt(name), 0
+    for s in range(0, flat.numel(), _CHUNK):
+        n = min(_CHUNK, flat.numel() - s)
+        total += fingerprint_at(flat[s: s + n], torch.arange(s, s + n, device=flat.device), salt)
+    return wrap64(total)
+
+
+def moved_by(name: str, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
+    """How much a tensor's fingerprint moves when the elements at ``positions`` go from ``old`` to ``new``."""
+    salt = name_salt(name)
+    return wrap64(fingerprint_at(new, positions, salt) - fingerprint_at(old, positions, salt))
+
+
+@dataclass
+class DeltaEntry:
+    """One changed tensor: the flat indices of its changed elements (int64, strictly increasing) and their
+    new values — or ``dense``, the whole new tensor."""
+
+    indices: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    dense: Optional[torch.Tensor] = None
+    num_changed: int = 0  # elements whose bits changed (a dense entry's too)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.indices, self.values, self.dense) if t is not None)
+
+
+@dataclass
+class WeightDelta:
+    """A delta push: the base it applies to (``base_version`` and the fingerprint, summed over ``names``, of
+    that base), the version it makes, and each changed tensor's entry and fingerprint after it."""
+
+    base_version: str
+    base_fingerprint: int
+    version: str
+    names: tuple[str, ...]  # every tensor the fingerprints cover (the trainer's whole push)
+    entries: dict[str, DeltaEntry] = field(default_factory=dict)
+    after: dict[str, int] = field(default_factory=dict)  # name -> its fingerprint once applied
+
+    def header(self) -> dict:
+        """The JSON part (fingerprints as decimal strings: JSON numbers lose 64-bit integers)."""
+        return {"format": FORMAT, "base_version": self.base_version, "base_fingerprint": str(self.base_fingerprint),
+                "version": self.version, "names": list(self.names),
+                "after": {n: str(v) for n, v in self.after.items()},
+                "dense": sorted(n for n, e in self.entries.items() if e.dense is not None)}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The entries as (name, tensor) pairs for a bucket: a dense tensor under its name, a sparse one as
+        ``name#indices`` and ``name#values``."""
+        out = []
+        for name, e in self.entries.items():
+            if e.dense is not None:
+                out.append((name, e.dense))
+            else:
+                assert e.indices is not None and e.values is not None
+                out += [(name + INDEX_SUFFIX, e.indices), (name + VALUE_SUFFIX, e.values)]
+        return out
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.num_bytes for e in self.entries.values())
+
+    @classmethod
+    def from_parts(cls, header: dict, named: Iterable[tuple[str, torch.Tensor]]) -> WeightDelta:
+        """A delta back from its header and its bucket's tensors; ``ValueError`` naming what does not fit."""
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise ValueError(f"a delta header must be a JSON object with format {FORMAT!r}")
+        try:
+            names = tuple(header["names"])
+            after = {str(n): int(v) for n, v in dict(header["after"]).items()}
+            delta = cls(str(header["base_version"]), int(header["base_fingerprint"]), str(header["version"]),
+                        names, after=after)
+            dense = set(header.get("dense", []))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a delta header needs base_version, base_fingerprint, version, names and after "
+                             f"(fingerprints as decimal strings): {exc}") from None
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise ValueError("a delta's names must be distinct strings")
+        tensors = dict(named)
+        for name in after:
+            if name in dense:
+                t = tensors.pop(name, None)
+                if t is None:
+                    raise ValueError(f"{name}: the delta names it dense but carries no tensor for it")
+                delta.entries[name] = DeltaEntry(dense=t)
+                continue
+            idx, val = tensors.pop(name + INDEX_SUFFIX, None), tensors.pop(name + VALUE_SUFFIX, None)
+            if idx is None or val is None:
+                raise ValueError(f"{name}: the delta names it changed but carries no {name}{INDEX_SUFFIX} and "
+                                 f"{name}{VALUE_SUFFIX}")
+            delta.entries[name] = DeltaEntry(indices=idx, values=val)
+        if tensors:
+            raise ValueError(f"tensors the delta's header does not name: {sorted(tensors)[:8]}")
+        return delta
+
+
+def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype) -> Optional[str]:
+    """Why ``entry`` cannot apply to a tensor of ``numel`` elements of ``dtype`` (None: it can)."""
+    if entry.dense is not None:
+        if entry.dense.numel() != numel or entry.dense.dtype != dtype:
+            return (f"{name}: a dense entry of {entry.dense.numel()} {entry.dense.dtype} values for a tensor of "
+                    f"{numel} {dtype} values")
+        return None
+    idx, val = entry.indices, entry.values
+    assert idx is not None and val is not None
+    if idx.dim() != 1 or val.dim() != 1 or idx.numel() != val.numel():
+        return f"{name}: indices and values must be 1-D and as long ({list(idx.shape)} and {list(val.shape)})"
+    if idx.dtype not in (torch.int32, torch.int64):
+        return f"{name}: indices must be int32 or int64, got {idx.dtype}"
+    if val.dtype != dtype:
+        return f"{name}: values are {val.dtype}, the model's weights {dtype}"
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= numel:
+            return f"{name}: index {lo if lo < 0 else hi} is outside the tensor's {numel} elements"
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            return f"{name}: indices must be strictly increasing (each element once, in order)"
+    return None
+
+
+class DeltaTracker:
+    """The trainer's side: the bits it last published (host memory, in the push dtype; ``held_bytes``), their
+    fingerprints, and the version they are. ``diff`` builds the delta of new full tensors against them;
+    ``commit`` takes the delta's values as the new base once the engine published it; ``reset`` forgets
+    the base (a full push follows, ``record`` takes it)."""
+
+    def __init__(self, dense_fraction: float = 0.25, anchor_every: int = 0):
+        # a tensor whose changed fraction passes this goes dense: a sparse element costs its value and an
+        # 8-byte index, so past ~1/5 (bf16) to 1/3 (fp32) of the elements dense is smaller
+        self.dense_fraction = dense_fraction
+        self.anchor_every = anchor_every  # a full push after this many deltas (0: only when one is refused)
+        self.base: dict[str, torch.Tensor] = {}
+        self.fingerprints: dict[str, int] = {}
+        self.version: Optional[str] = None
+        self.deltas_since_anchor = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base.values())
+
+    @property
+    def base_fingerprint(self) -> int:
+        return wrap64(sum(self.fingerprints.values()))
+
+    def wants_full(self) -> bool:
+        """No base yet, or an anchor is due."""
+        return self.version is None or (self.anchor_every > 0 and self.deltas_since_anchor >= self.anchor_every)
+
+    def reset(self) -> None:
+        self.base, self.fingerprints, self.version = {}, {}, None
+
+    def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Tensors of a full push as they go out (bucket by bucket): the next base, once ``recorded``."""
+        if self.version is not None:
+            self.reset()
+        for name, t in named:
+            self.base[name] = t.detach().to("cpu", copy=True).reshape(-1)
+            self.fingerprints[name] = fingerprint(name, self.base[name])
+
+    def recorded(self, version: str) -> None:
+        """The full push whose tensors ``take`` kept was published as ``version``."""
+        self.version, self.deltas_since_anchor = version, 0
+
+    def record(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """A full push of ``named`` published as ``version``: their bits become the base."""
+        self.reset()
+        self.take(named)
+        self.recorded(version)
+
+    def diff(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> WeightDelta:
+        """The delta from the base to ``named`` (every tensor of the base, full, in its dtype)."""
+        if self.version is None:
+            raise ValueError("no base to diff against: push in full first (DeltaTracker.record)")
+        delta = WeightDelta(self.version, self.base_fingerprint, version, tuple(self.base))
+        seen = set()
+        for name, t in named:
+            base = self.base.get(name)
+            new = t.detach().to("cpu").reshape(-1)
+            if base is None or base.dtype != new.dtype or base.numel() != new.numel():
+                raise ValueError(f"{name}: not in the base as pushed ({'absent' if base is None else 'shape or dtype'}"
+                                 "); push in full")
+            seen.add(name)
+            changed = torch.nonzero(element_bits(new) != element_bits(base)).reshape(-1)
+            if not changed.numel():
+                continue
+            if changed.numel() > self.dense_fraction * new.numel():
+                delta.entries[name] = DeltaEntry(dense=new.clone(), num_changed=changed.numel())
+            else:
+                delta.entries[name] = DeltaEntry(indices=changed, values=new[changed], num_changed=changed.numel())
+            delta.after[name] = wrap64(self.fingerprints[name] + moved_by(name, changed, base[changed], new[changed]))
+        missing = sorted(set(self.base) - seen)
+        if missing:
+            raise ValueError(f"the new weights lack tensors of the base: {missing[:8]}")
+        return delta
+
+    def commit(self, delta: WeightDelta) -> None:
+        """The engine published ``delta``: its values become the base."""
+        for name, e in delta.entries.items():
+            if e.dense is not None:
+                self.base[name] = e.dense.reshape(-1).to("cpu", copy=True)
+            else:
+                assert e.indices is not None and e.values is not None
+                self.base[name][e.indices] = e.values.to("cpu")
+            self.fingerprints[name] = delta.after[name]
+        self.version = delta.version
+        self.deltas_since_anchor += 1
+
+
+def changed_fraction(delta: WeightDelta, sizes: Sequence[int]) -> float:
+    """The fraction of all elements (``sizes``: every tensor's count) whose bits the delta changes."""
+    return sum(e.num_changed for e in delta.entries.values()) / max(1, sum(sizes))
