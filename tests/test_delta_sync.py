@@ -250,3 +250,40 @@ def test_the_trainer_pushes_deltas_and_falls_back_to_a_full_push_where_the_engin
             assert not bad, (step, bad)
             assert engine.get_weight_version() == f"step-{step}"
         assert kinds == ["full", "delta", "fell back", "delta"]
+
+
+def test_a_patch_folder_over_the_servers_route_under_the_allowed_dirs_only(bf16_llama, make_server, tmp_path):
+    """prime-rl-style filesystem sync: ``save_patch`` writes a patch folder (``delta.json`` naming its base,
+    ``delta.safetensors``); ``/update_weights_from_delta`` reads it only under ``--allowed-weight-dirs`` (403
+    outside), pinned and checked as checkpoint folders are, and applies it all or nothing: the weights then are
+    the full push's bit for bit (the checksum of an engine given the same step in full); a patch against
+    another base is refused 400 with ``error_kind: "base"``; a folder with no patch in it, 400 naming it."""
+    from weight_sync.delta import save_patch
+
+    allowed = tmp_path / "patches"
+    master = _master(bf16_llama)
+    tracker = DeltaTracker()
+    tracker.record(_pushed(master).items(), "default")
+    state = _pushed(_step(master, 80))
+    delta = tracker.diff(state.items(), "step-1")
+    server = make_server(bf16_llama, "--dtype", "bfloat16", "--kv-cache-tokens", "512", "--allowed-weight-dirs",
+                         str(allowed))
+    with server.client() as client:
+        outside = save_patch(delta, str(tmp_path / "elsewhere"))
+        r = client.http.post("/update_weights_from_delta", json={"path": outside})
+        assert r.status_code == 403 and "allowed-weight-dirs" in r.text
+        wrong = copy.copy(delta)
+        wrong.base_fingerprint = wrap64(delta.base_fingerprint - 1)
+        r = client.http.post("/update_weights_from_delta", json={"path": save_patch(wrong, str(allowed / "wrong"))})
+        assert r.status_code == 400 and r.json()["error_kind"] == "base"
+        (allowed / "empty").mkdir()
+        r = client.http.post("/update_weights_from_delta", json={"path": str(allowed / "empty")})
+        assert r.status_code == 400 and "delta" in r.json()["message"]
+        before = client.http.post("/weights_checker", json={"action": "checksum"}).json()["checksum"]
+        result = client.update_weights_from_delta(save_patch(delta, str(allowed / "step-1")))
+        assert result.success and result.weight_version == "step-1", result.message
+        after = client.http.post("/weights_checker", json={"action": "checksum"}).json()["checksum"]
+    with RolloutEngine(bf16_llama, dtype="bfloat16", kv_cache_tokens=512) as full:
+        assert full.get_weights_checksum() == before != after
+        assert full.update_weights_from_tensor(list(state.items())).success
+        assert full.get_weights_checksum() == after

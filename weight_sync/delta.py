@@ -166,6 +166,28 @@ class WeightDelta:
         return delta
 
 
+PATCH_HEADER, PATCH_TENSORS = "delta.json", "delta.safetensors"  # a patch folder's two files
+
+
+def save_patch(delta: WeightDelta, folder: str) -> str:
+    """``delta`` as a patch folder (prime-rl-style filesystem sync; read by ``update_weights_from_delta(path)``
+    and the server's ``/update_weights_from_delta``): ``delta.json`` (the header, naming its base) and
+    ``delta.safetensors`` (the entries' tensors), each written whole and renamed into place, tensors first."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    named = {n: t.detach().contiguous().cpu() for n, t in delta.named_tensors()}
+    for name, write in ((PATCH_TENSORS, lambda path: save_file(named, path)),
+                        (PATCH_HEADER, lambda path: open(path, "w").write(json.dumps(delta.header())))):
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+        write(tmp)
+        os.replace(tmp, os.path.join(folder, name))
+    return folder
+
+
 def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype) -> Optional[str]:
     """Why ``entry`` cannot apply to a tensor of ``numel`` elements of ``dtype`` (None: it can)."""
     if entry.dense is not None:

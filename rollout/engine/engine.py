@@ -27,7 +27,7 @@ from rollout.engine.lifecycle import Opener, Transaction, WeightUpdateLifecycle
 from rollout.engine.loop import EngineDeadError, EngineLoop
 from rollout.engine.lora import EngineLora
 from rollout.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer, make_detokenizer
-from rollout.engine.weights import EngineWeights, check_memory_tags
+from rollout.engine.weights import EngineWeights, check_memory_tags, read_patch
 from rollout.models import ModelConfig
 from rollout.outputs import RolloutOutput, WeightResult
 from rollout.sampling_params import SamplingParams
@@ -547,15 +547,22 @@ class RolloutEngine:
             return self._weights.stage(msg)
         return self._weights.update(msg, weight_version, flush_cache, abort_all_requests)
 
-    def update_weights_from_delta(self, delta: WeightDelta, flush_cache: bool = True,
-                                  abort_all_requests: bool = False) -> WeightResult:
+    def update_weights_from_delta(self, delta: Union[WeightDelta, str, os.PathLike, PinnedFolder],
+                                  flush_cache: bool = True, abort_all_requests: bool = False) -> WeightResult:
         """A delta push (``weight_sync.delta.WeightDelta``: the changed elements of the changed tensors, against
-        a named base): refused before anything is written where the engine does not hold the base (its version,
-        then the fingerprint of its weights; ``error_kind == WeightResult.BASE``: push in full); applied on
-        every rank, checked against the trainer's fingerprint of every changed tensor, and published as
-        ``delta.version`` only if all match — else every change is undone and the old version keeps serving."""
+        a named base), or a patch folder holding one (``weight_sync.delta.save_patch``; pinned and read like a
+        checkpoint folder): refused before anything is written where the engine does not hold the base (its
+        version, then the fingerprint of its weights; ``error_kind == WeightResult.BASE``: push in full);
+        applied on every rank, checked against the trainer's fingerprint of every changed tensor, and published
+        as ``delta.version`` only if all match — else every change is undone and the old version keeps serving."""
         if not isinstance(delta, WeightDelta):
-            raise InputError(f"delta must be a weight_sync.delta.WeightDelta, got {type(delta).__name__}")
+            if not isinstance(delta, (str, os.PathLike, PinnedFolder)):
+                raise InputError(f"delta must be a weight_sync.delta.WeightDelta or a patch folder, got "
+                                 f"{type(delta).__name__}")
+            try:
+                delta = read_patch(delta)
+            except (WeightLoadError, ValueError) as exc:
+                return WeightResult.fail(f"the delta patch cannot be read: {exc}")
         return self._weights.update_delta(delta, flush_cache, abort_all_requests)
 
     def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",

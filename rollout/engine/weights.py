@@ -15,17 +15,19 @@ for CPU tensors, CUDA IPC for GPU tensors, each created once and reused by every
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from rollout.engine.lifecycle import WeightUpdateLifecycle
 from rollout.engine.loop import EngineLoop
 from rollout.outputs import WeightResult
 from rollout.scheduler.scheduler import Scheduler
+from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
 from rollout.worker.messages import ApplyDelta, ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors
 from rollout.worker.tp_worker import BaseTpWorker
 from weight_sync.cuda_ipc import CudaIpcBucket
-from weight_sync.delta import WeightDelta
+from weight_sync.delta import PATCH_HEADER, WeightDelta
 from weight_sync.shm import SharedMemoryBucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -39,6 +41,22 @@ def check_memory_tags(tags) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"unknown memory tags {bad}; use a subset of {list(MEMORY_TAGS)}")
     return tags
+
+
+def read_patch(path: Union[str, os.PathLike, PinnedFolder], max_bytes: int = 64 << 20) -> WeightDelta:
+    """A delta patch folder (``weight_sync.delta.save_patch``) read through its pinned descriptor, as checkpoint
+    folders are (regular files of the folder itself, headers checked before any tensor is read):
+    ``delta.json`` (the header, at most ``max_bytes``) and the tensors of its ``*.safetensors`` files."""
+    folder = path if isinstance(path, PinnedFolder) else PinnedFolder.open(path)
+    try:
+        with SafetensorsFolder(folder) as files:
+            header = files.read_json(PATCH_HEADER, max_bytes)
+            if not isinstance(header, dict):
+                raise ValueError(f"{PATCH_HEADER} must hold a JSON object")
+            return WeightDelta.from_parts(header, [(n, t.read()) for n, t in files.tensors()])
+    finally:
+        if folder is not path:
+            folder.close()
 
 
 class EngineWeights:

@@ -220,6 +220,10 @@ class RolloutClient:
     def update_weights_from_disk(self, model_path: str, **kw) -> WeightResult:
         return self._weight("/update_weights_from_disk", {"model_path": model_path, **kw})
 
+    def update_weights_from_delta(self, path: str, **kw) -> WeightResult:
+        """A delta patch folder on the server's filesystem (``weight_sync.delta.save_patch``)."""
+        return self._weight("/update_weights_from_delta", {"path": path, **kw})
+
     def update_weights_from_tensor(self, handle: dict, **kw) -> WeightResult:
         """A same-host bucket handle (``SharedMemoryBucket.write`` / ``CudaIpcBucket.write``)."""
         return self._weight("/update_weights_from_tensor", {"serialized_named_tensors": handle, **kw})

@@ -37,6 +37,15 @@ async def update_weights_from_disk(body: P.UpdateFromDiskRequest, svc: EngineSer
                                                   abort_all_requests=body.abort_all_requests))
 
 
+@router.post("/update_weights_from_delta", dependencies=ADMIN)
+async def update_weights_from_delta(body: P.UpdateFromDeltaRequest, svc: EngineService = Svc):
+    """A delta patch folder (``weight_sync.delta``): pinned, checked under ``--allowed-weight-dirs`` (403
+    outside), applied all or nothing against the base it names (``error_kind: "base"`` where the engine holds
+    another: push in full)."""
+    return result_json(await svc.update_from_delta(body.path, flush_cache=body.flush_cache,
+                                                   abort_all_requests=body.abort_all_requests))
+
+
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
 async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
     """A same-host bucket handle (JSON), or SGLang's form: base64 of the frameworks' pickled tensor handles

@@ -284,6 +284,15 @@ class UpdateFromDiskRequest(Lenient):
     recapture_cuda_graph: bool = False
 
 
+class UpdateFromDeltaRequest(Lenient):
+    """A delta patch folder (``weight_sync.delta.save_patch``: ``delta.json`` naming its base, ``delta.safetensors``)
+    under ``--allowed-weight-dirs``; published as the version its header names."""
+
+    path: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
 PICKLED_TENSORS = (
     "serialized_named_tensors holds strings: base64 of a pickled MultiprocessingSerializer payload (SGLang's "
     "colocated form, sent by slime, miles and veRL). Not read here: this server never unpickles a payload in general; "

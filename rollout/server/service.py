@@ -423,13 +423,22 @@ class EngineService:
         if "\x00" in path:
             raise HTTPException(400, "model_path contains a NUL byte")
 
+        return await self._pinned_update(path, self.engine.update_weights_from_disk, **kwargs)
+
+    async def update_from_delta(self, path: str, **kwargs) -> WeightResult:
+        """A delta patch folder, pinned and checked as ``update_from_disk`` pins and checks a checkpoint folder."""
+        if "\x00" in path:
+            raise HTTPException(400, "path contains a NUL byte")
+        return await self._pinned_update(path, self.engine.update_weights_from_delta, **kwargs)
+
+    async def _pinned_update(self, path: str, update, **kwargs) -> WeightResult:
         def pin_and_update() -> WeightResult:
             try:
                 folder = PinnedFolder.open(path, self.allowed_dirs)
             except WeightLoadError as exc:
                 return WeightResult.fail(str(exc))
             with folder:
-                return self.engine.update_weights_from_disk(folder, **kwargs)
+                return update(folder, **kwargs)
 
         try:
             return await self.apply_update(pin_and_update)
