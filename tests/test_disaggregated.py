@@ -236,9 +236,11 @@ def test_an_adapter_push_to_a_dead_replica_is_named_and_the_healed_group_gets_it
 
 
 def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, two_replicas):
-    """The whole loop against two running servers: replica 1 is killed after step 2 and restarted at
-    once (it takes a while to come up); every step still trains on a full batch, the loss of replica 1
-    is named in the step log, it rejoins when it answers again, and the run ends with both replicas
+    """The whole loop against two running servers, pushing deltas (``--delta-sync``: after the first full push
+    only the changed elements, over the weight group): replica 1 is killed after step 2 and restarted at once
+    (it takes a while to come up); every step still trains on a full batch, the loss of replica 1 is named in
+    the step log, it rejoins when it answers again — holding the initial weights, it refuses the next delta by
+    its base and that push goes in full, after which deltas go again — and the run ends with both replicas
     serving the last step's weights."""
     path, ports, servers, serve = two_replicas
     from weight_sync.process_group import free_port
@@ -250,7 +252,7 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                             str(free_port()), os.path.join(ROOT, "examples", "grpo_disaggregated.py"), *urls,
                             "--model", path, "--steps", str(steps), "--max-new-tokens", "24", "--out-dir", str(out),
-                            "--no-wandb", "--group-timeout", "8"],
+                            "--no-wandb", "--group-timeout", "8", "--delta-sync"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     for line in run.stdout:
@@ -266,6 +268,8 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     assert min(x["num_serving_replicas"] for x in logs) == 1 and logs[-1]["num_serving_replicas"] == 2
     assert all(x["push_verified"] for x in logs) and all(x["mismatch_max"] < 1e-4 for x in logs)
     assert f"replica versions: ['step-{steps}', 'step-{steps}']" in "".join(lines)
+    assert any("a delta was refused" in e and "pushed in full" in e for e in events), events  # the rejoin's push
+    assert logs[0]["sync_phases"]["delta"] is False and all(x["sync_phases"]["delta"] for x in logs[-5:])
 
 
 def test_the_process_group_target_reaches_engine_ranks_in_other_processes(llama_path):

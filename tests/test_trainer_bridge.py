@@ -46,9 +46,10 @@ def run_demo(tmp_path, *extra, steps=25, show_warnings=False, dist_check=False):
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    """The demo's default run (ZeRO-3, 25 steps), made once: the launcher tests compare their first
-    steps with it (the loop's steps do not depend on how many follow)."""
-    return run_demo(tmp_path_factory.mktemp("zero3"), "--zero-stage", "3", dist_check=True)
+    """The demo's run (ZeRO-3) for 18 steps (the last five's mean 0.96 against 0.51 at the first on an Intel Xeon;
+    +0.3 asserted), made once: the launcher tests compare their first steps with it (the loop's steps do not
+    depend on how many follow)."""
+    return run_demo(tmp_path_factory.mktemp("zero3"), "--zero-stage", "3", steps=18, dist_check=True)
 
 
 def test_grpo_zero3_learns_with_exact_logprobs(zero3_run):

@@ -37,10 +37,13 @@ from trainer_bridge.replicas import ReplicaError, ReplicaSet, describe
 from trainer_bridge.serving import WeightReplica
 from trainer_bridge.targets import WeightTarget
 from weight_sync.bucket import BucketPool
+from weight_sync.delta import WeightDelta
 from weight_sync.distributed import ADAPTER_BUCKET_BYTES, WeightUpdateSender
 from weight_sync.process_group import free_port
 
 logger = logging.getLogger(__name__)
+# a delta's buckets: deltas are a few percent of the model; one bucket per message keeps gloo's per-message cost low
+DELTA_BUCKET_BYTES = 64 << 20
 
 
 class _Call(threading.Thread):
@@ -297,16 +300,20 @@ class DistributedTarget(WeightTarget):
             raise value
         return value
 
-    # ------------------------------------------------------------------ adapters
+    # ------------------------------------------------------------------ deltas
 
-    def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
-                     version: str) -> WeightResult:
-        """A LoRA adapter to every member: each posts its receives (``load_lora_adapter_from_distributed``)
-        while rank 0 broadcasts the tensors once, in buckets. The base weights never move. A refusal
-        comes back as the failed result (replicas that took it serve the new version, the others keep
-        the one they had); a replica that fails is named in a ``ReplicaError`` on every trainer rank,
-        marked down, and ``heal`` rebuilds the group (the adapter is pushed again then). Each replica
-        holds a whole version, never part of one: the others may already serve the new one."""
+    def push_delta(self, delta: WeightDelta) -> WeightResult:
+        """A delta push (``weight_sync.delta``) to every member: each posts its receives
+        (``update_weights_from_delta_distributed``) while rank 0 broadcasts the delta's tensors once, then
+        applies it all or nothing against the base its header names. A member holding another base refuses
+        (``WeightResult.BASE``, after receiving: the group stays in step) and that result comes back, so the
+        trainer pushes in full (every member takes it; the next push is a delta again). A replica that fails is
+        named in a ``ReplicaError`` on every trainer rank, as for a full push."""
+        return self._one_call(lambda: self._send_delta(delta))
+
+    def _one_call(self, send: Callable[[], tuple[str, Any]]) -> WeightResult:
+        """A push in one call to every member (``send`` on rank 0: its result), its outcome shared with every
+        trainer rank; members that failed are marked down and named in the ``ReplicaError`` raised."""
         payload = None
         if self.is_sender:
             self._failed, self._rejected = {}, None
@@ -315,7 +322,7 @@ class DistributedTarget(WeightTarget):
                 self._failed = {i: "not in a working weight group (heal() rebuilds it)"
                                 for i in range(len(self.replicas)) if i not in self.members or self._broken}
             else:
-                payload = self._send_adapter(name, config, named_tensors, version)
+                payload = send()
             if self._failed:
                 for i in self._failed:
                     self.replicas.mark(i, False)
@@ -326,17 +333,25 @@ class DistributedTarget(WeightTarget):
             raise value
         return value
 
-    def _send_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
-                      version: str) -> tuple[str, Any]:
-        names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
-        calls = {i: _Call("load_lora_adapter_from_distributed",
-                          self.replicas.replicas[i].load_lora_adapter_from_distributed, name, config, names, dtypes,
-                          shapes, self.group, load_format="rollout_bucket", bucket_bytes=ADAPTER_BUCKET_BYTES,
-                          weight_version=version)
-                 for i in self.members}
+    def _send_delta(self, delta: WeightDelta) -> tuple[str, Any]:
+        named = delta.named_tensors()
+        names, dtypes, shapes = WeightUpdateSender.describe(named)
+        results = self._broadcast("update_weights_from_delta_distributed", "a delta push", named, DELTA_BUCKET_BYTES,
+                                  lambda r: r.update_weights_from_delta_distributed(
+                                      delta.header(), names, dtypes, shapes, self.group, bucket_bytes=DELTA_BUCKET_BYTES))
+        bad = [r for r in results.values() if not r.success]
+        base = [r for r in bad if r.error_kind == WeightResult.BASE]
+        return ("result", base[0] if base else bad[0] if bad else results[self.members[0]])
+
+    def _broadcast(self, label: str, what: str, named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   receive: Callable[[WeightReplica], WeightResult]) -> dict[int, WeightResult]:
+        """``receive(replica)`` on every member at once while rank 0 broadcasts ``named`` once in buckets of
+        ``bucket_bytes``; each member's result. A peer that is gone breaks the group: the members that stopped
+        answering are named in ``_failed`` (all of them where none can be told apart)."""
+        calls = {i: _Call(label, receive, self.replicas.replicas[i]) for i in self.members}
         try:
             assert self.sender is not None
-            self.sender.send(named_tensors, bucket_bytes=ADAPTER_BUCKET_BYTES)  # one broadcast reaches every replica
+            self.sender.send(named, bucket_bytes=bucket_bytes)  # one broadcast reaches every replica
         except Exception as exc:  # noqa: BLE001 - a peer is gone: find out which
             logger.warning("weight group %r: %s", self.group, exc)
             self._broken = True
@@ -347,11 +362,32 @@ class DistributedTarget(WeightTarget):
                 if not results[i].success and results[i].error_kind == WeightResult.GROUP:
                     self._broken = True
             except Exception as exc:  # noqa: BLE001
-                self._failed[i] = f"load_lora_adapter_from_distributed: {type(exc).__name__}: {exc}"
+                self._failed[i] = f"{label}: {type(exc).__name__}: {exc}"
         if self._broken:
             self._find_dead()
             if not self._failed:
-                self._failed = {i: "its weight group broke during an adapter push" for i in self.members}
+                self._failed = {i: f"its weight group broke during {what}" for i in self.members}
+        return results
+
+    # ------------------------------------------------------------------ adapters
+
+    def push_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                     version: str) -> WeightResult:
+        """A LoRA adapter to every member: each posts its receives (``load_lora_adapter_from_distributed``)
+        while rank 0 broadcasts the tensors once, in buckets. The base weights never move. A refusal
+        comes back as the failed result (replicas that took it serve the new version, the others keep
+        the one they had); a replica that fails is named in a ``ReplicaError`` on every trainer rank,
+        marked down, and ``heal`` rebuilds the group (the adapter is pushed again then). Each replica
+        holds a whole version, never part of one: the others may already serve the new one."""
+        return self._one_call(lambda: self._send_adapter(name, config, named_tensors, version))
+
+    def _send_adapter(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                      version: str) -> tuple[str, Any]:
+        names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
+        results = self._broadcast("load_lora_adapter_from_distributed", "an adapter push", named_tensors,
+                                  ADAPTER_BUCKET_BYTES, lambda r: r.load_lora_adapter_from_distributed(
+                                      name, config, names, dtypes, shapes, self.group, load_format="rollout_bucket",
+                                      bucket_bytes=ADAPTER_BUCKET_BYTES, weight_version=version))
         bad = [r for r in results.values() if not r.success]
         if not self._failed and not bad:
             for i in self.members:

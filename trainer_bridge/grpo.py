@@ -391,8 +391,8 @@ class _GRPORun:
         self.replayed_tokens = 0  # the step's routing-replay count (forward)
         self.tracker = DeltaTracker() if cfg.delta_sync else None  # the last published weights (delta sync)
         if cfg.delta_sync and type(target).push_delta is WeightTarget.push_delta:
-            raise ValueError(f"GRPOConfig.delta_sync: {type(target).__name__} takes no delta pushes yet (colocated "
-                             "engines do); run without --delta-sync")
+            raise ValueError(f"GRPOConfig.delta_sync: {type(target).__name__} takes no delta pushes (colocated "
+                             "engines and the weight group do); run without --delta-sync")
 
     def rollout(self, step: int) -> _Rollout:
         """The batch of ``step`` (every rank calls generate with the same arguments: SPMD)."""
@@ -412,8 +412,12 @@ class _GRPORun:
         for attempt in range(8):
             try:
                 if self.tracker is not None:
-                    return push_delta(self.ds_engine, self.target, version, self.tracker, self.cfg.bucket_bytes,
-                                      tie_word_embeddings=self.tie)
+                    stats = push_delta(self.ds_engine, self.target, version, self.tracker, self.cfg.bucket_bytes,
+                                       tie_word_embeddings=self.tie)
+                    if stats.phases.get("fell_back"):  # an engine held another base (one that missed pushes)
+                        self.events.append(f"push {version}: a delta was refused ({stats.phases['refused']}); "
+                                           "pushed in full")
+                    return stats
                 return push_weights(self.ds_engine, self.target, version=version, bucket_bytes=self.cfg.bucket_bytes,
                                     per_parameter=self.cfg.push_per_parameter, tie_word_embeddings=self.tie)
             except ReplicaError as err:

@@ -84,8 +84,8 @@ def moved_by(name: str, positions: torch.Tensor, old: torch.Tensor, new: torch.T
 
 @dataclass
 class DeltaEntry:
-    """One changed tensor: the flat indices of its changed elements (int64, strictly increasing) and their
-    new values — or ``dense``, the whole new tensor."""
+    """One changed tensor: the flat indices of its changed elements (int32 where the tensor has fewer than 2^31
+    elements, else int64; strictly increasing) and their new values — or ``dense``, the whole new tensor."""
 
     indices: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
@@ -219,8 +219,8 @@ class DeltaTracker:
     the base (a full push follows, ``record`` takes it)."""
 
     def __init__(self, dense_fraction: float = 0.25, anchor_every: int = 0):
-        # a tensor whose changed fraction passes this goes dense: a sparse element costs its value and an
-        # 8-byte index, so past ~1/5 (bf16) to 1/3 (fp32) of the elements dense is smaller
+        # a tensor whose changed fraction passes this goes dense: a sparse element costs its value and a
+        # 4-byte index, so past ~1/3 (bf16) to 1/2 (fp32) of the elements dense is smaller
         self.dense_fraction = dense_fraction
         self.anchor_every = anchor_every  # a full push after this many deltas (0: only when one is refused)
         self.base: dict[str, torch.Tensor] = {}
@@ -274,13 +274,17 @@ class DeltaTracker:
                 raise ValueError(f"{name}: not in the base as pushed ({'absent' if base is None else 'shape or dtype'}"
                                  "); push in full")
             seen.add(name)
-            changed = torch.nonzero(element_bits(new) != element_bits(base)).reshape(-1)
+            view = _BITS[new.dtype][0] if new.dtype in _BITS else None
+            if view is None:
+                raise ValueError(f"{name}: no delta for dtype {new.dtype} (fp32, bf16 or fp16 weights)")
+            changed = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)  # bits, compared as they lie
             if not changed.numel():
                 continue
             if changed.numel() > self.dense_fraction * new.numel():
                 delta.entries[name] = DeltaEntry(dense=new.clone(), num_changed=changed.numel())
-            else:
-                delta.entries[name] = DeltaEntry(indices=changed, values=new[changed], num_changed=changed.numel())
+            else:  # int32 indices where the tensor allows (4 bytes fewer an element than int64)
+                index = changed.to(torch.int32) if new.numel() < 2**31 else changed
+                delta.entries[name] = DeltaEntry(indices=index, values=new[changed], num_changed=changed.numel())
             delta.after[name] = wrap64(self.fingerprints[name] + moved_by(name, changed, base[changed], new[changed]))
         missing = sorted(set(self.base) - seen)
         if missing:

@@ -14,6 +14,8 @@
   full push and a bare copy, and over a weight-update group against bare broadcasts of its bytes
   (``rollout.bench.lora.adapter_pushes``; ``rollout bench lora`` adds push-to-first-token and decode).
 
+``--delta``: delta pushes against full pushes of the same steps after real Adam steps (``rollout.bench.delta``).
+
 Writes JSON and a PNG to ``--out-dir``. Models: SmolLM2-135M-sized and Qwen2-0.5B-sized (bf16).
 """
 
@@ -230,8 +232,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--lora-rank", type=int, default=16, help="a LoRA adapter of this rank pushed too (0: none)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    ap.add_argument("--delta", action="store_true",
+                    help="instead: delta pushes against full pushes of the same steps after real Adam steps "
+                         "(rollout.bench.delta; --lrs, --steps)")
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="with --delta: the learning rates, each from the same start")
+    ap.add_argument("--steps", type=int, default=3, help="with --delta: optimizer steps per learning rate")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.delta:
+        return _delta_main(args, dtype)
     buckets = [int(b) << 20 for b in args.bucket_mib.split(",")]
     from tqdm import tqdm
 
@@ -244,6 +253,24 @@ def main(argv=None) -> dict:
         print(json.dumps(res, indent=1), flush=True)
         results["models"].append(res)
     write_result(results, args.out_dir, "weight_sync", plot)
+    return results
+
+
+def _delta_main(args, dtype: torch.dtype) -> dict:
+    from tqdm import tqdm
+
+    from rollout.bench import delta
+
+    lrs = [float(x) for x in args.lrs.split(",")]
+    results = {"benchmark": "weight-sync-delta", "machine": machine(),
+               "config": {"models": args.models, "dtype": args.dtype, "lrs": lrs, "steps": args.steps}, "models": []}
+    for name in tqdm(args.models.split(","), desc="weight-sync --delta"):
+        path = build_model(name, args.workdir)
+        res = {"model": name, "dtype": str(dtype), "delta": delta.delta_pushes(path, dtype, lrs, args.steps)}
+        res["bytes"] = next(iter(res["delta"].values()))["steps"][0]["full_bytes"]
+        print(json.dumps(res, indent=1), flush=True)
+        results["models"].append(res)
+    write_result(results, args.out_dir, "weight_sync_delta", delta.plot)
     return results
 
 

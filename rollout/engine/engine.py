@@ -565,6 +565,18 @@ class RolloutEngine:
                 return WeightResult.fail(f"the delta patch cannot be read: {exc}")
         return self._weights.update_delta(delta, flush_cache, abort_all_requests)
 
+    def update_weights_from_delta_distributed(self, header: dict, names: list[str], dtypes: list, shapes: list,
+                                              group_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                                              flush_cache: bool = True, abort_all_requests: bool = False) -> WeightResult:
+        """A delta push whose tensors (``WeightDelta.named_tensors()``, described by names, dtypes and shapes) the
+        trainer broadcasts over the weight-update group in ``rollout_bucket`` buckets; ``header``: the delta's
+        JSON header (``WeightDelta.header()``). Received whole on every rank even where refused (the sender is
+        broadcasting), then applied as ``update_weights_from_delta`` applies a delta."""
+        if not isinstance(header, dict):
+            raise InputError("header must be a delta's JSON header (weight_sync.delta.WeightDelta.header())")
+        spec = (*self._call_specs(names, dtypes, shapes), str(group_name), int(bucket_bytes or DEFAULT_BUCKET_BYTES))
+        return self._weights.update_delta_distributed(header, spec, flush_cache, abort_all_requests)
+
     def update_weights_from_disk(self, model_path: Union[str, os.PathLike, PinnedFolder], load_format: str = "auto",
                                  flush_cache: bool = True, weight_version: Optional[str] = None,
                                  recapture_cuda_graph: bool = False, abort_all_requests: bool = False,

@@ -15,6 +15,7 @@ for CPU tensors, CUDA IPC for GPU tensors, each created once and reused by every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Optional, Union
@@ -24,7 +25,15 @@ from rollout.engine.loop import EngineLoop
 from rollout.outputs import WeightResult
 from rollout.scheduler.scheduler import Scheduler
 from rollout.weights.safetensors_io import PinnedFolder, SafetensorsFolder
-from rollout.worker.messages import ApplyDelta, ApplyHandle, ApplyTensors, ReleaseMemory, StageHandle, StageTensors
+from rollout.worker.messages import (
+    ApplyDelta,
+    ApplyHandle,
+    ApplyTensors,
+    ReceiveDelta,
+    ReleaseMemory,
+    StageHandle,
+    StageTensors,
+)
 from rollout.worker.tp_worker import BaseTpWorker
 from weight_sync.cuda_ipc import CudaIpcBucket
 from weight_sync.delta import PATCH_HEADER, WeightDelta
@@ -107,25 +116,47 @@ class EngineWeights:
         """A delta push (``weight_sync.delta``) at a quiet point, published as ``delta.version`` only if every
         rank's result matches the trainer's; refused (``WeightResult.BASE``, nothing touched) where the engine
         serves another version than the delta's base, or while a transaction is open."""
-        if self.lifecycle.current() is not None:
-            return WeightResult.fail(f"a delta applies on its own: {self.lifecycle.busy_message()}")
-        if abort_all_requests:
-            self.loop.abort(None)
         named = delta.named_tensors()
         msg = ApplyDelta(delta.header(), handle=self.write_bucket(named)) if self.ranks_in_other_processes and named \
             else ApplyDelta(delta.header(), tuple(named))
+        return self._delta(delta.base_version, delta.version, lambda refuse: None if refuse else msg, flush_cache,
+                           abort_all_requests)
+
+    def update_delta_distributed(self, header: dict, spec: tuple, flush_cache: bool = True,
+                                 abort_all_requests: bool = False) -> WeightResult:
+        """A delta whose tensors the trainer broadcasts over a weight-update group (``spec``: names, dtypes,
+        shapes, group name, bucket bytes); a refused one is still received (the sender is broadcasting)."""
+        base, version = header.get("base_version"), header.get("version")
+        if not isinstance(base, str) or not isinstance(version, str):
+            raise ValueError("a delta header needs base_version and version (strings)")
+        return self._delta(base, version, lambda refuse: ReceiveDelta(header, *spec, refuse=refuse), flush_cache,
+                           abort_all_requests)
+
+    def _delta(self, base: str, version: str, make, flush_cache: bool, abort_all_requests: bool) -> WeightResult:
+        """The delta message ``make(None)`` at a quiet point, published as ``version`` if every rank applied it;
+        ``make(why)`` where it is refused (None: nothing to run, the refusal returned as it is)."""
+        busy = self.lifecycle.current() is not None
+        if busy:
+            why = f"a delta applies on its own: {self.lifecycle.busy_message()}"
+            msg = make(why)
+            return WeightResult.fail(why) if msg is None else self.run(msg)
+        if abort_all_requests:
+            self.loop.abort(None)
         t0 = time.perf_counter()
 
         def on_loop() -> WeightResult:
             held = self.scheduler.weight_version
-            if held != delta.base_version:
-                result = WeightResult.fail(f"the engine serves version {held!r}, the delta applies to "
-                                           f"{delta.base_version!r}; nothing was written: push in full",
-                                           kind=WeightResult.BASE, held_version=held)
+            refused = None if held == base else (f"the engine serves version {held!r}, the delta applies to "
+                                                 f"{base!r}; nothing was written: push in full")
+            msg = make(refused)
+            if msg is None:
+                result = WeightResult.fail(refused or "", kind=WeightResult.BASE, held_version=held)
             else:
                 result = self.worker.run_weight_op(msg)
                 if result.success:
-                    self.scheduler.publish_weights(delta.version, flush_cache)
+                    self.scheduler.publish_weights(version, flush_cache)
+                elif refused is not None:
+                    result = dataclasses.replace(result, detail={**result.detail, "held_version": held})
             return result.published(self.scheduler.weight_version, time.perf_counter() - t0)
 
         return self.loop.call(on_loop, quiet=True)

@@ -220,6 +220,13 @@ class RolloutClient:
     def update_weights_from_disk(self, model_path: str, **kw) -> WeightResult:
         return self._weight("/update_weights_from_disk", {"model_path": model_path, **kw})
 
+    def update_weights_from_delta_distributed(self, header: dict, names: list[str], dtypes: list[str],
+                                              shapes: list, group_name: str, **kw) -> WeightResult:
+        """A delta whose tensors the trainer broadcasts over the weight-update group (``weight_sync.delta``)."""
+        return self._weight("/update_weights_from_delta_distributed",
+                            {"header": header, "names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes],
+                             "group_name": group_name, **kw})
+
     def update_weights_from_delta(self, path: str, **kw) -> WeightResult:
         """A delta patch folder on the server's filesystem (``weight_sync.delta.save_patch``)."""
         return self._weight("/update_weights_from_delta", {"path": path, **kw})

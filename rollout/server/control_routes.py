@@ -46,6 +46,16 @@ async def update_weights_from_delta(body: P.UpdateFromDeltaRequest, svc: EngineS
                                                    abort_all_requests=body.abort_all_requests))
 
 
+@router.post("/update_weights_from_delta_distributed", dependencies=ADMIN)
+async def update_weights_from_delta_distributed(body: P.UpdateFromDeltaDistributedRequest, svc: EngineService = Svc):
+    """A delta whose tensors the trainer broadcasts over the weight-update group; applied all or nothing against
+    the base its header names (``error_kind: "base"`` where the engine holds another: push in full)."""
+    return await svc.weight_update(svc.engine.update_weights_from_delta_distributed, body.header,
+                                   body.names, body.dtypes, body.shapes, body.group_name,
+                                   bucket_bytes=body.bucket_bytes, flush_cache=body.flush_cache,
+                                   abort_all_requests=body.abort_all_requests)
+
+
 @router.post("/update_weights_from_tensor", dependencies=ADMIN)
 async def update_weights_from_tensor(body: P.UpdateFromTensorRequest, request: Request, svc: EngineService = Svc):
     """A same-host bucket handle (JSON), or SGLang's form: base64 of the frameworks' pickled tensor handles

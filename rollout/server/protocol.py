@@ -293,6 +293,20 @@ class UpdateFromDeltaRequest(Lenient):
     abort_all_requests: bool = False
 
 
+class UpdateFromDeltaDistributedRequest(Lenient):
+    """A delta push over the weight-update group: its header (``WeightDelta.header()``) and its tensors'
+    names, dtypes and shapes, broadcast by the trainer in ``rollout_bucket`` buckets of ``bucket_bytes``."""
+
+    header: dict
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    bucket_bytes: int = 128 << 20
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
 PICKLED_TENSORS = (
     "serialized_named_tensors holds strings: base64 of a pickled MultiprocessingSerializer payload (SGLang's "
     "colocated form, sent by slime, miles and veRL). Not read here: this server never unpickles a payload in general; "

@@ -101,6 +101,22 @@ class ApplyDelta:
 
 
 @dataclass(frozen=True)
+class ReceiveDelta:
+    """A delta push whose tensors rank 0 of a weight-update group broadcasts (``rollout_bucket`` buckets of the
+    delta's named tensors); ``refuse``: receive them all the same (the sender is broadcasting) and refuse with
+    this reason (the engine does not hold the base)."""
+
+    header: dict
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    bucket_bytes: int
+    refuse: Optional[str] = None
+    reply_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class ReceiveDistributed:
     """Buckets broadcast by rank 0 of a weight-update group (``weight_sync.WeightUpdateSender``)."""
 
@@ -265,8 +281,8 @@ class UnloadLora:
     slot: int
 
 
-WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ApplyDelta, ReceiveDistributed, BeginTransaction, StageTensors,
-                   StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
+WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ApplyDelta, ReceiveDelta, ReceiveDistributed, BeginTransaction,
+                   StageTensors, StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
                    AwaitUpdateGroup, DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory,
                    ResumeMemory, ReadWeight, WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)
 LOCAL_ONLY = (ApplyTensors, StageTensors)  # tensors in this process: never sent over a pipe

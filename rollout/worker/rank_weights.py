@@ -59,6 +59,7 @@ from rollout.worker.messages import (
     LoadLora,
     ProbeUpdateGroup,
     ReadWeight,
+    ReceiveDelta,
     ReceiveDistributed,
     ReceiveLora,
     ReleaseMemory,
@@ -172,6 +173,8 @@ class RankWeights:
                 return self._apply_delta(msg.header, msg.named_tensors)
             case ReceiveDistributed():
                 return self._receive(msg)
+            case ReceiveDelta():
+                return self._receive_delta(msg)
             case BeginTransaction():
                 self.transaction = Transaction()
                 return WeightResult.ok("transaction started")
@@ -411,6 +414,23 @@ class RankWeights:
         if result.success and delta.entries:
             self.runner.after_weights_changed(complete=False, names=sorted(delta.entries))
         return result
+
+    def _receive_delta(self, msg: ReceiveDelta) -> WeightResult:
+        """A delta's tensors from the weight-update group (every bucket received, whatever is refused: the
+        sender broadcasts them all), then applied as an in-process delta is."""
+        error, specs = self._specs(msg)
+        if error is not None:  # (no collective ran: every rank sees the same group table and specs)
+            return WeightResult.fail(error, kind=self._group_kind(msg.group_name))
+        try:
+            named = receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
+                                    msg.group_name)
+        except WeightGroupError as exc:
+            self.delta.vote(False)  # the first collective of DeltaState.apply, which the other ranks may run
+            return WeightResult.fail(self._group_failed(msg.group_name, exc), kind=WeightResult.GROUP)
+        if msg.refuse is not None:
+            self.delta.vote(False)
+            return WeightResult.fail(msg.refuse, kind=WeightResult.BASE)
+        return self._apply_delta(msg.header, named)
 
     def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
         """Read through the folder the engine pinned (``msg.folder``; a spawned rank received the
