@@ -141,7 +141,9 @@ def test_an_engine_beside_a_busy_process_computes_on_one_thread_and_returns_when
                 break
         stats = engine.get_stats()
         assert stats["cpu_thread_drops"] >= 1 and stats["cpu_threads"] == 1, stats
-        assert stats["cpu_waiting_share"] > 0.15
+        # the window that dropped waited more than 0.15 of its runnable time; a later window of the same call may be
+        # the last one read, and while forwards stay on one thread it waited at least the return threshold (0.05)
+        assert stats["cpu_waiting_share"] >= 0.05, stats
         assert [o.output_token_ids for o in beside] == [o.output_token_ids for o in alone]
     finally:
         neighbour.terminate()

@@ -49,7 +49,10 @@ class RouterProcess:
         cmd = [sys.executable, "-c", f"import sys; from {MODULES[kind]} import main; sys.exit(main())", "launch",
                "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls, "--policy", policy,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-               "--log-level", "warn", *(("--api-key", api_key) if api_key else ()), *extra_args]
+               "--log-level", "warn", *(("--api-key", api_key) if api_key else ()),
+               # SMG drains for 5 s after SIGTERM by default: a router in front of rollout replicas has nothing
+               # of its own to finish (a stopped run's requests are over), so it takes one
+               *(("--shutdown-grace-period-secs", "1") if kind == "smg" else ()), *extra_args]
         self._log: Optional[IO[str]] = open(log_path or "/dev/null", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
