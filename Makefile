@@ -6,6 +6,10 @@ VENV ?= .venv
 SYSTEM_PYTHON ?= python3
 PYTHON = $(VENV)/bin/python
 PIP_INSTALL = $(PYTHON) -m pip install -q --disable-pip-version-check
+# the environment's tools first, as an activated one would have them: the CPU kernels' JIT build runs the
+# `ninja` it finds first, and two ninja versions hash a build's commands differently (each would rebuild
+# what the other built, ~35 s)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: install demo test lint bench
