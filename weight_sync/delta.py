@@ -20,7 +20,7 @@ base, a lost or corrupted value, a missed push), not against an adversary.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,12 +67,14 @@ def fingerprint_at(values: torch.Tensor, positions: torch.Tensor, salt: int) -> 
     return wrap64(total)
 
 
-def fingerprint(name: str, t: torch.Tensor) -> int:
-    """A whole tensor's fingerprint."""
+def fingerprint(name: str, t: torch.Tensor, positions: Optional[Callable[[int, int], torch.Tensor]] = None) -> int:
+    """A tensor's fingerprint — or, with ``positions(s, n)`` (the full tensor's flat indices of ``t``'s flat
+    elements [s, s + n)), its part of a larger tensor's — a chunk of elements at a time."""
     flat, salt, total = t.detach().reshape(-1), name_salt(name), 0
     for s in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - s)
-        total += fingerprint_at(flat[s: s + n], torch.arange(s, s + n, device=flat.device), salt)
+        where = torch.arange(s, s + n, device=flat.device) if positions is None else positions(s, n)
+        total += fingerprint_at(flat[s: s + n], where, salt)
     return wrap64(total)
 
 

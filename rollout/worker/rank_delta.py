@@ -24,9 +24,7 @@ import torch
 from rollout.layers.linear import LoadSlice
 from rollout.layers.parallel_state import TpState
 from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
-from weight_sync.delta import WeightDelta, check_entry, fingerprint_at, moved_by, name_salt, wrap64
-
-_CHUNK = 1 << 22
+from weight_sync.delta import WeightDelta, check_entry, fingerprint, moved_by, wrap64
 
 
 @dataclass
@@ -63,13 +61,7 @@ class _Span:
         return outer * (self.size * self.inner) + self.start * self.inner + rest
 
     def fingerprint(self, name: str) -> int:
-        if not self.counts:
-            return 0
-        flat, salt, total = self.dst.reshape(-1), name_salt(name), 0
-        for s in range(0, flat.numel(), _CHUNK):
-            n = min(_CHUNK, flat.numel() - s)
-            total += fingerprint_at(flat[s: s + n], self.positions(s, n), salt)
-        return wrap64(total)
+        return fingerprint(name, self.dst, self.positions) if self.counts else 0
 
 
 def _flat_write(dst: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:

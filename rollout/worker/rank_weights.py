@@ -127,8 +127,14 @@ class _JoiningGroup:
 
 
 # messages after which the live weights may differ from what the delta fingerprints describe
-_CHANGES_WEIGHTS = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, CommitTransaction, ReleaseMemory,
-                    ResumeMemory)
+_CHANGES_WEIGHTS = (ApplyTensors, ApplyHandle, ApplyDisk, ReceiveDistributed, CommitTransaction)
+
+
+def _changes_weights(msg) -> bool:
+    """Whether the live weights may differ from what the delta fingerprints describe after ``msg`` (releasing
+    or resuming the KV cache alone does not touch them: a colocated trainer does it every step)."""
+    return isinstance(msg, _CHANGES_WEIGHTS) or (isinstance(msg, (ReleaseMemory, ResumeMemory))
+                                                 and "weights" in msg.tags)
 
 
 class RankWeights:
@@ -153,7 +159,7 @@ class RankWeights:
 
     def handle(self, msg) -> WeightResult:
         """Run one weight message on this rank (every rank of the engine runs the same one)."""
-        if isinstance(msg, _CHANGES_WEIGHTS):  # (a failed one may have changed nothing: forgetting costs a pass)
+        if _changes_weights(msg):  # (a failed one may have changed nothing: forgetting costs a pass)
             self.delta.forget()
         return self._handle(msg)
 
