@@ -103,6 +103,62 @@ def test_a_tracker_sends_only_the_changed_elements_and_commits_them():
         WeightDelta.from_parts(delta.header(), [])
 
 
+def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_runs():
+    """``delta.cpp`` (every ISA variant this CPU runs) against the int64-tensor arithmetic it replaces: a
+    tensor's fingerprint and a TP shard's part of it, the diff of bf16 / fp32 words and of fp32 values against a
+    bf16 base (rounded as torch casts, infinities among them), a sparse entry written into a shard with
+    its undo, and the entry checks."""
+    from rollout.kernels.cpu import build
+    from rollout.kernels.cpu.capability import cpu_capability
+
+    g = torch.Generator().manual_seed(5)
+    n, salt = 7 * 1429, name_salt("w")
+    for isa in cpu_capability().runnable_isas:
+        k = build.kernels_for(isa)
+        out = torch.empty(2, dtype=torch.long)
+        for dtype, word in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            base = torch.randn(n, generator=g).to(dtype)
+            k.delta_fingerprint(base.view(word), salt, 1, n, 1, n, 0, out)
+            assert int(out[0]) == fingerprint_at(base.float().to(dtype).clone().cpu(), torch.arange(n), salt) \
+                == wrap64(int((base.view(word).to(torch.int64) & (0xFFFF if word == torch.int16 else 0xFFFFFFFF))
+                              .mul(((torch.arange(n) ^ salt) * -7046029254386353131 + 0x2545F4914F6CDD1D) | 1).sum()))
+            full = base.reshape(7, 1429, 1)[:, 300:900].contiguous()  # a shard: rows 300..899 of the middle dim
+            where = (torch.arange(7)[:, None] * 1429 + torch.arange(300, 900)[None, :]).reshape(-1)
+            k.delta_fingerprint(full.view(word), salt, 7, 600, 1, 1429, 300, out)
+            assert int(out[0]) == fingerprint_at(full, where, salt)
+            master = base.float() * (1 + 0.01 * torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.1))
+            if dtype == torch.bfloat16:
+                master[[5, 77]] = torch.tensor([float("inf"), -float("inf")])
+            for now in ((master.to(dtype), master) if dtype == torch.bfloat16 else (master,)):
+                moved = torch.empty(1, dtype=torch.long)
+                raw = k.delta_diff(now if now.dtype == torch.float32 and dtype == torch.bfloat16 else now.view(word),
+                                   base.view(word), salt, moved)
+                cast = master.to(dtype)
+                want = torch.nonzero(cast.view(word) != base.view(word)).reshape(-1)
+                count = want.numel()
+                assert torch.equal(raw[: 4 * count].view(torch.int32).long(), want)
+                assert torch.equal(raw[4 * count:].view(word), cast.view(word)[want])
+                assert wrap64(int(moved[0])) == moved_by("w", want, base[want], cast[want])
+            # a sparse entry into the shard: written where it falls, the move summed, undone by the old words
+            idx = torch.nonzero(torch.rand(n, generator=g) < 0.05).reshape(-1).to(torch.int32)
+            vals = torch.randn(idx.numel(), generator=g).to(dtype)
+            shard, old, info = full.clone(), torch.empty_like(vals), torch.empty(2, dtype=torch.long)
+            k.delta_apply(shard.view(word), idx, vals.view(word), old.view(word), salt, 600, 1, 1429, 300, True, info)
+            mine = ((idx.long() % 1429) >= 300) & ((idx.long() % 1429) < 900)
+            loc = (idx.long() // 1429) * 600 + idx.long() % 1429 - 300
+            expect = full.clone().reshape(-1)
+            expect[loc[mine]] = vals[mine]
+            assert torch.equal(shard.reshape(-1).view(word), expect.view(word)) and int(info[1]) == int(mine.sum())
+            assert wrap64(int(info[0])) == moved_by("w", idx.long()[mine], full.reshape(-1)[loc[mine]], vals[mine])
+            k.delta_apply(shard.view(word), idx, old.view(word), vals.view(word), salt, 600, 1, 1429, 300, False, info)
+            assert torch.equal(shard, full)
+            exponent = 0x7F80 if dtype == torch.bfloat16 else 0x7F800000
+            for bad_idx, bad_val, code in ((idx, vals, 0), (idx.flip(0), vals, 2), (idx + n, vals, 1),
+                                           (idx, torch.cat([vals[:-1], torch.tensor([float("inf")]).to(dtype)]), 3)):
+                k.delta_check(bad_idx.contiguous(), bad_val.view(word), n, exponent, out)
+                assert int(out[0]) == code
+
+
 @pytest.fixture(scope="module")
 def bf16_llama(model_dir):
     return model_dir("delta-llama", "llama", seed=31, dtype=torch.bfloat16)
@@ -287,3 +343,132 @@ def test_a_patch_folder_over_the_servers_route_under_the_allowed_dirs_only(bf16_
         assert full.get_weights_checksum() == before != after
         assert full.update_weights_from_tensor(list(state.items())).success
         assert full.get_weights_checksum() == after
+
+
+def _group(engine: RolloutEngine, name: str, timeout_s: float):
+    """A bare weight-update group: this process's sender (rank 0) and ``engine``'s rank (1)."""
+    import threading
+
+    from weight_sync.distributed import WeightUpdateSender
+    from weight_sync.process_group import free_port
+
+    port, joined = free_port(), []
+    join = threading.Thread(target=lambda: joined.append(engine.init_weights_update_group(
+        "127.0.0.1", port, 1, 2, name, "gloo", timeout_s)))
+    join.start()
+    sender = WeightUpdateSender("127.0.0.1", port, 2, name, "gloo", timeout_s)
+    join.join(timeout_s + 10)
+    assert joined and joined[0].success
+    return sender
+
+
+def _over_group(engine: RolloutEngine, sender, delta: WeightDelta, send, bucket_bytes: int = 1 << 14) -> WeightResult:
+    """``engine`` receives ``delta`` over ``sender``'s group while ``send(named, bucket_bytes)`` sends (or fails to)."""
+    import threading
+
+    from weight_sync.distributed import WeightUpdateSender
+
+    named = delta.named_tensors()
+    names, dtypes, shapes = WeightUpdateSender.describe(named)
+    out = []
+    call = threading.Thread(target=lambda: out.append(engine.update_weights_from_delta_distributed(
+        delta.header(), names, dtypes, shapes, sender.group_name, bucket_bytes=bucket_bytes)))
+    call.start()
+    try:
+        send(named, bucket_bytes)
+    except Exception:  # noqa: BLE001 - the engine's result says what became of the push
+        pass
+    call.join(60)
+    return out[0]
+
+
+def test_over_the_group_a_replica_behind_gets_a_full_push_alone_and_wire_faults_leave_a_named_version(bf16_llama):
+    """Two replicas on one weight group (``DistributedTarget``), a trainer with fp32 master weights (cast to bf16
+    as they are diffed): the first push whole, then deltas. Replica 1's weights are replaced behind the trainer's
+    back: it refuses the next delta by its base while replica 0 takes it, and gets that version in full, sent
+    point to point to it alone; the next push is a delta to both. Then on a bare group: a value corrupted on the
+    wire, a short bucket, a trainer that stops after one bucket of two, a duplicated delta and one from the
+    future each leave the engine on the version it had, saying why; the next delta goes through."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge import DistributedTarget
+    from trainer_bridge.push import push_delta
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_llama, dtype=torch.float32)
+    tied = bool(model.config.tie_word_embeddings)
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kw = dict(dtype="bfloat16", kv_cache_tokens=256)
+    with RolloutEngine(bf16_llama, **kw) as first, RolloutEngine(bf16_llama, **kw) as second:
+        target = DistributedTarget([first, second], timeout_s=20)
+        tracker, kinds = DeltaTracker(), []
+        for step in range(4):
+            if step:
+                master = _step(master, 80 + step, lr=3e-3)
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(master[n])
+            if step == 2:  # replica 1 takes other weights under another name
+                assert second.update_weights_from_tensor([("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))],
+                                                         partial=True, weight_version="elsewhere").success
+            stats = push_delta(model, target, f"step-{step}", tracker, tie_word_embeddings=tied)
+            assert stats.result.success, stats.result.message
+            kinds.append(("delta" if stats.phases["delta"] else "full") + (" + catch-up" * ("caught_up" in stats.phases)))
+            if step == 2:
+                assert "replica 1" in stats.phases["caught_up"] and "serves version 'elsewhere'" in stats.phases["caught_up"]
+            want = _checksum(model)
+            assert [e.get_weight_version() for e in (first, second)] == [f"step-{step}"] * 2
+            assert first.get_weights_checksum() == second.get_weights_checksum() == want
+        assert kinds == ["full", "delta", "delta + catch-up", "delta"]
+        target.close()
+
+        sender = _group(first, "faults", timeout_s=3)
+        master = _step(master, 90, lr=3e-4)
+        delta = tracker.diff(_pushed(master).items(), "step-4")
+        before = first.get_weights_checksum()
+
+        def corrupted(named, bucket_bytes):
+            named = [(n, t.clone()) for n, t in named]
+            i = next(i for i, (n, t) in enumerate(named) if n.endswith("#values") and t.numel() > 1)
+            named[i][1][0] = named[i][1][0] * 2 + 1
+            sender.send(named, bucket_bytes=bucket_bytes)
+
+        r = _over_group(first, sender, delta, corrupted)
+        assert not r.success and "corrupted" in r.message and "undone" in r.message
+        assert first.get_weights_checksum() == before and first.get_weight_version() == "step-3"
+
+        def short(named, bucket_bytes):  # the last tensor half lost: the last bucket is fewer bytes than announced
+            name, last = named[-1]
+            assert last.numel() * last.element_size() >= 64, (name, last.numel())
+            sender.send([*named[:-1], (name, last[: last.numel() // 2])], bucket_bytes=bucket_bytes)
+
+        r = _over_group(first, sender, delta, short)
+        assert not r.success and r.error_kind is None and "fewer than its" in r.message, r.message
+        assert first.get_weights_checksum() == before and first.get_weight_version() == "step-3"
+        # the trainer stops after the first bucket (it died, or the rest was lost): the receive times out
+        r = _over_group(first, sender, delta, lambda named, b: sender.send(named[: len(named) // 2], bucket_bytes=b))
+        assert not r.success and r.error_kind == WeightResult.GROUP and "torn down" in r.message, r.message
+        assert first.get_weights_checksum() == before and first.get_weight_version() == "step-3"
+        sender.close()
+        sender = _group(first, "faults", timeout_s=3)  # the group is rebuilt, as a trainer's heal() does
+        assert _over_group(first, sender, delta, lambda named, b: sender.send(named, bucket_bytes=b)).success
+        after = first.get_weights_checksum()
+        master = _step(master, 91, lr=3e-4)
+        tracker.commit(delta)
+        ahead = tracker.diff(_pushed(master).items(), "step-5")
+        for stale in (delta, copy.copy(ahead)):  # the same delta again; one whose base is a version not yet here
+            if stale is not delta:
+                stale.base_version = "step-4b"
+            r = _over_group(first, sender, stale, lambda named, b: sender.send(named, bucket_bytes=b))
+            assert not r.success and r.error_kind == WeightResult.BASE and "serves version 'step-4'" in r.message
+            assert first.get_weights_checksum() == after
+        assert _over_group(first, sender, ahead, lambda named, b: sender.send(named, bucket_bytes=b)).success
+        assert first.get_weight_version() == "step-5"
+        sender.close()
+
+
+def _checksum(model) -> str:
+    from weight_sync.checksum import checksum_named_tensors
+
+    tied = model.config.tie_word_embeddings
+    return checksum_named_tensors([(n, t) for n, t in model.state_dict().items()
+                                   if not (tied and n == "lm_head.weight")], dtype=torch.bfloat16)

@@ -240,8 +240,8 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     only the changed elements, over the weight group): replica 1 is killed after step 2 and restarted at once
     (it takes a while to come up); every step still trains on a full batch, the loss of replica 1 is named in
     the step log, it rejoins when it answers again — holding the initial weights, it refuses the next delta by
-    its base and that push goes in full, after which deltas go again — and the run ends with both replicas
-    serving the last step's weights."""
+    its base while replica 0 takes it, and gets that version in full sent to it alone, after which deltas go to
+    both again — and the run ends with both replicas serving the last step's weights."""
     path, ports, servers, serve = two_replicas
     from weight_sync.process_group import free_port
 
@@ -268,7 +268,9 @@ def test_a_replica_killed_mid_run_the_trainer_goes_on_and_it_rejoins(tmp_path, t
     assert min(x["num_serving_replicas"] for x in logs) == 1 and logs[-1]["num_serving_replicas"] == 2
     assert all(x["push_verified"] for x in logs) and all(x["mismatch_max"] < 1e-4 for x in logs)
     assert f"replica versions: ['step-{steps}', 'step-{steps}']" in "".join(lines)
-    assert any("a delta was refused" in e and "pushed in full" in e for e in events), events  # the rejoin's push
+    # the rejoin's push: replica 0 takes the delta, replica 1 (on the initial weights) gets the version in full alone
+    assert any("a delta was refused" in e and "replica 1" in e and "in full to that replica alone" in e
+               for e in events), events
     assert logs[0]["sync_phases"]["delta"] is False and all(x["sync_phases"]["delta"] for x in logs[-5:])
 
 

@@ -89,6 +89,9 @@ class DistributedTarget(WeightTarget):
         self.is_sender = not (dist.is_initialized() and dist.get_rank() != 0)
         self.sender: Optional[WeightUpdateSender] = None
         self.members: list[int] = []  # replicas in the current group (rank 0's view)
+        self.ranks: dict[int, list[int]] = {}  # member -> its engine ranks in the group
+        # members a catch-up push goes to alone (those that refused a delta the others took), until its commit
+        self.behind: list[int] = []
         self.group = ""  # the current group's name
         self._generation = 0
         self._wire: Optional[_Call] = None  # sends the queued buckets, in order, one at a time
@@ -132,6 +135,7 @@ class DistributedTarget(WeightTarget):
         offsets, off = {}, 1
         for i in members:
             offsets[i], off = off, off + sizes[i]
+        self.ranks = {i: list(range(offsets[i], offsets[i] + sizes[i])) for i in members}
         joins = {i: _Call("init_weights_update_group", self.replicas.replicas[i].init_weights_update_group,
                           self.master_address, port, offsets[i], world, self.group, self.backend, self.timeout_s)
                  for i in members}
@@ -199,9 +203,14 @@ class DistributedTarget(WeightTarget):
             self._failed = {i: "not in a working weight group (heal() rebuilds it)"
                             for i in range(len(self.replicas)) if i not in self.members or self._broken}
             return
-        for i, result in self._each("begin_weight_update", lambda r: r.begin_weight_update(version)).items():
+        for i, result in self._each("begin_weight_update", lambda r: r.begin_weight_update(version),
+                                    among=self._targets()).items():
             if not result.success:
                 self._rejected = f"replica {i}: {result.message}"
+
+    def _targets(self) -> list[int]:
+        """The members this push goes to: all of them, or those behind alone (a catch-up push)."""
+        return [m for m in self.members if m in self.behind] if self.behind else self.members
 
     def add(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Queue this bucket for the wire and return: the trainer gathers the next ones while the
@@ -222,13 +231,16 @@ class DistributedTarget(WeightTarget):
     def _send(self, named_tensors) -> None:
         names, dtypes, shapes = WeightUpdateSender.describe(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) + (64 << 10)
+        targets = self._targets()
+        alone = {"point_to_point": True} if self.behind else {}  # a catch-up: sent to their ranks alone
         staged = {i: _Call("update_weights_from_distributed", self.replicas.replicas[i].update_weights_from_distributed,
                            names, dtypes, shapes, self.group, bucket_bytes=nbytes, load_format="rollout_bucket",
-                           transaction=True)
-                  for i in self.members}
+                           transaction=True, **alone)
+                  for i in targets}
         try:
             assert self.sender is not None  # a bucket is queued only while the group stands
-            self.sender.send(named_tensors, bucket_bytes=nbytes)  # one broadcast reaches every replica
+            to = [r for i in targets for r in self.ranks[i]] if self.behind else None
+            self.sender.send(named_tensors, bucket_bytes=nbytes, to=to)  # one broadcast reaches every replica
         except Exception as exc:  # noqa: BLE001 - a peer is gone: find out which
             logger.warning("weight group %r: %s", self.group, exc)
             self._broken = True
@@ -260,29 +272,31 @@ class DistributedTarget(WeightTarget):
         self._wire = None
 
     def commit(self) -> WeightResult:
-        """Apply on every replica or none. Returns the first refusal (or the first replica's result);
-        raises ``ReplicaError`` on every trainer rank when a replica failed."""
+        """Apply on every replica or none (a catch-up push: on those behind, or none of them). Returns the first
+        refusal (or the first replica's result); raises ``ReplicaError`` on every trainer rank when a replica
+        failed."""
         payload = None
         if self.is_sender:
             self._wait_pending()
             if self._broken and not self._failed:
                 self._find_dead()
+            targets = self._targets()
             if not (self._failed or self._rejected or self._broken):
                 if self.partial_rollouts:
-                    self._each("pause_generation", lambda r: r.pause_generation("in_place"))
+                    self._each("pause_generation", lambda r: r.pause_generation("in_place"), among=targets)
                 try:
-                    results = self._each("commit_weight_update", lambda r: r.commit_weight_update())
+                    results = self._each("commit_weight_update", lambda r: r.commit_weight_update(), among=targets)
                 finally:
                     if self.partial_rollouts:
                         self._each("continue_generation", lambda r: r.continue_generation(),
-                                   among=[m for m in self.members if m not in self._failed])
+                                   among=[m for m in targets if m not in self._failed])
                 bad = [r for r in results.values() if not r.success]
                 if not self._failed:
-                    for i in self.members:
+                    for i in targets:
                         self.replicas.mark(i, True)  # rejoined replicas serve from now on
-                    payload = ("result", bad[0] if bad else results[self.members[0]])
+                    payload = ("result", bad[0] if bad else results[targets[0]])
             if payload is None:
-                survivors = [m for m in self.members if m not in self._failed]
+                survivors = [m for m in targets if m not in self._failed]
                 self._each("abort_weight_update", lambda r: r.abort_weight_update(),
                            among=survivors)  # they keep the weights they had
                 if self._failed:
@@ -295,6 +309,7 @@ class DistributedTarget(WeightTarget):
                                                      "answers its health check", replicas=[]))
                 else:
                     payload = ("result", WeightResult.fail(self._rejected or "a replica refused the push"))
+        self.behind = []  # (every trainer rank) the catch-up, if this was one, is over
         kind, value = self._share(payload)
         if kind == "error":
             raise value
@@ -307,11 +322,18 @@ class DistributedTarget(WeightTarget):
         (``update_weights_from_delta_distributed``) while rank 0 broadcasts the delta's tensors once, then
         applies it all or nothing against the base its header names. A member holding another base refuses
         (``WeightResult.BASE``, after receiving: the group stays in step) and that result comes back, so the
-        trainer pushes in full (every member takes it; the next push is a delta again). A replica that fails is
-        named in a ``ReplicaError`` on every trainer rank, as for a full push."""
-        return self._one_call(lambda: self._send_delta(delta))
+        trainer pushes in full: where other members took the delta, to those that refused alone (``behind``,
+        ``delta_taken_elsewhere``: the next push's buckets go point to point to their ranks), else to every
+        member; the next push is a delta again. A replica that fails is named in a ``ReplicaError`` on every
+        trainer rank, as for a full push."""
+        result, behind = self._one_call(lambda: self._send_delta(delta))
+        self.behind = behind
+        return result
 
-    def _one_call(self, send: Callable[[], tuple[str, Any]]) -> WeightResult:
+    def delta_taken_elsewhere(self) -> bool:
+        return bool(self.behind)
+
+    def _one_call(self, send: Callable[[], tuple[str, Any]]) -> Any:
         """A push in one call to every member (``send`` on rank 0: its result), its outcome shared with every
         trainer rank; members that failed are marked down and named in the ``ReplicaError`` raised."""
         payload = None
@@ -340,8 +362,16 @@ class DistributedTarget(WeightTarget):
                                   lambda r: r.update_weights_from_delta_distributed(
                                       delta.header(), names, dtypes, shapes, self.group, bucket_bytes=DELTA_BUCKET_BYTES))
         bad = [r for r in results.values() if not r.success]
-        base = [r for r in bad if r.error_kind == WeightResult.BASE]
-        return ("result", base[0] if base else bad[0] if bad else results[self.members[0]])
+        base = [i for i, r in results.items() if not r.success and r.error_kind == WeightResult.BASE]
+        if not base:
+            return ("result", (bad[0] if bad else results[self.members[0]], []))
+        took = [i for i, r in results.items() if r.success]
+        if not took or len(bad) > len(base):  # nobody took it, or some refused it otherwise: a full push to all
+            return ("result", (results[base[0]], []))
+        first = results[base[0]]
+        return ("result", (WeightResult.fail(f"replica {base[0]} ({self.replicas.url(base[0])}) refused the delta: "
+                                             f"{first.message}; replicas {took} took it", kind=WeightResult.BASE),
+                           base))
 
     def _broadcast(self, label: str, what: str, named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                    receive: Callable[[WeightReplica], WeightResult]) -> dict[int, WeightResult]:

@@ -417,6 +417,9 @@ class _GRPORun:
                     if stats.phases.get("fell_back"):  # an engine held another base (one that missed pushes)
                         self.events.append(f"push {version}: a delta was refused ({stats.phases['refused']}); "
                                            "pushed in full")
+                    elif stats.phases.get("caught_up"):  # others took it: the one behind got it in full, alone
+                        self.events.append(f"push {version}: a delta was refused ({stats.phases['caught_up']}); "
+                                           "pushed in full to that replica alone")
                     return stats
                 return push_weights(self.ds_engine, self.target, version=version, bucket_bytes=self.cfg.bucket_bytes,
                                     per_parameter=self.cfg.push_per_parameter, tie_word_embeddings=self.tie)

@@ -240,14 +240,38 @@ def push_weights(model: torch.nn.Module, target: WeightTarget, version: str,
     return stats
 
 
+def _delta_items(module: torch.nn.Module, target: WeightTarget, bucket_bytes: int, stats: PushStats,
+                 tied: AbstractSet[str]):
+    """(hf_name, full tensor) for a diff: ZeRO-3 partitions gathered a bucket at a time (into the target's pooled
+    buffers: the diff keeps no view of them), whole parameters as they are (an fp32 parameter against a bf16
+    push is cast as it is compared; any other dtype cast first)."""
+    buckets = param_buckets(module, target.dtype, bucket_bytes, tied)
+    params = [entry for bucket in buckets for entry in bucket]
+    stats.samples = {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}  # as push_weights'
+    for bucket in buckets:
+        if any(_is_zero3(p) for _, p in bucket):
+            yield from gather_bucket(bucket, target.dtype, stats, target.buffers)
+            continue
+        for name, p in bucket:
+            t = p.detach()
+            fused = t.dtype == target.dtype or (t.dtype == torch.float32 and target.dtype == torch.bfloat16
+                                                and t.device.type == "cpu")  # (a GPU's: cast there, half the copy)
+            if name in stats.samples:
+                stats.samples[name] = t.flatten()[:SAMPLE_VALUES].to(target.dtype).float().clone()
+            yield name, t if fused else t.to(target.dtype)
+
+
 def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, tracker: DeltaTracker,
                bucket_bytes: int = DEFAULT_PUSH_BUCKET_BYTES, tie_word_embeddings: bool = False) -> PushStats:
     """Only what changed since the last push (``weight_sync.delta``): the weights gathered bucket by bucket and
     diffed against ``tracker``'s base as they come (no second gather), sent as one delta that the target
     applies all or nothing. A full push instead (kept as the next base) where the tracker has no base or an
     anchor is due, or where the target refuses the delta's base (an engine that missed a push, a new one).
-    ``stats.phases``: ``delta`` (whether a delta went), ``delta_bytes``, ``changed_fraction``,
-    ``held_bytes`` (the base the trainer keeps), ``fell_back`` (a refused base, pushed in full)."""
+    ``stats.phases``: ``gather_s`` / ``pack_s`` (gathering ZeRO-3 buckets), ``diff_s``, ``commit_s`` (the
+    delta sent and applied), ``delta`` (whether a delta went), ``delta_bytes``, ``changed_fraction``,
+    ``held_bytes`` (the base the trainer keeps), ``fell_back`` (a refused base, pushed in full); where other
+    engines of the target took the delta, those that refused it get the version in full alone (``caught_up``: the
+    refusal, ``catch_up_bytes``, ``catch_up_s``) and the delta stands."""
     if tracker.wants_full():
         stats = push_weights(model, target, version, bucket_bytes, tie_word_embeddings=tie_word_embeddings,
                              tracker=tracker)
@@ -258,15 +282,20 @@ def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, track
     module = unwrapped(model)
     tied = {"lm_head.weight"} if tie_word_embeddings else set()
     t0 = time.perf_counter()
-    delta = tracker.diff((item for bucket in gathered_buckets(module, target.dtype, bucket_bytes, stats, tied)
-                          for item in bucket), version)
+    delta = tracker.diff(_delta_items(module, target, bucket_bytes, stats, tied), version)
     t1 = time.perf_counter()
-    stats.pack_s += t1 - t0 - stats.gather_s
+    diff_s = t1 - t0 - stats.gather_s - stats.pack_s  # the rest of that loop: the diff against the kept bits
     stats.result = result = target.push_delta(delta)
     stats.commit_s = time.perf_counter() - t1
     sizes = [t.numel() for t in tracker.base.values()]
     if result.success:
         tracker.commit(delta)
+    elif result.error_kind == WeightResult.BASE and target.delta_taken_elsewhere():
+        # others took it: the delta is the base now, and the engines that refused get this version in full, alone
+        tracker.commit(delta)
+        full = push_weights(model, target, version, bucket_bytes, tie_word_embeddings=tie_word_embeddings)
+        stats.result = full.result  # every engine at this version now, or the catch-up's refusal
+        stats.phases.update(caught_up=result.message, catch_up_bytes=full.num_bytes, catch_up_s=full.total_s)
     elif result.error_kind == WeightResult.BASE:  # the engine holds another version: a full push, the new base
         full = push_weights(model, target, version, bucket_bytes, tie_word_embeddings=tie_word_embeddings,
                             tracker=tracker)
@@ -274,7 +303,8 @@ def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, track
                            held_bytes=tracker.held_bytes, fell_back=True, refused=result.message)
         return full
     stats.num_bytes = delta.num_bytes
-    stats.phases = {"gather_s": stats.gather_s, "pack_s": stats.pack_s, "transfer_s": 0.0, "commit_s": stats.commit_s,
-                    "delta": True, "delta_bytes": delta.num_bytes, "changed_fraction": changed_fraction(delta, sizes),
-                    "held_bytes": tracker.held_bytes, "fell_back": False}
+    stats.phases = {"gather_s": stats.gather_s, "pack_s": stats.pack_s, "diff_s": diff_s, "transfer_s": 0.0,
+                    "commit_s": stats.commit_s, "delta": True, "delta_bytes": delta.num_bytes,
+                    "changed_fraction": changed_fraction(delta, sizes),
+                    "held_bytes": tracker.held_bytes, "fell_back": False, **stats.phases}
     return stats

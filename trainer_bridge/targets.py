@@ -46,6 +46,11 @@ class WeightTarget(ABC):
         return WeightResult.fail(f"{type(self).__name__} takes no delta pushes yet: push in full",
                                  kind=WeightResult.BASE)
 
+    def delta_taken_elsewhere(self) -> bool:
+        """After a delta refused by its base: whether other engines of the target took it — then the full push
+        that follows goes to those that refused alone, and the delta is the new base."""
+        return False
+
     def heal(self) -> bool:
         """Collective on every trainer rank: bring the target's membership up to date; True when the
         current weights must be pushed again. A target whose engines cannot come and go: False."""

@@ -57,9 +57,27 @@ def multipliers(positions: torch.Tensor, salt: int) -> torch.Tensor:
     return ((positions ^ salt) * _K1 + _K2) | 1
 
 
+def kernel_ops():
+    """The C++ passes (``rollout.kernels.cpu.ops``: one pass over the bits on every core) where they built, else None."""
+    from rollout.kernels.cpu import build, ops
+
+    return ops if build.kernels() is not None else None
+
+
+def words_of(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s elements as int16/int32 words for the C++ passes, or None where those do not apply (another device
+    or dtype, not contiguous, no compiled kernels)."""
+    if t.device.type != "cpu" or t.dtype not in _BITS or not t.is_contiguous() or kernel_ops() is None:
+        return None
+    return t.view(_BITS[t.dtype][0])
+
+
 def fingerprint_at(values: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
     """The fingerprint's terms of ``values`` at their full-tensor flat indices ``positions`` (same shape)."""
     v, p = values.reshape(-1), positions.reshape(-1)
+    words = words_of(v.contiguous())
+    if words is not None and p.device.type == "cpu":
+        return wrap64(kernel_ops().delta_fingerprint_at(words, p.to(torch.int64).contiguous(), salt))
     total = 0
     for s in range(0, v.numel(), _CHUNK):
         part = element_bits(v[s: s + _CHUNK]) * multipliers(p[s: s + _CHUNK].to(torch.int64), salt)
@@ -67,10 +85,18 @@ def fingerprint_at(values: torch.Tensor, positions: torch.Tensor, salt: int) -> 
     return wrap64(total)
 
 
-def fingerprint(name: str, t: torch.Tensor, positions: Optional[Callable[[int, int], torch.Tensor]] = None) -> int:
+def fingerprint(name: str, t: torch.Tensor, positions: Optional[Callable[[int, int], torch.Tensor]] = None,
+                layout: Optional[tuple[int, int, int, int, int]] = None) -> int:
     """A tensor's fingerprint — or, with ``positions(s, n)`` (the full tensor's flat indices of ``t``'s flat
-    elements [s, s + n)), its part of a larger tensor's — a chunk of elements at a time."""
-    flat, salt, total = t.detach().reshape(-1), name_salt(name), 0
+    elements [s, s + n)), its part of a larger tensor's — a chunk of elements at a time. ``layout`` (outer,
+    length, inner, size, start): the same positions said as where ``t`` lies in the full tensor ([outer, size,
+    inner], ``t`` its run [start, start + length) of the middle dimension), for the C++ pass."""
+    flat, salt = t.detach().reshape(-1), name_salt(name)
+    words = words_of(t.detach()) if positions is None or layout is not None else None
+    if words is not None:
+        n = flat.numel()
+        return wrap64(kernel_ops().delta_fingerprint(words, salt, *(layout or (1, n, 1, n, 0))))
+    total = 0
     for s in range(0, flat.numel(), _CHUNK):
         n = min(_CHUNK, flat.numel() - s)
         where = torch.arange(s, s + n, device=flat.device) if positions is None else positions(s, n)
@@ -190,13 +216,17 @@ def save_patch(delta: WeightDelta, folder: str) -> str:
     return folder
 
 
-def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype) -> Optional[str]:
-    """Why ``entry`` cannot apply to a tensor of ``numel`` elements of ``dtype`` (None: it can)."""
+_EXPONENT = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # all set: NaN or infinite
+
+
+def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype, finite: bool = False) -> Optional[str]:
+    """Why ``entry`` cannot apply to a tensor of ``numel`` elements of ``dtype`` (None: it can); ``finite``: a NaN
+    or infinite value is a reason too."""
     if entry.dense is not None:
         if entry.dense.numel() != numel or entry.dense.dtype != dtype:
             return (f"{name}: a dense entry of {entry.dense.numel()} {entry.dense.dtype} values for a tensor of "
                     f"{numel} {dtype} values")
-        return None
+        return f"{name}: contains NaN or Inf values" if finite and not bool(torch.isfinite(entry.dense).all()) else None
     idx, val = entry.indices, entry.values
     assert idx is not None and val is not None
     if idx.dim() != 1 or val.dim() != 1 or idx.numel() != val.numel():
@@ -205,13 +235,22 @@ def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype) ->
         return f"{name}: indices must be int32 or int64, got {idx.dtype}"
     if val.dtype != dtype:
         return f"{name}: values are {val.dtype}, the model's weights {dtype}"
-    if idx.numel():
+    if not idx.numel():
+        return None
+    words = words_of(val.contiguous()) if idx.device.type == "cpu" else None
+    if words is not None:  # one C++ pass
+        code, at = kernel_ops().delta_check(idx.contiguous(), words, numel, _EXPONENT[dtype] if finite else 0)
+        bad = int(idx[at]) if code else 0
+    else:
         lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= numel:
-            return f"{name}: index {lo if lo < 0 else hi} is outside the tensor's {numel} elements"
-        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            return f"{name}: indices must be strictly increasing (each element once, in order)"
-    return None
+        code, bad = (1, lo if lo < 0 else hi) if lo < 0 or hi >= numel else (0, 0)
+        if not code and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            code = 2
+        if not code and finite and not bool(torch.isfinite(val).all()):
+            code = 3
+    return {0: None, 1: f"{name}: index {bad} is outside the tensor's {numel} elements",
+            2: f"{name}: indices must be strictly increasing (each element once, in order)",
+            3: f"{name}: contains NaN or Inf values"}[code]
 
 
 class DeltaTracker:
@@ -264,7 +303,8 @@ class DeltaTracker:
         self.recorded(version)
 
     def diff(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> WeightDelta:
-        """The delta from the base to ``named`` (every tensor of the base, full, in its dtype)."""
+        """The delta from the base to ``named``: every tensor of the base, full, in the push dtype — or fp32 where
+        the base is bf16 (a trainer's own parameters), cast as it is compared, the cast never made whole."""
         if self.version is None:
             raise ValueError("no base to diff against: push in full first (DeltaTracker.record)")
         delta = WeightDelta(self.version, self.base_fingerprint, version, tuple(self.base))
@@ -272,22 +312,19 @@ class DeltaTracker:
         for name, t in named:
             base = self.base.get(name)
             new = t.detach().to("cpu").reshape(-1)
-            if base is None or base.dtype != new.dtype or base.numel() != new.numel():
+            if base is None or base.numel() != new.numel() or new.dtype not in _BITS or base.dtype not in _BITS or (
+                    base.dtype != new.dtype and (base.dtype, new.dtype) != (torch.bfloat16, torch.float32)):
                 raise ValueError(f"{name}: not in the base as pushed ({'absent' if base is None else 'shape or dtype'}"
-                                 "); push in full")
+                                 "); push in full (fp32, bf16 or fp16 weights)")
             seen.add(name)
-            view = _BITS[new.dtype][0] if new.dtype in _BITS else None
-            if view is None:
-                raise ValueError(f"{name}: no delta for dtype {new.dtype} (fp32, bf16 or fp16 weights)")
-            changed = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)  # bits, compared as they lie
-            if not changed.numel():
+            index, values, moved = _changed(name, new, base)
+            if not index.numel():
                 continue
-            if changed.numel() > self.dense_fraction * new.numel():
-                delta.entries[name] = DeltaEntry(dense=new.clone(), num_changed=changed.numel())
-            else:  # int32 indices where the tensor allows (4 bytes fewer an element than int64)
-                index = changed.to(torch.int32) if new.numel() < 2**31 else changed
-                delta.entries[name] = DeltaEntry(indices=index, values=new[changed], num_changed=changed.numel())
-            delta.after[name] = wrap64(self.fingerprints[name] + moved_by(name, changed, base[changed], new[changed]))
+            if index.numel() > self.dense_fraction * new.numel():
+                delta.entries[name] = DeltaEntry(dense=new.to(base.dtype, copy=True), num_changed=index.numel())
+            else:
+                delta.entries[name] = DeltaEntry(indices=index, values=values, num_changed=index.numel())
+            delta.after[name] = wrap64(self.fingerprints[name] + moved)
         missing = sorted(set(self.base) - seen)
         if missing:
             raise ValueError(f"the new weights lack tensors of the base: {missing[:8]}")
@@ -300,10 +337,40 @@ class DeltaTracker:
                 self.base[name] = e.dense.reshape(-1).to("cpu", copy=True)
             else:
                 assert e.indices is not None and e.values is not None
-                self.base[name][e.indices] = e.values.to("cpu")
+                _write(self.base[name], e.indices, e.values.to("cpu"))
             self.fingerprints[name] = delta.after[name]
         self.version = delta.version
         self.deltas_since_anchor += 1
+
+
+def _write(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[indices] = values`` (the C++ pass where it applies)."""
+    words, vals = words_of(flat), words_of(values.contiguous())
+    if words is None or vals is None or values.dtype != flat.dtype:
+        flat[indices.to(torch.int64)] = values
+        return
+    n = flat.numel()
+    kernel_ops().delta_apply(words, indices.contiguous(), vals, 0, n, 1, n, 0, False)
+
+
+def _changed(name: str, new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the flat indices where ``new``'s bits (as cast to the base's dtype) differ from ``base``'s — int32 where
+    the tensor allows, 4 bytes fewer an element than int64 —, the new values there in the base's dtype, how far
+    that moves the tensor's fingerprint): one C++ pass over both where it applies."""
+    was = words_of(base)
+    if new.dtype != base.dtype:  # fp32 against a bf16 base
+        if was is not None and new.is_contiguous():
+            index, words, moved = kernel_ops().delta_diff(new, was, name_salt(name))
+            return index, words.view(base.dtype), moved
+        new = new.to(base.dtype)
+    words = words_of(new.contiguous())
+    if words is not None and was is not None:
+        index, words, moved = kernel_ops().delta_diff(words, was, name_salt(name))
+        return index, words.view(base.dtype), moved
+    view = _BITS[new.dtype][0]
+    changed = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)
+    moved = moved_by(name, changed, base[changed], new[changed])
+    return (changed.to(torch.int32) if new.numel() < 2**31 else changed), new[changed], moved
 
 
 def changed_fraction(delta: WeightDelta, sizes: Sequence[int]) -> float:

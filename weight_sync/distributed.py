@@ -14,8 +14,9 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,9 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
 
 def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.device, group_name: str,
                     on_bucket=None, pool: list | None = None, place=None, posted_first=None, on_raw=None,
-                    window: int = 2):
-    """Receive every bucket the sender broadcasts for ``specs``.
+                    window: int = 2, point_to_point: bool = False):
+    """Receive every bucket the sender broadcasts for ``specs`` (``point_to_point``: sends to this rank alone,
+    ``WeightUpdateSender.send(to=...)``, a catch-up push to one replica of several).
 
     With ``on_bucket``: each bucket lands in one of two reused buffers (``pool``, grown when
     needed), or where ``place(metas, total)`` says (a byte view, or None for the pool), and
@@ -129,10 +131,17 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     opts = dist.BroadcastOptions()
     opts.rootRank = group.src
     posted, staged = {}, []
+    # gloo takes a shorter message than the buffer posted silently: each bucket's last CANARY bytes are marked
+    # before its receive is posted, and a mark still there after it says fewer bytes arrived (by CANARY or more)
+    marks = torch.randint(0, 256, (CANARY,), dtype=torch.uint8, device=device) if group.backend == "gloo" else None
+    short = None  # the first bucket that came short: the rest are still drained, then the call fails
 
     def post(i: int) -> None:
+        total = buckets[i][1]
+        if marks is not None and total >= CANARY:
+            slots[i][total - CANARY: total] = marks
         try:
-            posted[i] = group.pg.broadcast([slots[i]], opts)
+            posted[i] = group.pg.recv([slots[i]], group.src, 0) if point_to_point else group.pg.broadcast([slots[i]], opts)
         except Exception as exc:  # noqa: BLE001 - the group is broken
             raise WeightGroupError(f"weight update group {group_name!r}: posting bucket {i + 1}/{len(buckets)} "
                                    f"failed: {exc}") from exc
@@ -147,7 +156,11 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
-        if on_raw is not None:
+        if short is None and marks is not None and total >= CANARY and torch.equal(slots[i][total - CANARY: total], marks):
+            short = f"bucket {i + 1}/{len(buckets)} ({metas[0].name} ... {metas[-1].name}): fewer than its {total} bytes"
+        if short is not None:
+            pass  # drained only
+        elif on_raw is not None:
             on_raw(i, slots[i], metas, i + 1 < len(buckets))  # overlaps the next bucket's transfer
         elif kept:
             staged.extend(views(slots[i], metas))
@@ -155,6 +168,9 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
             on_bucket(views(slots[i], metas), placed[i] is not None)  # overlaps the next bucket's transfer
         if i + window < len(buckets):
             post(i + window)
+    if short is not None:
+        raise WeightSizeMismatch(f"weight update group {group_name!r}: {short} arrived: the sender sent less than "
+                                 "the call announced (names, dtypes, shapes)")
     return staged if kept else None
 
 
@@ -308,7 +324,7 @@ class WeightUpdateSender:
                 [list(t.shape) for _, t in named_tensors])
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-             load_format: str = ROLLOUT_BUCKET) -> int:
+             load_format: str = ROLLOUT_BUCKET, to: Optional[Sequence[int]] = None) -> int:
         """Broadcast the tensors: in our buckets (``rollout_bucket``, the engine's call must say the
         same ``bucket_bytes``), SGLang's way — one broadcast per tensor (``direct``) or all of
         them flattened into one (``flattened_bucket``) — or vLLM's ``packed`` chunks of
@@ -317,8 +333,13 @@ class WeightUpdateSender:
         A bucket whose tensors already lie in one buffer in bucket layout (views of a
         ``FlattenedTensorBucket`` holding the model) goes out from that memory, with no copy.
         Otherwise it is packed into one of two buffers, allocated once and reused: bucket i+1 is
-        packed while bucket i is on the wire (broadcasts run asynchronously)."""
+        packed while bucket i is on the wire (broadcasts run asynchronously).
+
+        ``to``: these ranks alone, each bucket sent to each of them point to point (our buckets only; their
+        calls say ``point_to_point``), where the others of the group must not take this push."""
         named = list(named_tensors)
+        if to is not None and load_format != ROLLOUT_BUCKET:
+            raise ValueError("a push to some ranks alone goes in our buckets (load_format='rollout_bucket')")
         if load_format in EXACT_FORMATS:
             return self._send_exact(named, load_format, bucket_bytes)
         if load_format != ROLLOUT_BUCKET:
@@ -336,27 +357,35 @@ class WeightUpdateSender:
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        in_flight: list = [None, None]  # the last broadcast out of each pack buffer
-        works, next_buf, sent, current = [], 0, 0, 0
+
+        def post(flat: torch.Tensor) -> list:
+            if to is None:
+                return [self.group.pg.broadcast([flat], opts)]
+            return [self.group.pg.send([flat], rank, 0) for rank in to]
+
+        in_flight: list = [[], []]  # the last sends out of each pack buffer
+        works: list = []
+        next_buf, sent, current = 0, 0, 0
         try:
             for metas, total, flat in plan:
                 current += 1
                 if flat is None:
                     b, next_buf = next_buf, next_buf ^ 1
-                    if in_flight[b] is not None:
-                        self.group.wait(in_flight[b])  # this buffer is free again once its bucket is out
+                    for work in in_flight[b]:
+                        self.group.wait(work)  # this buffer is free again once its bucket is out
                     flat = self._buffers[b][:total]
                     with one_cpu_thread(device):
                         pack(flat, metas, [(m.name, tensors[m.name]) for m in metas])
-                    in_flight[b] = work = self.group.pg.broadcast([flat], opts)
+                    in_flight[b] = posted = post(flat)
                 else:
-                    work = self.group.pg.broadcast([flat], opts)
-                works.append(work)
+                    posted = post(flat)
+                works.append(posted)
                 sent += total
             current = 0
-            for work in works:
+            for posted in works:
                 current += 1
-                self.group.wait(work)
+                for work in posted:
+                    self.group.wait(work)
         except Exception as exc:  # noqa: BLE001
             raise WeightGroupError(f"weight update group {self.group_name!r}: sending bucket {current}/"
                                    f"{len(buckets)} failed: {exc}") from exc

@@ -1,12 +1,17 @@
-"""``rollout bench weight-sync --delta``: a delta push against a full push of the same step, in one run.
+"""``rollout bench weight-sync --delta``: a delta push against a full push of the same step over the same kind of
+weight-update group, side by side in one run.
 
 A ``transformers`` model trains in fp32 with Adam (``--lrs``, each from the same initial weights; a step is
-one causal-LM step on random tokens) and after each step pushes its weights cast to the engine's dtype two
-ways into two engines of the same model: in full (``update_weights_from_tensor``) and as a delta against the
-last push (``weight_sync.delta``: the diff against the trainer's kept bits, then ``update_weights_from_delta``,
-checked before and after). Recorded per step: the changed fraction of the elements, the bytes each push moves,
-their times (the delta's split into diff and apply), and that both engines then hold the same weights
-(checksums). In process, colocated; the process-group transport is measured once it exists.
+one causal-LM step on random tokens) and after each step pushes its weights, cast to the engine's dtype, two
+ways into two engines of the same model, each over its own weight-update group (gloo on CPU, NCCL on GPU; the
+trainer is rank 0, the engine's rank 1, the engines in this process): in full (``push_weights`` through a
+``DistributedTarget``: bucketed casts broadcast while the next bucket is cast, then one commit) and as a delta
+(``push_delta``: the same casts, each bucket diffed against the trainer's kept bits as it comes, the changed
+elements broadcast once, applied all or nothing on the engine against the base it names). Recorded per step:
+the changed fraction of the elements, the bytes each push moves, each push's time as the trainer waits for it
+and its time past the casts both do alike (the full push's wire and commit; the delta's diff, wire and
+apply), and at the end that both engines hold the same weights (checksums). Adam's first step moves every
+weight by the learning rate (its update is lr * sign(grad)), later ones by less: rows say which step it was.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import time
 import torch
 
 from rollout import RolloutEngine
-from weight_sync.delta import DeltaTracker, changed_fraction
+from trainer_bridge.distributed_target import DistributedTarget
+from trainer_bridge.push import push_delta, push_weights
+from weight_sync.delta import DeltaTracker
 
 
 def _trainer(path: str, seed: int):
@@ -34,8 +41,15 @@ def _train_step(model, opt, vocab: int, g: torch.Generator, tokens: int) -> None
     opt.zero_grad(set_to_none=True)
 
 
-def _pushed(model, dtype: torch.dtype, tied: bool) -> list[tuple[str, torch.Tensor]]:
-    return [(n, p.detach().to(dtype)) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
+def _row(step: int, full, delta, t_full: float, t_delta: float) -> dict:
+    full_bytes = full.num_bytes
+    full_wire = t_full - full.gather_s - full.pack_s  # past the casts: the wire (beyond what overlaps) and commit
+    delta_wire = t_delta - delta.gather_s - delta.pack_s  # past the casts: the diff, the wire and the apply
+    return {"step": step, "changed_fraction": delta.phases["changed_fraction"], "delta_bytes": delta.num_bytes,
+            "full_bytes": full_bytes, "bytes_ratio": delta.num_bytes / full_bytes, "full_s": t_full, "delta_s": t_delta,
+            "time_ratio": t_delta / t_full, "cast_s": delta.gather_s + delta.pack_s, "full_past_cast_s": full_wire,
+            "delta_past_cast_s": delta_wire, "past_cast_ratio": delta_wire / full_wire,
+            "diff_s": delta.phases["diff_s"], "send_and_apply_s": delta.commit_s, "delta_went": bool(delta.phases["delta"])}
 
 
 def delta_pushes(path: str, dtype: torch.dtype, lrs: list[float], steps: int, tokens: int = 64) -> dict:
@@ -44,40 +58,33 @@ def delta_pushes(path: str, dtype: torch.dtype, lrs: list[float], steps: int, to
     out: dict = {}
     with RolloutEngine(path, dtype=engine_dtype, kv_cache_tokens=256) as by_delta, \
             RolloutEngine(path, dtype=engine_dtype, kv_cache_tokens=256) as in_full:
-        for lr in lrs:
-            model = _trainer(path, 0)
-            tied = bool(model.config.tie_word_embeddings)
-            opt = torch.optim.Adam(model.parameters(), lr=lr)
-            g = torch.Generator().manual_seed(1)
-            initial = _pushed(model, dtype, tied)
-            for engine in (by_delta, in_full):  # both from the checkpoint's bits, under one version
-                assert engine.update_weights_from_tensor(initial, weight_version=f"lr{lr}-0").success
-            tracker = DeltaTracker()
-            tracker.record(initial, f"lr{lr}-0")
-            full_bytes = sum(t.numel() * t.element_size() for _, t in initial)
-            rows = []
-            for step in range(1, steps + 1):
-                _train_step(model, opt, int(model.config.vocab_size), g, tokens)
-                named = _pushed(model, dtype, tied)
-                version = f"lr{lr}-{step}"
-                t0 = time.perf_counter()
-                full = in_full.update_weights_from_tensor(named, weight_version=version)
-                t1 = time.perf_counter()
-                delta = tracker.diff(named, version)
-                t2 = time.perf_counter()
-                applied = by_delta.update_weights_from_delta(delta)
-                t3 = time.perf_counter()
-                if not (full.success and applied.success):
-                    raise RuntimeError(f"a push failed: {full.message} / {applied.message}")
-                tracker.commit(delta)
-                rows.append({"step": step, "changed_fraction": changed_fraction(delta, [t.numel() for _, t in named]),
-                             "delta_bytes": delta.num_bytes, "full_bytes": full_bytes,
-                             "bytes_ratio": delta.num_bytes / full_bytes, "full_s": t1 - t0, "diff_s": t2 - t1,
-                             "apply_s": t3 - t2, "time_ratio": (t3 - t1) / (t1 - t0),
-                             "dense_tensors": sum(e.dense is not None for e in delta.entries.values()),
-                             "changed_tensors": len(delta.entries)})
-            same = by_delta.get_weights_checksum() == in_full.get_weights_checksum()
-            out[f"{lr:g}"] = {"steps": rows, "same_weights": same, "held_bytes": tracker.held_bytes}
+        full_target, delta_target = DistributedTarget(in_full, timeout_s=120), DistributedTarget(by_delta, timeout_s=120)
+        try:
+            for lr in lrs:
+                model = _trainer(path, 0)
+                tied = bool(model.config.tie_word_embeddings)
+                opt = torch.optim.Adam(model.parameters(), lr=lr)
+                g = torch.Generator().manual_seed(1)
+                tracker = DeltaTracker()  # the first push: in full on both (the delta's base)
+                assert push_weights(model, full_target, f"lr{lr}-0", tie_word_embeddings=tied).result.success
+                assert not push_delta(model, delta_target, f"lr{lr}-0", tracker, tie_word_embeddings=tied).phases["delta"]
+                rows = []
+                for step in range(1, steps + 1):
+                    _train_step(model, opt, int(model.config.vocab_size), g, tokens)
+                    version = f"lr{lr}-{step}"
+                    t0 = time.perf_counter()
+                    full = push_weights(model, full_target, version, tie_word_embeddings=tied)
+                    t1 = time.perf_counter()
+                    delta = push_delta(model, delta_target, version, tracker, tie_word_embeddings=tied)
+                    t2 = time.perf_counter()
+                    if not (full.result.success and delta.result.success):
+                        raise RuntimeError(f"a push failed: {full.result.message} / {delta.result.message}")
+                    rows.append(_row(step, full, delta, t1 - t0, t2 - t1))
+                same = by_delta.get_weights_checksum() == in_full.get_weights_checksum()
+                out[f"{lr:g}"] = {"steps": rows, "same_weights": same, "held_bytes": tracker.held_bytes}
+        finally:
+            full_target.close()
+            delta_target.close()
     return out
 
 
@@ -95,11 +102,12 @@ def plot(results: dict, path: str) -> None:
                 time_ratio.append(row["time_ratio"])
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], bytes_ratio, width=0.4, label="bytes / full")
-        ax.bar([i + 0.2 for i in x], time_ratio, width=0.4, label="time / full")
+        ax.bar([i + 0.2 for i in x], time_ratio, width=0.4, label="time / full (as the trainer waits)")
         ax.axhline(0.1, ls="--", lw=0.8, color="gray")
         ax.axhline(0.3, ls=":", lw=0.8, color="gray")
         ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set_title(f"{res['model']} ({res['bytes'] / 1e6:.0f} MB {res['dtype']}): delta vs full push", fontsize=9)
+        ax.set_title(f"{res['model']} ({res['bytes'] / 1e6:.0f} MB {res['dtype']}): delta vs full push over a group",
+                     fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -56,7 +56,14 @@ from rollout.worker.tp_group import TpWorkerGroup
 from rollout.worker.tp_worker import TpModelWorker
 from weight_sync.bucket import FlattenedTensorBucket
 from weight_sync.delta import WeightDelta
-from weight_sync.distributed import DEFAULT_BUCKET_BYTES, DIRECT, LOAD_FORMATS, PACKED, VLLM_PACKED_BUFFER_BYTES
+from weight_sync.distributed import (
+    DEFAULT_BUCKET_BYTES,
+    DIRECT,
+    LOAD_FORMATS,
+    PACKED,
+    ROLLOUT_BUCKET,
+    VLLM_PACKED_BUFFER_BYTES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -645,9 +652,12 @@ class RolloutEngine:
                                         flush_cache: bool = True, weight_version: Optional[str] = None,
                                         load_format: Optional[str] = None, bucket_bytes: Optional[int] = None,
                                         abort_all_requests: bool = False, check_finite: bool = True,
-                                        partial: bool = False, transaction: bool = False) -> WeightResult:
+                                        partial: bool = False, transaction: bool = False,
+                                        point_to_point: bool = False) -> WeightResult:
         """Receive tensors broadcast by the trainer, staged until all arrived, then committed on every
-        TP rank or on none.
+        TP rank or on none. ``point_to_point``: the trainer sends them to this engine's ranks alone
+        (``WeightUpdateSender.send(to=...)``: a full push to one replica of a group, which the others do not
+        take), in our buckets.
 
         ``load_format`` says how the broadcasts lay them out: ``None``/``"direct"`` (SGLang's
         default): one broadcast per tensor, in this call's order, of exactly its announced bytes;
@@ -665,10 +675,13 @@ class RolloutEngine:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: use None/'direct' (one broadcast per tensor), "
                              "'flattened_bucket' (SGLang's), 'packed' (vLLM's) or 'rollout_bucket' (ours)")
+        if point_to_point and load_format != ROLLOUT_BUCKET:
+            raise ValueError("point_to_point sends come in our buckets: load_format='rollout_bucket'")
         if self._stages(transaction, weight_version, abort_all_requests):  # receive and stage only
-            return self._weights.stage(StageDistributed(*spec))
-        return self._weights.update(ReceiveDistributed(*spec, check_finite, partial), weight_version, flush_cache,
-                                    abort_all_requests)
+            return self._weights.stage(StageDistributed(*spec, point_to_point=bool(point_to_point)))
+        return self._weights.update(ReceiveDistributed(*spec, check_finite, partial,
+                                                       point_to_point=bool(point_to_point)),
+                                    weight_version, flush_cache, abort_all_requests)
 
     def weights_update_group_barrier(self, group_name: str) -> WeightResult:
         """A barrier with the trainer on the weight-update group, every engine rank taking part (TRL's

@@ -105,7 +105,8 @@ async def update_weights_from_distributed(body: P.UpdateFromDistributedRequest, 
                                        body.shapes, body.group_name, flush_cache=body.flush_cache,
                                        weight_version=body.weight_version, load_format=body.load_format,
                                        bucket_bytes=body.bucket_bytes, abort_all_requests=body.abort_all_requests,
-                                       partial=body.partial, transaction=await _staged(body, svc))
+                                       partial=body.partial, transaction=await _staged(body, svc),
+                                       point_to_point=body.point_to_point)
 
 
 @router.post("/destroy_weights_update_group", dependencies=ADMIN)

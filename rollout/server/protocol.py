@@ -378,6 +378,7 @@ class UpdateFromDistributedRequest(Lenient):
     # SGLang's: None (one broadcast per tensor) or "flattened_bucket"; ours: "rollout_bucket"
     load_format: Optional[Literal["direct", "flattened_bucket", "rollout_bucket"]] = None
     bucket_bytes: Optional[int] = Field(None, gt=0)
+    point_to_point: bool = False  # ours: the trainer sends to this engine's ranks alone (a catch-up push)
     partial: bool = False
     transaction: bool = False
 

@@ -129,6 +129,7 @@ class ReceiveDistributed:
     check_finite: bool = True
     partial: bool = False
     reply_timeout_s: float = 120.0
+    point_to_point: bool = False  # sent to this engine's ranks alone (a catch-up push), not broadcast
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class StageDistributed:
     bucket_bytes: int
     load_format: str = "direct"  # or "flattened_bucket" (SGLang's), "packed" (vLLM's), "rollout_bucket" (ours)
     reply_timeout_s: float = 120.0
+    point_to_point: bool = False  # sent to this engine's ranks alone (a catch-up push), not broadcast
 
 
 @dataclass(frozen=True)

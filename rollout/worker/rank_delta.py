@@ -24,7 +24,7 @@ import torch
 from rollout.layers.linear import LoadSlice
 from rollout.layers.parallel_state import TpState
 from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
-from weight_sync.delta import WeightDelta, check_entry, fingerprint, moved_by, wrap64
+from weight_sync.delta import WeightDelta, check_entry, fingerprint, kernel_ops, moved_by, name_salt, words_of, wrap64
 
 
 @dataclass
@@ -61,7 +61,22 @@ class _Span:
         return outer * (self.size * self.inner) + self.start * self.inner + rest
 
     def fingerprint(self, name: str) -> int:
-        return fingerprint(name, self.dst, self.positions) if self.counts else 0
+        if not self.counts:
+            return 0
+        outer = self.dst.numel() // max(1, self.length * self.inner)
+        return fingerprint(name, self.dst, self.positions, (outer, self.length, self.inner, self.size, self.start))
+
+
+def _write_words(name: str, span: _Span, indices: torch.Tensor, values: torch.Tensor):
+    """A sparse entry written by the C++ pass where it applies (contiguous CPU words): ((its undo, a callable,
+    None, None), the fingerprint's move); None where it does not."""
+    words = words_of(span.dst)
+    if words is None or values.dtype != span.dst.dtype or indices.device.type != "cpu":
+        return None
+    ops, vals, idx = kernel_ops(), values.contiguous().view(words.dtype), indices.contiguous()
+    salt, layout = name_salt(name), (span.length, span.inner, span.size, span.start)
+    old, move, _ = ops.delta_apply(words, idx, vals, salt, *layout, span.counts)
+    return (lambda: ops.delta_apply(words, idx, old, salt, *layout, False), None, None), wrap64(move)
 
 
 def _flat_write(dst: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
@@ -115,11 +130,7 @@ class DeltaState:
             return f"changed tensors the delta's fingerprints do not cover: {outside[:8]}"
         for name, entry in delta.entries.items():
             target = self.name_map[name]
-            why = check_entry(name, entry, _numel(target), target.param.dtype)
-            if why is None and entry.dense is not None and not bool(torch.isfinite(entry.dense).all()):
-                why = f"{name}: contains NaN or Inf values"
-            if why is None and entry.values is not None and not bool(torch.isfinite(entry.values).all()):
-                why = f"{name}: contains NaN or Inf values"
+            why = check_entry(name, entry, _numel(target), target.param.dtype, finite=True)
             if why is not None:
                 return why
         return None
@@ -146,6 +157,11 @@ class DeltaState:
                 moved.append(wrap64(span.fingerprint(name) - self.part(name)))
                 continue
             assert entry.indices is not None and entry.values is not None
+            written = _write_words(name, span, entry.indices, entry.values.to(self.device))
+            if written is not None:  # one C++ pass: written where this rank holds them, old words kept
+                undo.append(written[0])
+                moved.append(written[1])
+                continue
             g = entry.indices.to(self.device, torch.int64)
             mine, loc = span.local(g)
             g, loc, values = g[mine], loc[mine], entry.values.to(self.device)[mine]
@@ -157,7 +173,10 @@ class DeltaState:
         wrong = [n for n, got in zip(names, after) if got != delta.after[n]]
         if wrong:
             for dst, loc, old in reversed(undo):
-                dst.copy_(old) if loc is None else _flat_write(dst, loc, old)
+                if callable(dst):
+                    dst()
+                else:
+                    dst.copy_(old) if loc is None else _flat_write(dst, loc, old)
             return WeightResult.fail(f"after the delta {len(wrong)} tensors are not the trainer's (a value lost or "
                                      f"corrupted on the way): {wrong[:8]}; every change undone, the old weights "
                                      "serve")

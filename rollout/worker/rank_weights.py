@@ -430,6 +430,9 @@ class RankWeights:
         try:
             named = receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
                                     msg.group_name)
+        except WeightSizeMismatch as exc:  # the group still stands: only this delta failed
+            self.delta.vote(False)
+            return WeightResult.fail(f"{exc}; nothing was written")
         except WeightGroupError as exc:
             self.delta.vote(False)  # the first collective of DeltaState.apply, which the other ranks may run
             return WeightResult.fail(self._group_failed(msg.group_name, exc), kind=WeightResult.GROUP)
@@ -721,7 +724,8 @@ class RankWeights:
         try:
             if msg.load_format == ROLLOUT_BUCKET:
                 receive_buckets(self.update_groups[msg.group_name], specs, msg.bucket_bytes, self.device,
-                                msg.group_name, write_bucket, pool=self.receive_pool, place=place)
+                                msg.group_name, write_bucket, pool=self.receive_pool, place=place,
+                                point_to_point=msg.point_to_point)
             else:  # SGLang's layouts: per tensor, or flattened in the call's order
                 receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name,
                               lambda named: write_bucket(named, False), load_format=msg.load_format,

@@ -3,7 +3,8 @@
 The source is C++ files in ``csrc/``: ``vec.h`` (the vector helpers every family shares) and one file per
 kernel family (``SOURCES``, in the order they are included: a later family may call an earlier one's
 functions). The kernels (``paged_decode``, ``bf16_linear``, ``tile_pack`` / ``tiled_linear``, ``rms_norm``,
-``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``, ``decode_layer``, ``moe_experts``) are C++
+``rope_and_cache``, ``sample_rows``, ``silu_mul``, ``scatter_scaled``, ``decode_layer``, ``moe_experts``, the
+delta-push passes ``delta_*``) are C++
 compiled on first use with the machine's compiler (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``). Their source is
 compiled once per instruction set of ``cpu_capability.KERNEL_ISAS``, each copy in its own
@@ -31,12 +32,13 @@ from rollout.kernels.cpu.capability import KERNEL_ISAS, cpu_capability
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
-             "silu_mul", "scatter_scaled", "decode_layer", "decode_stack", "moe_experts")
+             "silu_mul", "scatter_scaled", "decode_layer", "decode_stack", "moe_experts", "delta_fingerprint", "delta_diff",
+             "delta_fingerprint_at", "delta_apply", "delta_check")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # the kernel families' files, included in this order after vec.h; decode_layer / decode_stack (layer.cpp)
 # and moe_experts (moe.cpp) call the kernels before them
-SOURCES = ("paged_decode", "gemm", "norm", "rope", "sample", "act", "copy", "layer", "moe")
+SOURCES = ("paged_decode", "gemm", "norm", "rope", "sample", "act", "copy", "layer", "moe", "delta")
 _TARGETS = {"generic": None, "avx2": "avx2,fma,f16c", "avx512": "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
             "avx512bf16": "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"}
 _LANES = {"generic": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}
@@ -168,7 +170,8 @@ def kernels() -> Optional[types.SimpleNamespace]:
     this CPU's ``kernel_isa``: ``paged_decode`` (``csrc/paged_decode.cpp``), ``bf16_linear``, ``tile_pack``
     and ``tiled_linear`` (``gemm.cpp``), ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``),
     ``sample_rows`` (``sample.cpp``), ``silu_mul`` (``act.cpp``), ``scatter_scaled`` (``copy.cpp``),
-    ``decode_layer`` and ``decode_stack`` (``layer.cpp``), ``moe_experts`` (``moe.cpp``); their Python faces are
+    ``decode_layer`` and ``decode_stack`` (``layer.cpp``), ``moe_experts`` (``moe.cpp``), ``delta_fingerprint``,
+    ``delta_diff``, ``delta_fingerprint_at``, ``delta_apply`` and ``delta_check`` (``delta.cpp``); their Python faces are
     ``rollout.kernels.cpu.ops`` and ``.fused``. None where it cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)
 

@@ -10,7 +10,9 @@ torch path's, is written at the top of its C++ file in ``csrc/``:
 - ``moe_experts``: a mixture of experts' block, its rows grouped by expert and the experts side by side
   over the threads (``moe.cpp``);
 - ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
-  values counted (``copy.cpp``; a LoRA adapter's bucket on arrival).
+  values counted (``copy.cpp``; a LoRA adapter's bucket on arrival);
+- ``delta_fingerprint`` / ``delta_diff`` / ``delta_fingerprint_at`` / ``delta_apply`` / ``delta_check``: a delta
+  push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what they compute).
 """
 
 from __future__ import annotations
@@ -121,3 +123,52 @@ def scatter_plan(slot: torch.Tensor, dst: torch.Tensor, pieces) -> tuple[torch.T
 def scatter_scaled(slot: torch.Tensor, dst: torch.Tensor, plan: torch.Tensor, scales: torch.Tensor) -> int:
     """Run a ``scatter_plan``: the number of non-finite values written."""
     return int(build.kernels().scatter_scaled(slot, dst, plan, scales))
+
+
+def delta_fingerprint(bits: torch.Tensor, salt: int, outer: int, length: int, inner: int, size: int,
+                      start: int) -> int:
+    """The fingerprint terms of ``bits`` (int16 or int32 words laid as [outer, length, inner], the run
+    [start, start + length) of a full [outer, size, inner] tensor's middle dimension), summed mod 2^64."""
+    out = torch.empty(1, dtype=torch.long)
+    build.kernels().delta_fingerprint(bits, salt, outer, length, inner, size, start, out)
+    return int(out[0])
+
+
+def delta_diff(now: torch.Tensor, base: torch.Tensor, salt: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the increasing flat indices where ``now``'s words differ from ``base``'s — int32 where the tensor has fewer
+    than 2^31 elements, else int64 —, ``now``'s words there, how far the fingerprint moves from ``base`` to ``now``
+    mod 2^64). ``now`` may be fp32 values against bf16 words: compared, and given, as torch casts them."""
+    moved = torch.empty(1, dtype=torch.long)
+    raw = build.kernels().delta_diff(now, base, salt, moved)
+    index = torch.int32 if base.numel() < 2**31 else torch.int64
+    count = raw.numel() // (index.itemsize + base.element_size())
+    split = count * index.itemsize
+    return raw[:split].view(index), raw[split:].view(base.dtype), int(moved[0])
+
+
+def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
+    """The fingerprint terms of ``bits`` at their full-tensor flat indices ``positions`` (int64), summed."""
+    out = torch.empty(1, dtype=torch.long)
+    build.kernels().delta_fingerprint_at(bits, positions, salt, out)
+    return int(out[0])
+
+
+def delta_apply(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, salt: int, length: int, inner: int,
+                size: int, start: int, counts: bool) -> tuple[torch.Tensor, int, int]:
+    """A sparse entry written into ``dst``'s words where this rank holds them (``dst`` laid as [outer, length,
+    inner] of a full [outer, size, inner] tensor from ``start``): (the old words, one per index — the value
+    itself where the rank does not hold it, so that applying them undoes this —, the fingerprint's move
+    (0 unless ``counts``), the number of words written)."""
+    old = torch.empty_like(values)
+    out = torch.empty(2, dtype=torch.long)
+    build.kernels().delta_apply(dst, indices, values, old, salt, length, inner, size, start, counts, out)
+    return old, int(out[0]), int(out[1])
+
+
+def delta_check(indices: torch.Tensor, values: torch.Tensor, numel: int, exponent: int) -> tuple[int, int]:
+    """(0, 0) where a sparse entry (``values`` as words, ``exponent`` their exponent bits) applies to a tensor of
+    ``numel`` elements; else (1: an index outside it, 2: indices not strictly increasing, 3: a NaN or infinite
+    value; the first offending entry)."""
+    out = torch.empty(2, dtype=torch.long)
+    build.kernels().delta_check(indices, values, numel, exponent, out)
+    return int(out[0]), int(out[1])
