@@ -269,6 +269,8 @@ def _torch_trainer(url: str, compat_model_b: str, port: int, plan: dict, q) -> N
                 send.join()
                 out["update"] = (box["update"].status_code, box["update"].json())
                 out["continue"] = http.post("/areal_continue_generation").json()
+            elif plan["kind"] == "sparse":
+                out.update(_sparse_trainer(http, port, tensors, plan))
             elif plan["kind"] == "trl":
                 r = http.post("/init_communicator/", json={"host": plan.get("host", "0.0.0.0"), "port": port,
                                                            "world_size": 2, "client_device_uuid": "cpu"})
@@ -325,6 +327,67 @@ def _torch_trainer(url: str, compat_model_b: str, port: int, plan: dict, q) -> N
     q.put(out)
 
 
+def _sparse_trainer(http, port: int, tensors: list, plan: dict) -> dict:
+    """vLLM's sparse_nccl trainer (``SparseNCCLTrainerWeightTransferEngine``): patches in checkpoint coordinates
+    (name, int32 flat indices, values, full shape) from the served weights to ``tensors`` on a share of the
+    elements, one unsorted; ``start_weight_update``, ``update_weights`` with ``num_updates_list`` while each
+    patch's indices then values are broadcast — twice, a second chunk patching one tensor again —,
+    ``finish_weight_update``. Then a patch with an index past its tensor's end, the same way."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from weight_sync.checksum import checksum_named_tensors
+
+    out: dict = {}
+    box: dict = {}
+    init = {"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}
+    t = threading.Thread(target=lambda: box.setdefault("init", http.post("/init_weight_transfer_engine", json=init)))
+    t.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    t.join()
+    served = load_file(f"{plan['served']}/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    patches, after = [], []
+    for name, new in tensors:
+        old = served[name].float().reshape(-1)
+        take = torch.rand(old.numel(), generator=g) < 0.05  # what a step changed: a share of the elements
+        idx = torch.nonzero(take & (old.view(torch.int32) != new.reshape(-1).view(torch.int32))).reshape(-1)
+        if len(patches) == 1:
+            idx = idx.flip(0)  # vLLM's patches need not be sorted
+        idx = idx.to(torch.int32)
+        patches.append((name, idx, new.reshape(-1)[idx.long()].contiguous(), list(new.shape)))
+        patched = old.clone()
+        patched[idx.long()] = new.reshape(-1)[idx.long()]
+        after.append((name, patched.reshape(new.shape)))
+    # a second chunk (vLLM's send_weight_chunk) patches one tensor again: applied in order, its values win
+    name, idx, values, shape = patches[2]
+    again = (name, idx[::2].contiguous(), (values[::2] * 0.5).contiguous(), shape)
+    after[2][1].view(-1)[again[1].long()] = again[2]
+    out["want"] = checksum_named_tensors(after, dtype=torch.float32)
+    bad = [(patches[0][0], patches[0][1] + 1_000_000, *patches[0][2:]), *patches[1:]]
+    for label, chunks in (("good", [patches, [again]]), ("bad", [bad])):
+        out[f"{label}_start"] = http.post("/start_weight_update", json={"is_checkpoint_format": True}).json()
+        for sent in chunks:
+            info = {"names": [p[0] for p in sent], "dtype_names": ["float32"] * len(sent),
+                    "shapes": [p[3] for p in sent], "num_updates_list": [p[1].numel() for p in sent]}
+            send = threading.Thread(target=lambda: box.__setitem__("update", http.post(
+                "/update_weights", json={"update_info": info})))
+            send.start()
+            for _, idx, values, _ in sent:
+                dist.broadcast(idx, src=0)
+                dist.broadcast(values, src=0)
+            send.join()
+            out[f"{label}_update"] = (box["update"].status_code, box["update"].json())
+        r = http.post("/finish_weight_update", json={"weight_version": f"sparse-{label}"})
+        out[f"{label}_finish"] = (r.status_code, r.json())
+        out[f"{label}_checksum"] = http.post("/weights_checker", json={"action": "checksum"}).json()["checksum"]
+    out["patched_elements"] = sum(p[1].numel() for p in patches)
+    return out
+
+
 def _push(url: str, compat_model_b: str, **plan) -> dict:
     from weight_sync.process_group import free_port
 
@@ -356,6 +419,24 @@ def test_vllm_native_push_from_a_plain_torch_trainer(compat_srv, compat_model, c
     assert pushed != before
     _ok(compat_srv.post("/update_weights_from_disk", json={"model_path": compat_model_b}))
     assert _greedy(compat_srv) == pushed
+    _restore(compat_srv, compat_model)
+
+
+def test_vllm_sparse_nccl_patches_land_all_or_nothing(compat_srv, compat_model, compat_model_b):
+    """vLLM's sparse weight transfer (vllm#40096, #53751: checkpoint names, int32 flat indices then values per
+    tensor, ``num_updates_list`` in ``update_info``) from a plain torch trainer between start and finish: the
+    served weights become the patched ones bit for bit (checksums; one patch's indices unsorted, one tensor
+    patched again by a second chunk, applied in order); a patch with an
+    index past its tensor is a 400 naming it, the update is discarded at finish, and the weights stay as they
+    were — no restart."""
+    url = str(compat_srv.base_url).rstrip("/")
+    out = _push(url, compat_model_b, kind="sparse", served=compat_model)
+    assert out["good_update"][0] == 200 and out["good_finish"][0] == 200, out
+    assert out["good_checksum"] == out["want"] and out["patched_elements"] > 0
+    assert compat_srv.get("/weight_info").json()["weight_version"] == "sparse-good"
+    assert out["bad_update"][0] == 400 and "outside the tensor" in str(out["bad_update"][1]), out["bad_update"]
+    assert out["bad_finish"][0] == 400 and out["bad_checksum"] == out["want"]
+    assert compat_srv.get("/weight_info").json()["weight_version"] == "sparse-good"
     _restore(compat_srv, compat_model)
 
 

@@ -269,6 +269,27 @@ def test_a_delta_at_tp2_lands_on_each_rank_as_at_tp1(model_dir):
         names = sorted(state)
         assert tp2.get_weights_checksum() == tp1.get_weights_checksum()
         assert all(torch.equal(a, b) for a, b in zip(_weights(tp2, names).values(), _weights(tp1, names).values()))
+        # vLLM's sparse patches (no base: the weights held) over a group to both ranks, one unsorted: as tp1's
+        # full tensors patched the same way; an index past its tensor's end: refused, nothing written
+        sender = _group(tp2, "sparse", timeout_s=20, ranks=2)
+        g = torch.Generator().manual_seed(9)
+        patches, patched = [], {}
+        for name in [n for n in names if "experts" in n or "q_proj.weight" in n][:6]:
+            full = state[name].reshape(-1).clone()
+            idx = torch.nonzero(torch.rand(full.numel(), generator=g) < 0.1).reshape(-1).to(torch.int32)
+            idx = idx.flip(0) if not patches else idx
+            vals = torch.randn(idx.numel(), generator=g).to(torch.bfloat16)
+            full[idx.long()] = vals
+            patches.append((name, idx, vals))
+            patched[name] = full.reshape(state[name].shape)
+        assert tp1.update_weights_from_tensor(list(patched.items()), partial=True, weight_version="patched").success
+        for sent, ok in ((patches, True), ([(patches[0][0], patches[0][1] + 10**7, patches[0][2])], False)):
+            r = _sparse_over_group(tp2, sender, sent, [list(state[n].shape) for n, _, _ in sent])
+            assert r.success == ok, r.message
+            if not ok:
+                assert patches[0][0] in r.message and "outside the tensor" in r.message
+            assert tp2.get_weights_checksum() == tp1.get_weights_checksum()
+        sender.close()
 
 
 def test_the_trainer_pushes_deltas_and_falls_back_to_a_full_push_where_the_engine_holds_another_base(bf16_llama):
@@ -345,8 +366,8 @@ def test_a_patch_folder_over_the_servers_route_under_the_allowed_dirs_only(bf16_
         assert full.get_weights_checksum() == after
 
 
-def _group(engine: RolloutEngine, name: str, timeout_s: float):
-    """A bare weight-update group: this process's sender (rank 0) and ``engine``'s rank (1)."""
+def _group(engine: RolloutEngine, name: str, timeout_s: float, ranks: int = 1):
+    """A bare weight-update group: this process's sender (rank 0) and ``engine``'s ``ranks`` (1 on)."""
     import threading
 
     from weight_sync.distributed import WeightUpdateSender
@@ -354,9 +375,9 @@ def _group(engine: RolloutEngine, name: str, timeout_s: float):
 
     port, joined = free_port(), []
     join = threading.Thread(target=lambda: joined.append(engine.init_weights_update_group(
-        "127.0.0.1", port, 1, 2, name, "gloo", timeout_s)))
+        "127.0.0.1", port, 1, 1 + ranks, name, "gloo", timeout_s)))
     join.start()
-    sender = WeightUpdateSender("127.0.0.1", port, 2, name, "gloo", timeout_s)
+    sender = WeightUpdateSender("127.0.0.1", port, 1 + ranks, name, "gloo", timeout_s)
     join.join(timeout_s + 10)
     assert joined and joined[0].success
     return sender
@@ -378,6 +399,21 @@ def _over_group(engine: RolloutEngine, sender, delta: WeightDelta, send, bucket_
         send(named, bucket_bytes)
     except Exception:  # noqa: BLE001 - the engine's result says what became of the push
         pass
+    call.join(60)
+    return out[0]
+
+
+def _sparse_over_group(engine: RolloutEngine, sender, patches, shapes) -> WeightResult:
+    """vLLM's sparse_nccl wire: per (name, int32 indices, values), the indices then the values, each broadcast."""
+    import threading
+
+    out = []
+    call = threading.Thread(target=lambda: out.append(engine.update_weights_from_sparse_distributed(
+        [n for n, _, _ in patches], [str(v.dtype).split(".")[-1] for _, _, v in patches], shapes,
+        [i.numel() for _, i, _ in patches], sender.group_name)))
+    call.start()
+    sender.send([(f"{n}{s}", t) for n, i, v in patches for s, t in (("#indices", i), ("#values", v))],
+                load_format="direct")
     call.join(60)
     return out[0]
 

@@ -107,7 +107,8 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
     The accelerate run is the control run too (``--no-push``): every step samples with the initial weights (step
     k's samples k versions behind the trainer), nothing is pushed or verified, the reward stays flat. The deepspeed
     run pushes with ``--delta-sync`` (the first push whole, then only the changed elements against the version the
-    engine holds, checked before and after): the same rewards step for step as torchrun's full pushes."""
+    engine holds, checked before and after; a full anchor after each delta): the same rewards step for step as
+    torchrun's full pushes."""
     import shutil
 
     from weight_sync.process_group import free_port
@@ -118,7 +119,7 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
     out = tmp_path / launcher
     control = launcher == "accelerate"
     script = [os.path.join(ROOT, "examples", "grpo_colocated.py"), "--steps", "3", "--no-wandb",
-              "--out-dir", str(out), *(["--no-push"] if control else ["--delta-sync"])]
+              "--out-dir", str(out), *(["--no-push"] if control else ["--delta-sync", "--delta-anchor-every", "1"])]
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = [exe, "--num_gpus", "2", "--master_port", port, *script]
@@ -138,7 +139,8 @@ def test_other_launchers_run_the_same_loop(tmp_path, launcher, zero3_run):
     reference = zero3_run[0][:3]
     assert len(logs) == 3 and [x["reward"] for x in logs] == [x["reward"] for x in reference]
     assert all(x["mismatch_max"] < 1e-4 and x["push_verified"] for x in logs)
-    assert [x["sync_phases"]["delta"] for x in logs] == [False, True, True]  # (the step-3 rollout ran on a delta)
+    # the first push whole, a delta, then an anchor (a full push after every delta: --delta-anchor-every 1)
+    assert [x["sync_phases"]["delta"] for x in logs] == [False, True, False]
     assert not any(x["sync_phases"]["fell_back"] for x in logs) and logs[0]["engine_released_bytes"] > 0
 
 

@@ -95,6 +95,7 @@ def test_group_advantages_are_normalised_within_each_prompt():
     (dict(tis_cap=0.0), "tis_cap"),
     (dict(dist_check_samples=-1), "dist_check_samples"),
     (dict(true_on_policy=True, top_k=20), "temperature sampling only"),
+    (dict(delta_anchor_every=2), "needs delta_sync"),
 ])
 def test_the_config_is_checked_when_it_is_built(kw, says):
     with pytest.raises(ValueError, match=says):

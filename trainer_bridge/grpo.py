@@ -89,6 +89,9 @@ class GRPOConfig:
     # elements against the last published version (a full push where the engine refuses the base); the
     # colocated engine keeps its weights resident while the trainer trains (they are the next delta's base)
     delta_sync: bool = False
+    # with delta_sync: a full push (an anchor, the next deltas' base) after this many deltas (0: only where one
+    # is refused)
+    delta_anchor_every: int = 0
 
     def __post_init__(self) -> None:
         """Every option checked when the config is built, before any engine or trainer step runs."""
@@ -123,6 +126,8 @@ class GRPOConfig:
         if self.delta_sync and (self.lora_name is not None or not self.push_weights):
             raise ValueError("GRPOConfig: delta_sync sends the full weights' changes; a LoRA run pushes its adapter "
                              "alone, a run without pushes nothing (drop one of them)")
+        if self.delta_anchor_every < 0 or (self.delta_anchor_every and not self.delta_sync):
+            raise ValueError("GRPOConfig: delta_anchor_every is a count of deltas (>= 0) and needs delta_sync")
         if self.max_staleness and self.release_memory:
             raise ValueError("GRPOConfig: asynchronous rollouts (max_staleness > 0) need engines on their own "
                              "devices: set release_memory=False")
@@ -389,7 +394,8 @@ class _GRPORun:
         policy: Any = unwrapped(ds_engine)
         self.vocab = int(policy.config.vocab_size)  # the full-distribution check's width
         self.replayed_tokens = 0  # the step's routing-replay count (forward)
-        self.tracker = DeltaTracker() if cfg.delta_sync else None  # the last published weights (delta sync)
+        # the last published weights (delta sync)
+        self.tracker = DeltaTracker(anchor_every=cfg.delta_anchor_every) if cfg.delta_sync else None
         if cfg.delta_sync and type(target).push_delta is WeightTarget.push_delta:
             raise ValueError(f"GRPOConfig.delta_sync: {type(target).__name__} takes no delta pushes (colocated "
                              "engines and the weight group do); run without --delta-sync")

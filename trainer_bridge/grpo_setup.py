@@ -56,6 +56,8 @@ def add_flags(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--delta-sync", action="store_true",
                     help="after the first full push, push only the elements that changed since the last one, against "
                          "the version the engine holds (checked before and after; a full push where it is refused)")
+    ap.add_argument("--delta-anchor-every", type=int, default=0, metavar="N",
+                    help="with --delta-sync: a full push after every N deltas (an anchor; 0: only where one is refused)")
     ap.add_argument("--dist-check-samples", type=int, default=1, metavar="K",
                     help="the full-distribution check: the engine's whole next-token distribution at the first "
                          "positions of K samples a rank and step, against the trainer's (0: off)")
@@ -154,7 +156,7 @@ def grpo_config(args, release_memory: bool, max_staleness: int = 0, stale_policy
                       bucket_bytes=args.bucket_mb << 20, max_staleness=max_staleness, stale_policy=stale_policy,
                       lora_name="policy" if args.lora else None, true_on_policy=args.true_on_policy,
                       dist_check_samples=args.dist_check_samples, routing_replay=args.routing_replay,
-                      delta_sync=args.delta_sync)
+                      delta_sync=args.delta_sync, delta_anchor_every=args.delta_anchor_every)
 
 
 def step_logger(args, rank: int):

@@ -2,16 +2,16 @@
 weight-update group, side by side in one run.
 
 A ``transformers`` model trains in fp32 with Adam (``--lrs``, each from the same initial weights; a step is
-one causal-LM step on random tokens) and after each step pushes its weights, cast to the engine's dtype, two
-ways into two engines of the same model, each over its own weight-update group (gloo on CPU, NCCL on GPU; the
+one causal-LM step on random tokens) and after each step pushes its weights in the engine's dtype two ways
+into two engines of the same model, each over its own weight-update group (gloo on CPU, NCCL on GPU; the
 trainer is rank 0, the engine's rank 1, the engines in this process): in full (``push_weights`` through a
 ``DistributedTarget``: bucketed casts broadcast while the next bucket is cast, then one commit) and as a delta
-(``push_delta``: the same casts, each bucket diffed against the trainer's kept bits as it comes, the changed
-elements broadcast once, applied all or nothing on the engine against the base it names). Recorded per step:
-the changed fraction of the elements, the bytes each push moves, each push's time as the trainer waits for it
-and its time past the casts both do alike (the full push's wire and commit; the delta's diff, wire and
-apply), and at the end that both engines hold the same weights (checksums). Adam's first step moves every
-weight by the learning rate (its update is lr * sign(grad)), later ones by less: rows say which step it was.
+(``push_delta``: each fp32 parameter diffed against the trainer's kept bf16 bits, cast as it is compared, the
+changed elements broadcast once, applied all or nothing on the engine against the base it names). Recorded per
+step: the changed fraction of the elements, the bytes each push moves, each push's time as the trainer waits
+for it (the delta's split into its diff and its wire and apply), and at the end that both engines hold the same
+weights (checksums). Adam's first step moves every weight by the learning rate (its update is lr * sign(grad)),
+later ones by less: rows say which step it was.
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ def _train_step(model, opt, vocab: int, g: torch.Generator, tokens: int) -> None
 
 
 def _row(step: int, full, delta, t_full: float, t_delta: float) -> dict:
+    """One step: the bytes and the times of both pushes as the trainer waits for them (the full push's casts
+    into buckets overlap its wire; the delta's diff casts as it compares, never making the cast whole)."""
     full_bytes = full.num_bytes
-    full_wire = t_full - full.gather_s - full.pack_s  # past the casts: the wire (beyond what overlaps) and commit
-    delta_wire = t_delta - delta.gather_s - delta.pack_s  # past the casts: the diff, the wire and the apply
     return {"step": step, "changed_fraction": delta.phases["changed_fraction"], "delta_bytes": delta.num_bytes,
             "full_bytes": full_bytes, "bytes_ratio": delta.num_bytes / full_bytes, "full_s": t_full, "delta_s": t_delta,
-            "time_ratio": t_delta / t_full, "cast_s": delta.gather_s + delta.pack_s, "full_past_cast_s": full_wire,
-            "delta_past_cast_s": delta_wire, "past_cast_ratio": delta_wire / full_wire,
+            "time_ratio": t_delta / t_full, "full_cast_s": full.gather_s + full.pack_s,
             "diff_s": delta.phases["diff_s"], "send_and_apply_s": delta.commit_s, "delta_went": bool(delta.phases["delta"])}
 
 

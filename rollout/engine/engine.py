@@ -46,6 +46,7 @@ from rollout.worker.messages import (
     ProbeUpdateGroup,
     ReadWeight,
     ReceiveDistributed,
+    ReceiveSparse,
     ResumeMemory,
     StageDistributed,
     StageHandle,
@@ -682,6 +683,26 @@ class RolloutEngine:
         return self._weights.update(ReceiveDistributed(*spec, check_finite, partial,
                                                        point_to_point=bool(point_to_point)),
                                     weight_version, flush_cache, abort_all_requests)
+
+    def update_weights_from_sparse_distributed(self, names: list[str], dtypes: list, shapes: list, counts: list,
+                                               group_name: str, flush_cache: bool = True,
+                                               weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                               transaction: bool = False) -> WeightResult:
+        """vLLM's sparse weight patches (its ``sparse_nccl`` transfer, ``update_info.num_updates_list``): for each
+        checkpoint tensor ``names[i]`` (full shape ``shapes[i]``, values of ``dtypes[i]``) the trainer broadcasts
+        ``counts[i]`` int32 flat indices, then as many values. They name no base, so they patch the weights held:
+        checked before anything is written (names, shapes, each index inside its tensor and there once, values
+        finite and of the weights' dtype; unsorted indices are sorted) and written on every TP rank or none, at
+        once, or at ``commit_weight_update`` inside a transaction (``transaction``, or generation paused). A
+        failed patch leaves the weights as they were — where vLLM's own needs the worker restarted."""
+        try:
+            counts = tuple(int(k) for k in counts)
+        except (TypeError, ValueError):
+            raise ValueError("num_updates_list must be a list of integers") from None
+        spec = (*self._call_specs(names, dtypes, shapes), counts, str(group_name))
+        if self._stages(transaction, weight_version, abort_all_requests):
+            return self._weights.stage(ReceiveSparse(*spec, stage=True))
+        return self._weights.update(ReceiveSparse(*spec), weight_version, flush_cache, abort_all_requests)
 
     def weights_update_group_barrier(self, group_name: str) -> WeightResult:
         """A barrier with the trainer on the weight-update group, every engine rank taking part (TRL's

@@ -151,6 +151,9 @@ class UpdateInfo(P.Lenient):
     packed_buffer_size_bytes: int = Field(1 << 30, gt=0)
     packed_num_buffers: int = Field(2, ge=1)  # the receiver's pipelining depth; the wire layout is the same
     is_checkpoint_format: bool = True
+    # vLLM's sparse_nccl (``SparseNCCLWeightTransferUpdateInfo``): per tensor, this many int32 flat indices into
+    # the checkpoint tensor, then as many values, each one broadcast
+    num_updates_list: Optional[list[int]] = None
 
 
 class UpdateWeightsRequest(P.Lenient):
@@ -211,12 +214,29 @@ async def update_weights(body: UpdateWeightsRequest, svc: EngineService = Svc):
     if not (len(info.names) == len(info.dtype_names) == len(info.shapes)):
         raise HTTPException(400, f"names ({len(info.names)}), dtype_names ({len(info.dtype_names)}) and shapes "
                                  f"({len(info.shapes)}) must have the same length")
+    if info.num_updates_list is not None:
+        return await _sparse_update(info, svc)
     async with svc.in_order():
         staged = await svc.stages_for(Opener.VLLM)
         result = await svc.apply_update(
             svc.engine.update_weights_from_distributed, info.names, [d.removeprefix("torch.") for d in info.dtype_names],
             info.shapes, VLLM_GROUP, load_format=PACKED if info.packed else DIRECT,
             bucket_bytes=info.packed_buffer_size_bytes if info.packed else None, partial=True, transaction=staged)
+    return {"message": "Weights updated"} if result.success else _error(400, result.message)
+
+
+async def _sparse_update(info: UpdateInfo, svc: EngineService):
+    """vLLM's sparse patches (``num_updates_list``): staged between start and finish, or applied at once."""
+    if info.packed:
+        raise HTTPException(400, "sparse updates (num_updates_list) are never packed: send packed=false")
+    if len(info.num_updates_list or []) != len(info.names) or any(k < 0 for k in info.num_updates_list or []):
+        raise HTTPException(400, f"num_updates_list needs one count (>= 0) per name ({len(info.names)})")
+    async with svc.in_order():
+        staged = await svc.stages_for(Opener.VLLM)
+        result = await svc.apply_update(
+            svc.engine.update_weights_from_sparse_distributed, info.names,
+            [d.removeprefix("torch.") for d in info.dtype_names], info.shapes, info.num_updates_list, VLLM_GROUP,
+            transaction=staged)
     return {"message": "Weights updated"} if result.success else _error(400, result.message)
 
 

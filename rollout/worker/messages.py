@@ -133,6 +133,21 @@ class ReceiveDistributed:
 
 
 @dataclass(frozen=True)
+class ReceiveSparse:
+    """vLLM's sparse patches (its ``sparse_nccl`` transfer: per tensor, its int32 flat indices then its values,
+    each one broadcast) in checkpoint coordinates (names, full ``shapes``): applied to the weights held (they
+    name no base), or staged into the open transaction (``stage``)."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    counts: tuple[int, ...]  # each tensor's patched elements (vLLM's num_updates_list)
+    group_name: str
+    stage: bool = False
+    reply_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class BeginTransaction:
     """Start staging an update that arrives in several calls; nothing changes until commit."""
 
@@ -283,7 +298,8 @@ class UnloadLora:
     slot: int
 
 
-WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ApplyDelta, ReceiveDelta, ReceiveDistributed, BeginTransaction,
+WEIGHT_MESSAGES = (ApplyTensors, ApplyHandle, ApplyDisk, ApplyDelta, ReceiveDelta, ReceiveSparse, ReceiveDistributed,
+                   BeginTransaction,
                    StageTensors, StageHandle, StageDistributed, CommitTransaction, AbortTransaction, InitUpdateGroup,
                    AwaitUpdateGroup, DestroyUpdateGroup, ProbeUpdateGroup, BarrierUpdateGroup, ReleaseMemory,
                    ResumeMemory, ReadWeight, WeightsChecksum, LoadLora, ReceiveLora, UnloadLora)

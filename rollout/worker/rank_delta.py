@@ -24,7 +24,17 @@ import torch
 from rollout.layers.linear import LoadSlice
 from rollout.layers.parallel_state import TpState
 from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
-from weight_sync.delta import WeightDelta, check_entry, fingerprint, kernel_ops, moved_by, name_salt, words_of, wrap64
+from weight_sync.delta import (
+    DeltaEntry,
+    WeightDelta,
+    check_entry,
+    fingerprint,
+    kernel_ops,
+    moved_by,
+    name_salt,
+    words_of,
+    wrap64,
+)
 
 
 @dataclass
@@ -149,26 +159,9 @@ class DeltaState:
         names = sorted(delta.entries)
         undo, moved = [], []
         for name in names:
-            span, entry = self._span(name), delta.entries[name]
-            if entry.dense is not None:
-                old = span.dst.clone()
-                self.name_map[name].slice.copy_from(entry.dense.to(self.device).reshape(_shape(self.name_map[name])))
-                undo.append((span.dst, None, old))
-                moved.append(wrap64(span.fingerprint(name) - self.part(name)))
-                continue
-            assert entry.indices is not None and entry.values is not None
-            written = _write_words(name, span, entry.indices, entry.values.to(self.device))
-            if written is not None:  # one C++ pass: written where this rank holds them, old words kept
-                undo.append(written[0])
-                moved.append(written[1])
-                continue
-            g = entry.indices.to(self.device, torch.int64)
-            mine, loc = span.local(g)
-            g, loc, values = g[mine], loc[mine], entry.values.to(self.device)[mine]
-            old = _flat_read(span.dst, loc)
-            _flat_write(span.dst, loc, values)
-            undo.append((span.dst, loc, old))
-            moved.append(moved_by(name, g, old, _flat_read(span.dst, loc)) if span.counts else 0)
+            change, move = self._write(name, delta.entries[name])
+            undo.append(change)
+            moved.append(move)
         after = self._sum([wrap64(self.part(n) + m) for n, m in zip(names, moved)])
         wrong = [n for n, got in zip(names, after) if got != delta.after[n]]
         if wrong:
@@ -185,6 +178,77 @@ class DeltaState:
         changed = sum(int(e.values.numel()) if e.values is not None else 0 for e in delta.entries.values())
         return WeightResult.ok(f"applied a delta of {len(names)} tensors ({changed} sparse elements)",
                                num_bytes=delta.num_bytes, fingerprint=str(base))
+
+
+    def _write(self, name: str, entry: DeltaEntry) -> tuple[tuple, int]:
+        """``entry`` written where this rank holds it: (how to undo it: (dst, flat places or None for all of it,
+        the old values) or (a callable, None, None); how far it moved this rank's part of the fingerprint, whose
+        part before must be known)."""
+        span = self._span(name)
+        if entry.dense is not None:
+            old = span.dst.clone()
+            self.name_map[name].slice.copy_from(entry.dense.to(self.device).reshape(_shape(self.name_map[name])))
+            return (span.dst, None, old), wrap64(span.fingerprint(name) - self.part(name))
+        assert entry.indices is not None and entry.values is not None
+        written = _write_words(name, span, entry.indices, entry.values.to(self.device))
+        if written is not None:  # one C++ pass: written where this rank holds them, old words kept
+            return written
+        g = entry.indices.to(self.device, torch.int64)
+        mine, loc = span.local(g)
+        g, loc, values = g[mine], loc[mine], entry.values.to(self.device)[mine]
+        old = _flat_read(span.dst, loc)
+        _flat_write(span.dst, loc, values)
+        return (span.dst, loc, old), (moved_by(name, g, old, _flat_read(span.dst, loc)) if span.counts else 0)
+
+    def refusal(self, entries: dict[str, DeltaEntry], shapes: dict[str, tuple[int, ...]]) -> Optional[str]:
+        """Why sparse patches cannot be written here, naming the first tensor at fault (None: they can)."""
+        for name in sorted(entries):
+            target = self.name_map.get(name)
+            if target is None:
+                return f"{name}: not a weight of this model"
+            if tuple(shapes[name]) != _shape(target):
+                return f"{name}: the patch says shape {list(shapes[name])}, the checkpoint's is {list(_shape(target))}"
+            error = check_entry(name, entries[name], _numel(target), target.param.dtype, finite=True)
+            if error is not None:
+                return error
+        return None
+
+    def patch(self, entries: dict[str, DeltaEntry], shapes: dict[str, tuple[int, ...]]) -> WeightResult:
+        """vLLM's sparse patches (checkpoint names and full ``shapes``, flat indices into the full tensors, in
+        increasing order): they name no base and carry no fingerprint, so everything is checked before anything
+        is written — every name known, its shape the checkpoint's, each index inside it and there once, every
+        value finite and of the weights' dtype — and then they are written on every rank, or on none (a
+        collective: every rank runs it)."""
+        error = self.refusal(entries, shapes)
+        if not self.vote(error is None):
+            return WeightResult.fail(f"{error or REJECTED_ELSEWHERE}; nothing was written")
+        for name in sorted(entries):
+            self._write(name, entries[name])
+        self.forget()  # (no fingerprint to move them by)
+        count = sum(int(e.values.numel()) for e in entries.values() if e.values is not None)
+        return WeightResult.ok(f"patched {len(entries)} tensors ({count} elements)",
+                               num_bytes=sum(e.num_bytes for e in entries.values()))
+
+
+def sparse_entry(indices: torch.Tensor, values: torch.Tensor) -> DeltaEntry:
+    """A sparse patch's entry, its indices put in increasing order where they came in another (vLLM's patches
+    need not be sorted; an index there twice stays so, and the check refuses it)."""
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        order = torch.argsort(indices.to(torch.int64), stable=True)
+        indices, values = indices[order], values[order]
+    return DeltaEntry(indices=indices, values=values, num_changed=indices.numel())
+
+
+def merged(first: DeltaEntry, then: DeltaEntry) -> DeltaEntry:
+    """Two sparse patches of one tensor as one, applied in order (where both write an element, ``then``'s)."""
+    assert first.indices is not None and first.values is not None and then.indices is not None and then.values is not None
+    idx = torch.cat([first.indices.to(torch.int64), then.indices.to(torch.int64)])
+    values = torch.cat([first.values, then.values])
+    order = torch.argsort(idx, stable=True)
+    idx, values = idx[order], values[order]
+    last = torch.ones_like(idx, dtype=torch.bool)
+    last[:-1] = idx[1:] != idx[:-1]  # the last of each run of one index: the later patch's
+    return DeltaEntry(indices=idx[last].to(first.indices.dtype), values=values[last], num_changed=int(last.sum()))
 
 
 def _shape(target) -> tuple[int, ...]:

@@ -62,6 +62,7 @@ from rollout.worker.messages import (
     ReceiveDelta,
     ReceiveDistributed,
     ReceiveLora,
+    ReceiveSparse,
     ReleaseMemory,
     ResumeMemory,
     StageDistributed,
@@ -70,10 +71,11 @@ from rollout.worker.messages import (
     UnloadLora,
     WeightsChecksum,
 )
-from rollout.worker.rank_delta import DeltaState
+from rollout.worker.rank_delta import DeltaState, merged, sparse_entry
 from weight_sync.checksum import checksum_named_tensors
-from weight_sync.delta import WeightDelta
+from weight_sync.delta import INDEX_SUFFIX, VALUE_SUFFIX, DeltaEntry, WeightDelta
 from weight_sync.distributed import (
+    DIRECT,
     ROLLOUT_BUCKET,
     WeightGroup,
     WeightGroupError,
@@ -101,6 +103,8 @@ class Transaction:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     # received over a weight-update group straight into the shadow weights: name -> (dtype, shape)
     in_shadow: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    # vLLM's sparse patches (``ReceiveSparse``): name -> (its entry, the checkpoint shape the patch named)
+    sparse: dict[str, tuple[DeltaEntry, tuple[int, ...]]] = field(default_factory=dict)
     error: Optional[str] = None
 
 
@@ -134,7 +138,8 @@ def _changes_weights(msg) -> bool:
     """Whether the live weights may differ from what the delta fingerprints describe after ``msg`` (releasing
     or resuming the KV cache alone does not touch them: a colocated trainer does it every step)."""
     return isinstance(msg, _CHANGES_WEIGHTS) or (isinstance(msg, (ReleaseMemory, ResumeMemory))
-                                                 and "weights" in msg.tags)
+                                                 and "weights" in msg.tags) or (isinstance(msg, ReceiveSparse)
+                                                                                and not msg.stage)
 
 
 class RankWeights:
@@ -181,6 +186,8 @@ class RankWeights:
                 return self._receive(msg)
             case ReceiveDelta():
                 return self._receive_delta(msg)
+            case ReceiveSparse():
+                return self._receive_sparse(msg)
             case BeginTransaction():
                 self.transaction = Transaction()
                 return WeightResult.ok("transaction started")
@@ -207,15 +214,7 @@ class RankWeights:
             case ProbeUpdateGroup():
                 return self._probe(msg)
             case BarrierUpdateGroup():
-                group = self.update_groups.get(msg.group_name)
-                if group is None:
-                    return WeightResult.fail(f"no weight update group {msg.group_name!r}", kind=WeightResult.GROUP)
-                try:
-                    group.wait(group.pg.barrier())
-                except Exception as exc:  # noqa: BLE001 - the group is broken
-                    return WeightResult.fail(self._group_failed(msg.group_name, WeightGroupError(
-                        f"weight update group {msg.group_name!r}: barrier failed: {exc}")), kind=WeightResult.GROUP)
-                return WeightResult.ok("barrier passed")
+                return self._barrier(msg.group_name)
             case ReleaseMemory():
                 if "weights" in msg.tags:
                     self.receive_pool = []  # the distributed path's receive buffers go with the weights
@@ -242,6 +241,17 @@ class RankWeights:
                 lora.remove(self.runner.model, msg.slot, plan)
                 return WeightResult.ok(f"adapter slot {msg.slot} emptied", freed_bytes=0 if plan is None else plan.nbytes())
         raise TypeError(f"not a weight message: {type(msg).__name__}")
+
+    def _barrier(self, group_name: str) -> WeightResult:
+        group = self.update_groups.get(group_name)
+        if group is None:
+            return WeightResult.fail(f"no weight update group {group_name!r}", kind=WeightResult.GROUP)
+        try:
+            group.wait(group.pg.barrier())
+        except Exception as exc:  # noqa: BLE001 - the group is broken
+            return WeightResult.fail(self._group_failed(group_name, WeightGroupError(
+                f"weight update group {group_name!r}: barrier failed: {exc}")), kind=WeightResult.GROUP)
+        return WeightResult.ok("barrier passed")
 
     @contextlib.contextmanager
     def _collecting(self, slots: tuple[int, ...]):
@@ -441,6 +451,57 @@ class RankWeights:
             return WeightResult.fail(msg.refuse, kind=WeightResult.BASE)
         return self._apply_delta(msg.header, named)
 
+    def _receive_sparse(self, msg: ReceiveSparse) -> WeightResult:
+        """vLLM's sparse patches off the weight-update group: every transfer received whatever is refused (the
+        sender is broadcasting), then written all or nothing (``DeltaState.patch``), or staged into the open
+        transaction. A call announcing more than any update of this model could be is refused unreceived."""
+        names, counts = tuple(msg.names), tuple(int(k) for k in msg.counts)
+        if not (len(counts) == len(names) == len(msg.shapes) == len(msg.dtypes)) or min(counts, default=0) < 0 \
+                or len(set(names)) != len(names):
+            error, specs = "names, dtype_names, shapes and num_updates_list: as long, names distinct, counts >= 0", []
+        else:  # the group's presence and the call's size, checked as a whole push's
+            error, specs = self._specs(ReceiveDistributed(
+                tuple(f"{n}{s}" for n in names for s in (INDEX_SUFFIX, VALUE_SUFFIX)),
+                tuple(x for d in msg.dtypes for x in ("int32", d)), tuple((k,) for k in counts for _ in (0, 1)),
+                msg.group_name, 0))
+        if error is None:
+            got: dict[str, torch.Tensor] = {}
+            try:
+                receive_exact(self.update_groups[msg.group_name], specs, self.device, msg.group_name,
+                              lambda named: got.update((n, v.clone()) for n, v in named), load_format=DIRECT,
+                              pool=self.receive_pool)
+            except WeightSizeMismatch as exc:  # the group still stands
+                error = f"{exc}; nothing was written"
+            except WeightGroupError as exc:
+                if not msg.stage:
+                    self.delta.vote(False)
+                return WeightResult.fail(self._group_failed(msg.group_name, exc), kind=WeightResult.GROUP)
+        patches = {} if error else {n: (sparse_entry(got[n + INDEX_SUFFIX], got[n + VALUE_SUFFIX]), tuple(shape))
+                                    for n, shape in zip(names, msg.shapes)}
+        if not msg.stage:
+            return self._patch(patches, error or "")
+        txn = self.transaction
+        error = error or ("" if txn is not None else "no open transaction: call begin_weight_update first")
+        error = error or self.delta.refusal({n: e for n, (e, _) in patches.items()},
+                                            {n: s for n, (_, s) in patches.items()}) or ""
+        if error:
+            if txn is not None:
+                txn.error = txn.error or error
+            return WeightResult.fail(error, kind=self._group_kind(msg.group_name))
+        for name, (entry, shape) in patches.items():  # a tensor patched again: in order, the later value wins
+            txn.sparse[name] = (merged(txn.sparse[name][0], entry), shape) if name in txn.sparse else (entry, shape)
+        return WeightResult.ok(f"received patches of {len(patches)} tensors ({len(txn.sparse)} in the update)")
+
+    def _patch(self, patches: dict[str, tuple[DeltaEntry, tuple[int, ...]]], error: str) -> WeightResult:
+        """Write vLLM's sparse patches on every rank or none (``error``: refuse them, voting no)."""
+        if error or self._released_error():
+            self.delta.vote(False)  # the first collective of DeltaState.patch, which the other ranks may run
+            return WeightResult.fail(error or str(self._released_error()))
+        result = self.delta.patch({n: e for n, (e, _) in patches.items()}, {n: s for n, (_, s) in patches.items()})
+        if result.success:
+            self.runner.after_weights_changed(complete=False, names=sorted(patches))
+        return result
+
     def _apply_disk(self, msg: ApplyDisk) -> WeightResult:
         """Read through the folder the engine pinned (``msg.folder``; a spawned rank received the
         descriptor itself), never through the path, which may name another folder by now."""
@@ -516,6 +577,9 @@ class RankWeights:
             self._vote(False)
             why = "no open transaction: call begin_weight_update first" if txn is None else txn.error
             return WeightResult.fail(f"transaction discarded: {why}")
+        if txn.sparse:
+            return self._patch(txn.sparse, "" if not (txn.staged or txn.in_shadow) else
+                               "a transaction takes whole tensors or vLLM's sparse patches, not both")
         if not txn.in_shadow:
             return self._apply(list(txn.staged.items()), strict_dtype=True, check_finite=msg.check_finite,
                                partial=msg.partial)
