@@ -34,7 +34,9 @@ decode-step ones first (a run cut short keeps what finished: the JSON is written
 - ``lora_bench``: ``rollout bench lora``'s in-process parts on the device (adapter push vs full push and a
   bare copy, push to first token, decode with adapters vs without);
 - ``moe_parity``: a tiny Qwen3-MoE on the device (the fused Triton MoE, graphs captured): greedy tokens and
-  logprobs against ``transformers`` on the same device, and the routed experts it returns against its top-k.
+  logprobs against ``transformers`` on the same device, and the routed experts it returns against its top-k;
+- ``delta_sync``: delta pushes from a trainer's fp32 weights on the device into a bf16 engine there (the torch
+  paths on CUDA): the same bits as a full push each step, a wrong base refused, the times side by side.
 ``--device cpu`` runs the CPU-safe parts; ``--dry-run`` runs every check's code path on this CPU at tiny sizes
 (the CUDA kernel plan under Triton's interpreter; the suite does), so a session lent a GPU spends its
 minutes measuring.
@@ -660,6 +662,45 @@ def check_moe_parity(device, workdir, quick):
             "max_logprob_diff": worst, "routed_rows_differing": routed_diff, "graphs_captured": graphs}
 
 
+def check_delta_sync(device, workdir, quick):
+    """Delta pushes on the device (``weight_sync.delta``; on CUDA the torch paths, not the CPU's C++ passes): a
+    trainer's fp32 weights on the device take a few optimizer-like steps; each is pushed in bf16 to one engine in
+    full and to another as a delta against the last push (``push_delta`` through ``ColocatedTarget``); both
+    engines then hold the same bits (checksums) every step, and a delta whose base is wrong is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.push import push_delta, push_weights
+    from trainer_bridge.targets import ColocatedTarget
+    from weight_sync.delta import DeltaTracker
+
+    path = _model(workdir, "delta-qwen2", arch="qwen2", hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, seed=31)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    tied = bool(model.config.tie_word_embeddings)
+    kw = dict(dtype="bfloat16", device=device, kv_cache_tokens=1024)
+    same, rows, g = [], [], torch.Generator(device=device).manual_seed(3)
+    with RolloutEngine(path, **kw) as in_full, RolloutEngine(path, **kw) as by_delta:
+        full_t, delta_t, tracker = ColocatedTarget(in_full), ColocatedTarget(by_delta), DeltaTracker()
+        for step in range(3 if quick else 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 + 3e-3 * torch.randn(p.shape, generator=g, device=device))
+            t0 = time.perf_counter()
+            full = push_weights(model, full_t, f"s{step}", tie_word_embeddings=tied)
+            t1 = time.perf_counter()
+            delta = push_delta(model, delta_t, f"s{step}", tracker, tie_word_embeddings=tied)
+            t2 = time.perf_counter()
+            same.append(full.result.success and delta.result.success
+                        and in_full.get_weights_checksum() == by_delta.get_weights_checksum())
+            rows.append({"delta": delta.phases["delta"], "changed_fraction": round(delta.phases["changed_fraction"], 4),
+                         "full_s": round(t1 - t0, 4), "delta_s": round(t2 - t1, 4)})
+        wrong = tracker.diff([(n, p.detach()) for n, p in model.named_parameters()
+                              if not (tied and n == "lm_head.weight")], "s-wrong")
+        wrong.base_fingerprint ^= 1
+        refused = by_delta.update_weights_from_delta(wrong)
+    return {"ok": all(same) and rows[-1]["delta"] and refused.error_kind == "base", "same_bits": same, "steps": rows}
+
+
 CHECKS = {
     "batch_invariant": check_batch_invariant,
     "device_uniforms": check_device_uniforms,
@@ -681,6 +722,7 @@ CHECKS = {
     "limits": check_limits,
     "lora_bench": check_lora_bench,
     "moe_parity": check_moe_parity,
+    "delta_sync": check_delta_sync,
 }
 
 

@@ -23,6 +23,7 @@ from weight_sync.delta import (
     fingerprint_at,
     moved_by,
     name_salt,
+    save_patch,
     wrap64,
 )
 
@@ -237,11 +238,12 @@ def test_a_delta_against_another_base_or_with_a_corrupted_value_is_refused_and_t
         assert engine.get_weights_checksum() != before
 
 
-def test_a_delta_at_tp2_lands_on_each_rank_as_at_tp1(model_dir):
+def test_a_delta_at_tp2_lands_on_each_rank_as_at_tp1(model_dir, tmp_path):
     """TP=2 (spawned ranks, each writing and fingerprinting only its shard at the full tensors' indices; the
     router and norms replicated): a Qwen2-MoE in bf16 — column- and row-parallel linears, q/k/v biases, fused
-    expert tensors split over their intermediate dimension, a shared expert — takes two deltas; every tensor then
-    equals a TP=1 engine's after the same steps in full, bit for bit."""
+    expert tensors split over their intermediate dimension, a shared expert — takes two deltas in process, one over
+    a weight group (both ranks receive it) and one from a patch folder; every tensor then equals a TP=1 engine's
+    after the same steps in full, bit for bit."""
     path = model_dir("delta-qwen2moe", "qwen2_moe", seed=32, dtype=torch.bfloat16, hidden_size=64,
                      intermediate_size=96, num_layers=2, num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=64, shared_expert_intermediate_size=80, decoder_sparse_step=1,
@@ -269,9 +271,22 @@ def test_a_delta_at_tp2_lands_on_each_rank_as_at_tp1(model_dir):
         names = sorted(state)
         assert tp2.get_weights_checksum() == tp1.get_weights_checksum()
         assert all(torch.equal(a, b) for a, b in zip(_weights(tp2, names).values(), _weights(tp1, names).values()))
+        # a delta over a weight group to both ranks, and one from a patch folder: as tp1's full pushes
+        sender = _group(tp2, "sparse", timeout_s=20, ranks=2)
+        for step, how in ((3, "group"), (4, "disk")):
+            master = _step(master, 40 + step)
+            state = _pushed(master)
+            delta = tracker.diff(state.items(), f"step-{step}")
+            if how == "group":
+                result = _over_group(tp2, sender, delta, lambda named, b: sender.send(named, bucket_bytes=b))
+            else:
+                result = tp2.update_weights_from_delta(save_patch(delta, str(tmp_path / "patch")))
+            assert result.success and result.weight_version == f"step-{step}", result.message
+            tracker.commit(delta)
+            assert tp1.update_weights_from_tensor(list(state.items()), weight_version=f"step-{step}").success
+            assert tp2.get_weights_checksum() == tp1.get_weights_checksum()
         # vLLM's sparse patches (no base: the weights held) over a group to both ranks, one unsorted: as tp1's
         # full tensors patched the same way; an index past its tensor's end: refused, nothing written
-        sender = _group(tp2, "sparse", timeout_s=20, ranks=2)
         g = torch.Generator().manual_seed(9)
         patches, patched = [], {}
         for name in [n for n in names if "experts" in n or "q_proj.weight" in n][:6]:

@@ -45,14 +45,16 @@ PUSHED = 16  # its pushed steps (last five's mean 0.93 against the arm's 0.51 on
 def test_disaggregated_grpo_learns_from_its_pushes_and_both_replicas_serve_each(tmp_path):
     """One run, two arms: the rollouts of the first steps run on the initial weights while the trainer trains
     (the control: nothing pushed, rewards flat, every replica serving the initial weights at every step),
-    then each step's weights are broadcast once to both replicas, read back equal, and the run learns
-    (staleness 0); no warning lines. In bf16 with ``--true-on-policy``: both servers run the batch-invariant
+    then each step's weights are broadcast once to both replicas — after the first push only the changed
+    elements (``--delta-sync``) —, read back equal, and the run learns (staleness 0); no warning lines. In bf16
+    with ``--true-on-policy`` (a delta that left any bit wrong would show): both servers run the batch-invariant
     mode (SGLang's ``--enable-deterministic-inference``) and the trainer recomputes their logprobs bit for bit
     on every token of every pushed step, whichever replica sampled it, and the whole next-token
     distribution at the probed positions too (fp32 runs: the LoRA and asynchronous tests below)."""
     logs, stdout = run_example(tmp_path, "--control-steps", str(CONTROL), "--dtype", "bfloat16", "--true-on-policy",
-                               steps=CONTROL + PUSHED, show_warnings=True, dist_check=True)
+                               "--delta-sync", steps=CONTROL + PUSHED, show_warnings=True, dist_check=True)
     control, pushed = learns_after_its_control_arm(logs, CONTROL)
+    assert all(x["sync_phases"]["delta"] for x in pushed[1:]), [x["sync_phases"].get("delta") for x in pushed]
     assert all(x["push_verified"] is None for x in control[:-1])
     assert all(x["mismatch_max"] == 0.0 and x["ratio_mean"] == 1.0 for x in pushed)
     assert all(x["dist_positions"] > 0 and x["dist_max_abs_diff"] == 0.0 for x in pushed)

@@ -20,7 +20,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert checks["overlap_parity"]["ok"] and checks["overlap_parity"]["tokens_equal"]
     assert checks["throughput_vs_hf"]["ok"]
     assert checks["lora"]["ok"], checks["lora"]
-    for name in ("batch_invariant", "device_uniforms", "fused_kernels", "paged_decode_kernel", "graph_vs_eager"):
+    for name in ("batch_invariant", "device_uniforms", "fused_kernels", "paged_decode_kernel", "graph_vs_eager",
+                 "delta_sync"):
         assert checks[name]["ok"], checks[name]
     step = checks["decode_step"]
     assert step["ok"] and all(r["per_layer"] <= 12 and r["audit_syncs"] == [] for r in step["rows"].values())
