@@ -36,7 +36,8 @@ decode-step ones first (a run cut short keeps what finished: the JSON is written
 - ``moe_parity``: a tiny Qwen3-MoE on the device (the fused Triton MoE, graphs captured): greedy tokens and
   logprobs against ``transformers`` on the same device, and the routed experts it returns against its top-k;
 - ``delta_sync``: delta pushes from a trainer's fp32 weights on the device into a bf16 engine there (the torch
-  paths on CUDA): the same bits as a full push each step, a wrong base refused, the times side by side.
+  paths on CUDA; the trainer's base kept on the device): the same bits as a full push each step, a wrong base
+  refused, the times side by side.
 ``--device cpu`` runs the CPU-safe parts; ``--dry-run`` runs every check's code path on this CPU at tiny sizes
 (the CUDA kernel plan under Triton's interpreter; the suite does), so a session lent a GPU spends its
 minutes measuring.
@@ -666,7 +667,8 @@ def check_delta_sync(device, workdir, quick):
     """Delta pushes on the device (``weight_sync.delta``; on CUDA the torch paths, not the CPU's C++ passes): a
     trainer's fp32 weights on the device take a few optimizer-like steps; each is pushed in bf16 to one engine in
     full and to another as a delta against the last push (``push_delta`` through ``ColocatedTarget``); both
-    engines then hold the same bits (checksums) every step, and a delta whose base is wrong is refused."""
+    engines then hold the same bits (checksums) every step, and a delta whose base is wrong is refused. The
+    trainer keeps its base on the device (``DeltaTracker(on_device=True)``): the diff runs there."""
     from transformers import AutoModelForCausalLM
 
     from trainer_bridge.push import push_delta, push_weights
@@ -680,7 +682,8 @@ def check_delta_sync(device, workdir, quick):
     kw = dict(dtype="bfloat16", device=device, kv_cache_tokens=1024)
     same, rows, g = [], [], torch.Generator(device=device).manual_seed(3)
     with RolloutEngine(path, **kw) as in_full, RolloutEngine(path, **kw) as by_delta:
-        full_t, delta_t, tracker = ColocatedTarget(in_full), ColocatedTarget(by_delta), DeltaTracker()
+        # the trainer's base kept on the device: the diff runs there (the torch path), nothing copied to the host
+        full_t, delta_t, tracker = ColocatedTarget(in_full), ColocatedTarget(by_delta), DeltaTracker(on_device=True)
         for step in range(3 if quick else 6):
             with torch.no_grad():
                 for p in model.parameters():

@@ -81,7 +81,9 @@ def test_the_fingerprint_sums_over_any_split_and_moves_with_each_changed_element
         assert fingerprint("w", one) == wrap64(whole + moved_by("w", pos, flat[pos], one[pos])) != whole
 
 
-def test_a_tracker_sends_only_the_changed_elements_and_commits_them():
+def test_a_tracker_sends_only_the_changed_elements_and_commits_them(monkeypatch):
+    """The trainer's side, with the C++ passes and without them (the torch path a GPU's tensors take, its base
+    kept on the device): the same delta, bit for bit."""
     g = torch.Generator().manual_seed(1)
     master = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(100, generator=g)}
     base = _pushed(master)
@@ -102,6 +104,23 @@ def test_a_tracker_sends_only_the_changed_elements_and_commits_them():
         tracker.diff([("a", new["a"])], "v2")
     with pytest.raises(ValueError, match="names it changed but carries no"):
         WeightDelta.from_parts(delta.header(), [])
+    import weight_sync.delta as wd
+
+    fp32_master = _step(master, 2)
+    fp32_master["b"] = -master["b"]
+    for source in (new, fp32_master):  # bf16 tensors, and fp32 ones cast as they are compared
+        with_kernels = DeltaTracker()
+        with_kernels.record(base.items(), "v0")
+        want = with_kernels.diff(source.items(), "v1")
+        with monkeypatch.context() as m:
+            m.setattr(wd, "kernel_ops", lambda: None)
+            torch_path = DeltaTracker(on_device=True)
+            torch_path.record(base.items(), "v0")
+            got = torch_path.diff(source.items(), "v1")
+            torch_path.commit(got)
+        assert got.header() == want.header()
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got.named_tensors(), want.named_tensors()))
+        assert torch_path.fingerprints == {n: fingerprint(n, new[n]) for n in new}
 
 
 def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_runs():

@@ -259,11 +259,14 @@ class DeltaTracker:
     ``commit`` takes the delta's values as the new base once the engine published it; ``reset`` forgets
     the base (a full push follows, ``record`` takes it)."""
 
-    def __init__(self, dense_fraction: float = 0.25, anchor_every: int = 0):
+    def __init__(self, dense_fraction: float = 0.25, anchor_every: int = 0, on_device: bool = False):
         # a tensor whose changed fraction passes this goes dense: a sparse element costs its value and a
         # 4-byte index, so past ~1/3 (bf16) to 1/2 (fp32) of the elements dense is smaller
         self.dense_fraction = dense_fraction
         self.anchor_every = anchor_every  # a full push after this many deltas (0: only when one is refused)
+        # keep the base where the pushed tensors live (a GPU's memory: the diff runs there, nothing copied to the
+        # host a step) instead of in host memory; held_bytes counts it either way
+        self.on_device = on_device
         self.base: dict[str, torch.Tensor] = {}
         self.fingerprints: dict[str, int] = {}
         self.version: Optional[str] = None
@@ -289,8 +292,11 @@ class DeltaTracker:
         if self.version is not None:
             self.reset()
         for name, t in named:
-            self.base[name] = t.detach().to("cpu", copy=True).reshape(-1)
+            self.base[name] = t.detach().to(self._home(t), copy=True).reshape(-1)
             self.fingerprints[name] = fingerprint(name, self.base[name])
+
+    def _home(self, t: torch.Tensor) -> torch.device:
+        return t.device if self.on_device else torch.device("cpu")
 
     def recorded(self, version: str) -> None:
         """The full push whose tensors ``take`` kept was published as ``version``."""
@@ -311,7 +317,7 @@ class DeltaTracker:
         seen = set()
         for name, t in named:
             base = self.base.get(name)
-            new = t.detach().to("cpu").reshape(-1)
+            new = t.detach().to(base.device if base is not None else "cpu").reshape(-1)
             if base is None or base.numel() != new.numel() or new.dtype not in _BITS or base.dtype not in _BITS or (
                     base.dtype != new.dtype and (base.dtype, new.dtype) != (torch.bfloat16, torch.float32)):
                 raise ValueError(f"{name}: not in the base as pushed ({'absent' if base is None else 'shape or dtype'}"
@@ -333,11 +339,12 @@ class DeltaTracker:
     def commit(self, delta: WeightDelta) -> None:
         """The engine published ``delta``: its values become the base."""
         for name, e in delta.entries.items():
+            base = self.base[name]
             if e.dense is not None:
-                self.base[name] = e.dense.reshape(-1).to("cpu", copy=True)
+                self.base[name] = e.dense.reshape(-1).to(base.device, copy=True)
             else:
                 assert e.indices is not None and e.values is not None
-                _write(self.base[name], e.indices, e.values.to("cpu"))
+                _write(base, e.indices.to(base.device), e.values.to(base.device))
             self.fingerprints[name] = delta.after[name]
         self.version = delta.version
         self.deltas_since_anchor += 1
