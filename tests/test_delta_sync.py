@@ -159,6 +159,13 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
                 assert torch.equal(raw[: 4 * count].view(torch.int32).long(), want)
                 assert torch.equal(raw[4 * count:].view(word), cast.view(word)[want])
                 assert wrap64(int(moved[0])) == moved_by("w", want, base[want], cast[want])
+                # the same in one call with other tensors (one parallel region over chunks of all of them)
+                nows = [now if now.dtype == torch.float32 and dtype == torch.bfloat16 else now.view(word)] * 2
+                moves, counts = torch.empty(2, dtype=torch.long), torch.empty(2, dtype=torch.long)
+                many = k.delta_diff_many(nows, [base.view(word)] * 2, torch.tensor([salt, salt + 1]), moves, counts)
+                block = (raw.numel() + 7) // 8 * 8
+                assert torch.equal(many[: raw.numel()], raw) and torch.equal(many[block: block + raw.numel()], raw)
+                assert int(moves[0]) == int(moved[0]) and counts.tolist() == [count, count]
             # a sparse entry into the shard: written where it falls, the move summed, undone by the old words
             idx = torch.nonzero(torch.rand(n, generator=g) < 0.05).reshape(-1).to(torch.int32)
             vals = torch.randn(idx.numel(), generator=g).to(dtype)
@@ -172,6 +179,14 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
             assert wrap64(int(info[0])) == moved_by("w", idx.long()[mine], full.reshape(-1)[loc[mine]], vals[mine])
             k.delta_apply(shard.view(word), idx, old.view(word), vals.view(word), salt, 600, 1, 1429, 300, False, info)
             assert torch.equal(shard, full)
+            # the same in one call with another entry (one parallel region over the entries)
+            other, olds, infos = full.clone(), [torch.empty_like(vals), torch.empty_like(vals)], torch.empty(2, 2).long()
+            k.delta_apply_many([shard.view(word), other.view(word)], [idx, idx], [vals.view(word)] * 2,
+                               [o.view(word) for o in olds], torch.tensor([[salt, 600, 1, 1429, 300, 1]] * 2), infos)
+            assert torch.equal(shard, other) and torch.equal(shard.reshape(-1).view(word), expect.view(word))
+            assert int(infos[0, 1]) == int(mine.sum())
+            assert wrap64(int(infos[0, 0])) == moved_by("w", idx.long()[mine], full.reshape(-1)[loc[mine]], vals[mine])
+            shard = full.clone()
             exponent = 0x7F80 if dtype == torch.bfloat16 else 0x7F800000
             for bad_idx, bad_val, code in ((idx, vals, 0), (idx.flip(0), vals, 2), (idx + n, vals, 1),
                                            (idx, torch.cat([vals[:-1], torch.tensor([float("inf")]).to(dtype)]), 3)):

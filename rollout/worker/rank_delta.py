@@ -157,11 +157,7 @@ class DeltaState:
                 f"{delta.base_fingerprint}, the engine's {base}); nothing was written: push in full",
                 kind=WeightResult.BASE, fingerprint=str(base))
         names = sorted(delta.entries)
-        undo, moved = [], []
-        for name in names:
-            change, move = self._write(name, delta.entries[name])
-            undo.append(change)
-            moved.append(move)
+        undo, moved = self._write_all(names, delta.entries)
         after = self._sum([wrap64(self.part(n) + m) for n, m in zip(names, moved)])
         wrong = [n for n, got in zip(names, after) if got != delta.after[n]]
         if wrong:
@@ -179,6 +175,31 @@ class DeltaState:
         return WeightResult.ok(f"applied a delta of {len(names)} tensors ({changed} sparse elements)",
                                num_bytes=delta.num_bytes, fingerprint=str(base))
 
+
+    def _write_all(self, names: list[str], entries: dict[str, DeltaEntry]) -> tuple[list, list[int]]:
+        """Every entry written where this rank holds it (``_write``'s undo and move for each, in ``names``' order):
+        the sparse ones the C++ pass takes in one call (one parallel region for all of them), the rest one by
+        one."""
+        undo, moved = [None] * len(names), [0] * len(names)
+        batch = []
+        for i, name in enumerate(names):
+            entry, span = entries[name], self._span(name)
+            words = words_of(span.dst) if entry.dense is None else None
+            if words is None or entry.values is None or entry.values.dtype != span.dst.dtype \
+                    or entry.indices is None or entry.indices.device.type != "cpu":
+                undo[i], moved[i] = self._write(name, entry)
+                continue
+            batch.append((i, (words, entry.indices.contiguous(), entry.values.contiguous().view(words.dtype),
+                              name_salt(name), span.length, span.inner, span.size, span.start, span.counts)))
+        if batch:
+            ops = kernel_ops()
+            done = ops.delta_apply_many([e for _, e in batch])
+            back = [(e[0], e[1], old, e[3], e[4], e[5], e[6], e[7], False) for (_, e), (old, _, _) in zip(batch, done)]
+            for n, ((i, _), (_, move, _)) in enumerate(zip(batch, done)):
+                moved[i] = wrap64(move)
+                # the whole batch undone at once, by the first entry's undo (the others' are no-ops)
+                undo[i] = ((lambda: ops.delta_apply_many(back)) if n == 0 else (lambda: None), None, None)
+        return undo, moved
 
     def _write(self, name: str, entry: DeltaEntry) -> tuple[tuple, int]:
         """``entry`` written where this rank holds it: (how to undo it: (dst, flat places or None for all of it,
@@ -222,8 +243,7 @@ class DeltaState:
         error = self.refusal(entries, shapes)
         if not self.vote(error is None):
             return WeightResult.fail(f"{error or REJECTED_ELSEWHERE}; nothing was written")
-        for name in sorted(entries):
-            self._write(name, entries[name])
+        self._write_all(sorted(entries), entries)
         self.forget()  # (no fingerprint to move them by)
         count = sum(int(e.values.numel()) for e in entries.values() if e.values is not None)
         return WeightResult.ok(f"patched {len(entries)} tensors ({count} elements)",

@@ -11,8 +11,9 @@ torch path's, is written at the top of its C++ file in ``csrc/``:
   over the threads (``moe.cpp``);
 - ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
   values counted (``copy.cpp``; a LoRA adapter's bucket on arrival);
-- ``delta_fingerprint`` / ``delta_diff`` / ``delta_fingerprint_at`` / ``delta_apply`` / ``delta_check``: a delta
-  push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what they compute).
+- ``delta_fingerprint`` / ``delta_diff`` (``_many``) / ``delta_fingerprint_at`` / ``delta_apply`` (``_many``) /
+  ``delta_check``: a delta push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what
+  they compute).
 """
 
 from __future__ import annotations
@@ -146,6 +147,21 @@ def delta_diff(now: torch.Tensor, base: torch.Tensor, salt: int) -> tuple[torch.
     return raw[:split].view(index), raw[split:].view(base.dtype), int(moved[0])
 
 
+def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor],
+                    salts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``delta_diff`` of each (now, base) pair, in one call (one parallel region over all of them)."""
+    k = len(nows)
+    moved, counts = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
+    raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts)
+    out, at = [], 0
+    for base, count, move in zip(bases, counts.tolist(), moved.tolist()):
+        index = torch.int32 if base.numel() < 2**31 else torch.int64
+        split, end = at + count * index.itemsize, at + count * (index.itemsize + base.element_size())
+        out.append((raw[at:split].view(index), raw[split:end].view(base.dtype), int(move)))
+        at = (end + 7) // 8 * 8  # each tensor's block padded to 8 bytes
+    return out
+
+
 def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
     """The fingerprint terms of ``bits`` at their full-tensor flat indices ``positions`` (int64), summed."""
     out = torch.empty(1, dtype=torch.long)
@@ -172,3 +188,14 @@ def delta_check(indices: torch.Tensor, values: torch.Tensor, numel: int, exponen
     out = torch.empty(2, dtype=torch.long)
     build.kernels().delta_check(indices, values, numel, exponent, out)
     return int(out[0]), int(out[1])
+
+
+def delta_apply_many(entries: list[tuple]) -> list[tuple[torch.Tensor, int, int]]:
+    """``delta_apply`` of each (dst, indices, values, salt, length, inner, size, start, counts) in one call (one
+    parallel region over them): each one's (old words, move, words written)."""
+    olds = [torch.empty_like(e[2]) for e in entries]
+    params = torch.tensor([[e[3], e[4], e[5], e[6], e[7], int(e[8])] for e in entries], dtype=torch.long).reshape(-1, 6)
+    out = torch.empty(len(entries), 2, dtype=torch.long)
+    build.kernels().delta_apply_many([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries], olds,
+                                     params, out)
+    return [(old, int(m), int(w)) for old, (m, w) in zip(olds, out.tolist())]
