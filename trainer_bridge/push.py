@@ -161,9 +161,14 @@ def gathered_buckets(module: torch.nn.Module, dtype: torch.dtype, bucket_bytes: 
     through DeepSpeed's ``GatheredParameters``."""
     buckets = param_buckets(module, dtype, bucket_bytes, tied)
     params = [entry for bucket in buckets for entry in bucket]
-    stats.samples = {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}
+    stats.samples = _sampled(params)
     for bucket in buckets:
         yield gather_bucket(bucket, dtype, stats, pool, direct)
+
+
+def _sampled(params: list) -> dict:
+    """The parameters a push samples the first values of (first, middle, last), for ``verify_pushed``."""
+    return {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}
 
 
 def gather_bucket(bucket: list, dtype: torch.dtype, stats: PushStats, pool: Optional[BucketPool] = None,
@@ -247,7 +252,7 @@ def _delta_items(module: torch.nn.Module, target: WeightTarget, bucket_bytes: in
     push is cast as it is compared; any other dtype cast first)."""
     buckets = param_buckets(module, target.dtype, bucket_bytes, tied)
     params = [entry for bucket in buckets for entry in bucket]
-    stats.samples = {n: None for n, _ in (params[0], params[len(params) // 2], params[-1])}  # as push_weights'
+    stats.samples = _sampled(params)
     for bucket in buckets:
         if any(_is_zero3(p) for _, p in bucket):
             yield from gather_bucket(bucket, target.dtype, stats, target.buffers)

@@ -349,9 +349,9 @@ class DeltaTracker:
                 n = base.numel()
                 batch.append((words, e.indices.cpu().contiguous(), e.values.cpu().contiguous().view(words.dtype),
                               0, n, 1, n, 0, False))
-            else:
+            else:  # the torch path (a GPU's base)
                 assert e.indices is not None and e.values is not None
-                _write(base, e.indices.to(base.device), e.values.to(base.device))
+                base[e.indices.to(base.device, torch.int64)] = e.values.to(base.device, base.dtype)
             self.fingerprints[name] = delta.after[name]
         if batch:
             kernel_ops().delta_apply_many(batch)
@@ -359,48 +359,30 @@ class DeltaTracker:
         self.deltas_since_anchor += 1
 
 
-def _write(flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """``flat[indices] = values`` (the C++ pass where it applies)."""
-    words, vals = words_of(flat), words_of(values.contiguous())
-    if words is None or vals is None or values.dtype != flat.dtype:
-        flat[indices.to(torch.int64)] = values
-        return
-    n = flat.numel()
-    kernel_ops().delta_apply(words, indices.contiguous(), vals, 0, n, 1, n, 0, False)
-
-
 def _changes(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """``_changed`` of every (name, new, base), those the C++ pass takes in one call (one parallel region for the
-    whole model: a call per tensor costs ~0.1 ms of thread wake-ups), the others one by one."""
+    """For every (name, new, base): (the flat indices where ``new``'s bits, as cast to the base's dtype, differ
+    from ``base``'s — int32 where the tensor allows, 4 bytes fewer an element than int64 —, the new values there
+    in the base's dtype, how far that moves the tensor's fingerprint). The pairs the C++ pass takes (host words;
+    fp32 against a bf16 base compared as cast) in one call — one parallel region for the whole model —, the
+    others (a GPU's) by the torch path."""
     out: list = [None] * len(pairs)
-    batch = [i for i, (_, new, base) in enumerate(pairs) if new.is_contiguous() and words_of(base) is not None
-             and (new.dtype == torch.float32 and base.dtype == torch.bfloat16 or words_of(new) is not None)]
+    batch = []  # (pair, now as the pass takes it, the base's words)
+    for i, (_, new, base) in enumerate(pairs):
+        was, new = words_of(base), new.contiguous()
+        now = new if new.dtype == torch.float32 and base.dtype == torch.bfloat16 else words_of(new)
+        if was is not None and now is not None:
+            batch.append((i, now, was))
     if batch:
-        nows = [pairs[i][1] if pairs[i][1].dtype != pairs[i][2].dtype else words_of(pairs[i][1]) for i in batch]
-        bases = [words_of(pairs[i][2]) for i in batch]
-        found = kernel_ops().delta_diff_many(nows, bases, [name_salt(pairs[i][0]) for i in batch])
-        for i, (index, words, moved) in zip(batch, found):
+        found = kernel_ops().delta_diff_many([now for _, now, _ in batch], [was for _, _, was in batch],
+                                             [name_salt(pairs[i][0]) for i, _, _ in batch])
+        for (i, _, _), (index, words, moved) in zip(batch, found):
             out[i] = (index, words.view(pairs[i][2].dtype), moved)
-    for i, (name, new, base) in enumerate(pairs):
-        if out[i] is None:
-            out[i] = _changed(name, new, base)
-    return out
+    return [o if o is not None else _changed(*pairs[i]) for i, o in enumerate(out)]
 
 
 def _changed(name: str, new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(the flat indices where ``new``'s bits (as cast to the base's dtype) differ from ``base``'s — int32 where
-    the tensor allows, 4 bytes fewer an element than int64 —, the new values there in the base's dtype, how far
-    that moves the tensor's fingerprint): one C++ pass over both where it applies."""
-    was = words_of(base)
-    if new.dtype != base.dtype:  # fp32 against a bf16 base
-        if was is not None and new.is_contiguous():
-            index, words, moved = kernel_ops().delta_diff(new, was, name_salt(name))
-            return index, words.view(base.dtype), moved
-        new = new.to(base.dtype)
-    words = words_of(new.contiguous())
-    if words is not None and was is not None:
-        index, words, moved = kernel_ops().delta_diff(words, was, name_salt(name))
-        return index, words.view(base.dtype), moved
+    """``_changes`` of one pair by the torch path."""
+    new = new.to(base.dtype)
     view = _BITS[new.dtype][0]
     changed = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)
     moved = moved_by(name, changed, base[changed], new[changed])

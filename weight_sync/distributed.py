@@ -137,9 +137,8 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
     short = None  # the first bucket that came short: the rest are still drained, then the call fails
 
     def post(i: int) -> None:
-        total = buckets[i][1]
-        if marks is not None and total >= CANARY:
-            slots[i][total - CANARY: total] = marks
+        if marks is not None:
+            _mark_end(slots[i], buckets[i][1], marks)
         try:
             posted[i] = group.pg.recv([slots[i]], group.src, 0) if point_to_point else group.pg.broadcast([slots[i]], opts)
         except Exception as exc:  # noqa: BLE001 - the group is broken
@@ -156,22 +155,34 @@ def receive_buckets(group: WeightGroup, specs, bucket_bytes: int, device: torch.
         except Exception as exc:  # noqa: BLE001 - re-raised with the group's name and stage
             raise WeightGroupError(f"weight update group {group_name!r}: bucket {i + 1}/{len(buckets)} "
                                    f"({total} bytes) failed: {exc}") from exc
-        if short is None and marks is not None and total >= CANARY and torch.equal(slots[i][total - CANARY: total], marks):
+        if short is None and marks is not None and _came_short(slots[i], total, marks):
             short = f"bucket {i + 1}/{len(buckets)} ({metas[0].name} ... {metas[-1].name}): fewer than its {total} bytes"
-        if short is not None:
-            pass  # drained only
-        elif on_raw is not None:
-            on_raw(i, slots[i], metas, i + 1 < len(buckets))  # overlaps the next bucket's transfer
-        elif kept:
-            staged.extend(views(slots[i], metas))
-        else:
-            on_bucket(views(slots[i], metas), placed[i] is not None)  # overlaps the next bucket's transfer
+        if short is None:  # (after a short bucket the rest are only drained)
+            if on_raw is not None:
+                on_raw(i, slots[i], metas, i + 1 < len(buckets))  # overlaps the next bucket's transfer
+            elif kept:
+                staged.extend(views(slots[i], metas))
+            else:
+                on_bucket(views(slots[i], metas), placed[i] is not None)  # overlaps the next bucket's transfer
         if i + window < len(buckets):
             post(i + window)
     if short is not None:
         raise WeightSizeMismatch(f"weight update group {group_name!r}: {short} arrived: the sender sent less than "
                                  "the call announced (names, dtypes, shapes)")
     return staged if kept else None
+
+
+def _mark_end(buf: torch.Tensor, n: int, mark: torch.Tensor) -> None:
+    """Mark the last bytes of what a receive into ``buf`` should fill (its first ``n`` bytes) before posting it."""
+    k = min(CANARY, n)
+    buf[n - k:n] = mark[:k]
+
+
+def _came_short(buf: torch.Tensor, n: int, mark: torch.Tensor) -> bool:
+    """Whether the mark ``_mark_end`` left is still there: fewer than ``n`` bytes arrived (by ``CANARY`` or more;
+    gloo takes a shorter message than the buffer posted silently)."""
+    k = min(CANARY, n)
+    return k > 0 and torch.equal(buf[n - k:n], mark[:k])
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,10 +252,8 @@ def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: s
     def post(i: int) -> None:
         buf = pool[i % 2][:room[i]]
         if checked:
-            n = sizes[i]
-            k = min(CANARY, n)
-            buf[n - k:n] = marks[0][:k]
-            buf[n:n + CANARY] = marks[1]
+            _mark_end(buf, sizes[i], marks[0])
+            buf[sizes[i]:sizes[i] + CANARY] = marks[1]
         try:
             posted[i] = group.pg.broadcast([buf], opts)
         except Exception as exc:  # noqa: BLE001 - the group is broken
@@ -262,8 +271,7 @@ def receive_exact(group: WeightGroup, specs, device: torch.device, group_name: s
             raise WeightGroupError(f"weight update group {group_name!r}: receiving {what(i)} failed: {exc}") from exc
         buf, n = pool[i % 2], sizes[i]
         if checked and mismatch is None:
-            k = min(CANARY, n)
-            if k and torch.equal(buf[n - k:n], marks[0][:k]):
+            if _came_short(buf, n, marks[0]):
                 mismatch = f"{what(i)}, but fewer bytes arrived"
             elif not torch.equal(buf[n:n + CANARY], marks[1]):
                 mismatch = f"{what(i)}, but more bytes arrived"

@@ -16,6 +16,7 @@ delta first needs it, moved by each delta, forgotten by any other change of the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,18 +78,6 @@ class _Span:
         return fingerprint(name, self.dst, self.positions, (outer, self.length, self.inner, self.size, self.start))
 
 
-def _write_words(name: str, span: _Span, indices: torch.Tensor, values: torch.Tensor):
-    """A sparse entry written by the C++ pass where it applies (contiguous CPU words): ((its undo, a callable,
-    None, None), the fingerprint's move); None where it does not."""
-    words = words_of(span.dst)
-    if words is None or values.dtype != span.dst.dtype or indices.device.type != "cpu":
-        return None
-    ops, vals, idx = kernel_ops(), values.contiguous().view(words.dtype), indices.contiguous()
-    salt, layout = name_salt(name), (span.length, span.inner, span.size, span.start)
-    old, move, _ = ops.delta_apply(words, idx, vals, salt, *layout, span.counts)
-    return (lambda: ops.delta_apply(words, idx, old, salt, *layout, False), None, None), wrap64(move)
-
-
 def _flat_write(dst: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
     if dst.is_contiguous():
         dst.view(-1)[loc] = values
@@ -138,12 +127,7 @@ class DeltaState:
         outside = sorted(set(delta.entries) - set(delta.names))
         if outside:
             return f"changed tensors the delta's fingerprints do not cover: {outside[:8]}"
-        for name, entry in delta.entries.items():
-            target = self.name_map[name]
-            why = check_entry(name, entry, _numel(target), target.param.dtype, finite=True)
-            if why is not None:
-                return why
-        return None
+        return self.refusal(delta.entries)
 
     def apply(self, delta: WeightDelta) -> WeightResult:
         """The whole delta on this rank, all or nothing with the other ranks (collectives: every rank runs it)."""
@@ -161,11 +145,8 @@ class DeltaState:
         after = self._sum([wrap64(self.part(n) + m) for n, m in zip(names, moved)])
         wrong = [n for n, got in zip(names, after) if got != delta.after[n]]
         if wrong:
-            for dst, loc, old in reversed(undo):
-                if callable(dst):
-                    dst()
-                else:
-                    dst.copy_(old) if loc is None else _flat_write(dst, loc, old)
+            for back in reversed(undo):
+                back()
             return WeightResult.fail(f"after the delta {len(wrong)} tensors are not the trainer's (a value lost or "
                                      f"corrupted on the way): {wrong[:8]}; every change undone, the old weights "
                                      "serve")
@@ -175,59 +156,58 @@ class DeltaState:
         return WeightResult.ok(f"applied a delta of {len(names)} tensors ({changed} sparse elements)",
                                num_bytes=delta.num_bytes, fingerprint=str(base))
 
-
-    def _write_all(self, names: list[str], entries: dict[str, DeltaEntry]) -> tuple[list, list[int]]:
-        """Every entry written where this rank holds it (``_write``'s undo and move for each, in ``names``' order):
-        the sparse ones the C++ pass takes in one call (one parallel region for all of them), the rest one by
-        one."""
-        undo, moved = [None] * len(names), [0] * len(names)
+    def _write_all(self, names: list[str], entries: dict[str, DeltaEntry]) -> tuple[list[Callable[[], object]],
+                                                                                   list[int]]:
+        """Every entry written where this rank holds it: (what undoes the writes, how far each entry moved this
+        rank's part of its tensor's fingerprint, in ``names``' order; a dense entry's part before must be known).
+        The sparse entries the C++ pass takes (host words) in one call — one parallel region for all of them —,
+        the others (a dense tensor, a GPU's) one by one."""
+        undo: list[Callable[[], object]] = []
+        moved = [0] * len(names)
         batch = []
         for i, name in enumerate(names):
             entry, span = entries[name], self._span(name)
             words = words_of(span.dst) if entry.dense is None else None
             if words is None or entry.values is None or entry.values.dtype != span.dst.dtype \
                     or entry.indices is None or entry.indices.device.type != "cpu":
-                undo[i], moved[i] = self._write(name, entry)
+                back, moved[i] = self._write(name, entry)
+                undo.append(back)
                 continue
             batch.append((i, (words, entry.indices.contiguous(), entry.values.contiguous().view(words.dtype),
                               name_salt(name), span.length, span.inner, span.size, span.start, span.counts)))
         if batch:
             ops = kernel_ops()
             done = ops.delta_apply_many([e for _, e in batch])
-            back = [(e[0], e[1], old, e[3], e[4], e[5], e[6], e[7], False) for (_, e), (old, _, _) in zip(batch, done)]
-            for n, ((i, _), (_, move, _)) in enumerate(zip(batch, done)):
+            for (i, _), (_, move, _) in zip(batch, done):
                 moved[i] = wrap64(move)
-                # the whole batch undone at once, by the first entry's undo (the others' are no-ops)
-                undo[i] = ((lambda: ops.delta_apply_many(back)) if n == 0 else (lambda: None), None, None)
+            back = [(e[0], e[1], old, *e[3:8], False) for (_, e), (old, _, _) in zip(batch, done)]
+            undo.append(lambda: ops.delta_apply_many(back))
         return undo, moved
 
-    def _write(self, name: str, entry: DeltaEntry) -> tuple[tuple, int]:
-        """``entry`` written where this rank holds it: (how to undo it: (dst, flat places or None for all of it,
-        the old values) or (a callable, None, None); how far it moved this rank's part of the fingerprint, whose
-        part before must be known)."""
+    def _write(self, name: str, entry: DeltaEntry) -> tuple[Callable[[], object], int]:
+        """One entry written where this rank holds it, by torch: (what undoes it, its move)."""
         span = self._span(name)
         if entry.dense is not None:
             old = span.dst.clone()
             self.name_map[name].slice.copy_from(entry.dense.to(self.device).reshape(_shape(self.name_map[name])))
-            return (span.dst, None, old), wrap64(span.fingerprint(name) - self.part(name))
+            return (lambda: span.dst.copy_(old)), wrap64(span.fingerprint(name) - self.part(name))
         assert entry.indices is not None and entry.values is not None
-        written = _write_words(name, span, entry.indices, entry.values.to(self.device))
-        if written is not None:  # one C++ pass: written where this rank holds them, old words kept
-            return written
         g = entry.indices.to(self.device, torch.int64)
         mine, loc = span.local(g)
         g, loc, values = g[mine], loc[mine], entry.values.to(self.device)[mine]
         old = _flat_read(span.dst, loc)
         _flat_write(span.dst, loc, values)
-        return (span.dst, loc, old), (moved_by(name, g, old, _flat_read(span.dst, loc)) if span.counts else 0)
+        return (lambda: _flat_write(span.dst, loc, old)), (moved_by(name, g, old, values) if span.counts else 0)
 
-    def refusal(self, entries: dict[str, DeltaEntry], shapes: dict[str, tuple[int, ...]]) -> Optional[str]:
-        """Why sparse patches cannot be written here, naming the first tensor at fault (None: they can)."""
+    def refusal(self, entries: dict[str, DeltaEntry],
+                shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Optional[str]:
+        """Why entries cannot be written here, naming the first tensor at fault (None: they can); ``shapes``: the
+        full shapes a patch says (vLLM's), checked against the checkpoint's."""
         for name in sorted(entries):
             target = self.name_map.get(name)
             if target is None:
                 return f"{name}: not a weight of this model"
-            if tuple(shapes[name]) != _shape(target):
+            if shapes is not None and tuple(shapes[name]) != _shape(target):
                 return f"{name}: the patch says shape {list(shapes[name])}, the checkpoint's is {list(_shape(target))}"
             error = check_entry(name, entries[name], _numel(target), target.param.dtype, finite=True)
             if error is not None:

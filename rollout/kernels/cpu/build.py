@@ -32,8 +32,8 @@ from rollout.kernels.cpu.capability import KERNEL_ISAS, cpu_capability
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
-             "silu_mul", "scatter_scaled", "decode_layer", "decode_stack", "moe_experts", "delta_fingerprint", "delta_diff",
-             "delta_diff_many", "delta_fingerprint_at", "delta_apply", "delta_apply_many", "delta_check")
+             "silu_mul", "scatter_scaled", "decode_layer", "decode_stack", "moe_experts", "delta_fingerprint",
+             "delta_diff_many", "delta_fingerprint_at", "delta_apply_many", "delta_check")
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # the kernel families' files, included in this order after vec.h; decode_layer / decode_stack (layer.cpp)
@@ -171,7 +171,7 @@ def kernels() -> Optional[types.SimpleNamespace]:
     and ``tiled_linear`` (``gemm.cpp``), ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``),
     ``sample_rows`` (``sample.cpp``), ``silu_mul`` (``act.cpp``), ``scatter_scaled`` (``copy.cpp``),
     ``decode_layer`` and ``decode_stack`` (``layer.cpp``), ``moe_experts`` (``moe.cpp``), ``delta_fingerprint``,
-    ``delta_diff`` (``_many``), ``delta_fingerprint_at``, ``delta_apply`` (``_many``) and ``delta_check``
+    ``delta_diff_many``, ``delta_fingerprint_at``, ``delta_apply_many`` and ``delta_check``
     (``delta.cpp``); their Python faces are
     ``rollout.kernels.cpu.ops`` and ``.fused``. None where it cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)

@@ -11,7 +11,7 @@ torch path's, is written at the top of its C++ file in ``csrc/``:
   over the threads (``moe.cpp``);
 - ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
   values counted (``copy.cpp``; a LoRA adapter's bucket on arrival);
-- ``delta_fingerprint`` / ``delta_diff`` (``_many``) / ``delta_fingerprint_at`` / ``delta_apply`` (``_many``) /
+- ``delta_fingerprint`` / ``delta_diff_many`` / ``delta_fingerprint_at`` / ``delta_apply_many`` /
   ``delta_check``: a delta push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what
   they compute).
 """
@@ -135,21 +135,12 @@ def delta_fingerprint(bits: torch.Tensor, salt: int, outer: int, length: int, in
     return int(out[0])
 
 
-def delta_diff(now: torch.Tensor, base: torch.Tensor, salt: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(the increasing flat indices where ``now``'s words differ from ``base``'s — int32 where the tensor has fewer
-    than 2^31 elements, else int64 —, ``now``'s words there, how far the fingerprint moves from ``base`` to ``now``
-    mod 2^64). ``now`` may be fp32 values against bf16 words: compared, and given, as torch casts them."""
-    moved = torch.empty(1, dtype=torch.long)
-    raw = build.kernels().delta_diff(now, base, salt, moved)
-    index = torch.int32 if base.numel() < 2**31 else torch.int64
-    count = raw.numel() // (index.itemsize + base.element_size())
-    split = count * index.itemsize
-    return raw[:split].view(index), raw[split:].view(base.dtype), int(moved[0])
-
-
 def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor],
                     salts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """``delta_diff`` of each (now, base) pair, in one call (one parallel region over all of them)."""
+    """For each (now, base) pair: (the increasing flat indices, where ``now``'s words differ from ``base``'s — int32
+    where the tensor has fewer than 2^31 elements, else int64 —, ``now``'s words there, how far the fingerprint
+    moves from ``base`` to ``now`` mod 2^64). ``now`` may be fp32 values against bf16 words: compared, and given,
+    as torch casts them. One call, one parallel region over all of them."""
     k = len(nows)
     moved, counts = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
     raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts)
@@ -169,18 +160,6 @@ def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int)
     return int(out[0])
 
 
-def delta_apply(dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, salt: int, length: int, inner: int,
-                size: int, start: int, counts: bool) -> tuple[torch.Tensor, int, int]:
-    """A sparse entry written into ``dst``'s words where this rank holds them (``dst`` laid as [outer, length,
-    inner] of a full [outer, size, inner] tensor from ``start``): (the old words, one per index — the value
-    itself where the rank does not hold it, so that applying them undoes this —, the fingerprint's move
-    (0 unless ``counts``), the number of words written)."""
-    old = torch.empty_like(values)
-    out = torch.empty(2, dtype=torch.long)
-    build.kernels().delta_apply(dst, indices, values, old, salt, length, inner, size, start, counts, out)
-    return old, int(out[0]), int(out[1])
-
-
 def delta_check(indices: torch.Tensor, values: torch.Tensor, numel: int, exponent: int) -> tuple[int, int]:
     """(0, 0) where a sparse entry (``values`` as words, ``exponent`` their exponent bits) applies to a tensor of
     ``numel`` elements; else (1: an index outside it, 2: indices not strictly increasing, 3: a NaN or infinite
@@ -191,8 +170,10 @@ def delta_check(indices: torch.Tensor, values: torch.Tensor, numel: int, exponen
 
 
 def delta_apply_many(entries: list[tuple]) -> list[tuple[torch.Tensor, int, int]]:
-    """``delta_apply`` of each (dst, indices, values, salt, length, inner, size, start, counts) in one call (one
-    parallel region over them): each one's (old words, move, words written)."""
+    """Sparse entries (dst, indices, values, salt, length, inner, size, start, counts) written into each ``dst``'s
+    words where this rank holds them (``dst`` laid as [outer, length, inner] of a full [outer, size, inner] tensor
+    from ``start``), in one call: each one's (old words — the value itself where the rank does not hold it, so
+    that writing them back undoes this —, the fingerprint's move (0 unless ``counts``), the words written)."""
     olds = [torch.empty_like(e[2]) for e in entries]
     params = torch.tensor([[e[3], e[4], e[5], e[6], e[7], int(e[8])] for e in entries], dtype=torch.long).reshape(-1, 6)
     out = torch.empty(len(entries), 2, dtype=torch.long)

@@ -4,17 +4,16 @@
 //                      element's bits times the odd multiplier m(salt, g) of its full-tensor flat index g,
 //                      mod 2^64. The elements lie as [outer, length, inner] of a full [outer, size, inner]
 //                      tensor, starting at ``start`` of its middle dimension (a whole tensor: 1, n, 1, n, 0).
-//   delta_diff         the flat indices at which ``now``'s bits differ from ``base``'s (increasing), and how
-//                      far the fingerprint moves from base to now, (now - base) * m summed over them. ``now``
-//                      may be fp32 values against a bf16 base: each rounded to bf16 as torch rounds it
-//                      (to nearest even; a NaN as a quiet NaN — torch's own scalar and vector casts differ
-//                      there, and an engine refuses NaN) while compared, the cast never written out.
-//   delta_apply        a sparse entry written where a TP rank holds it: for each (full-tensor flat index,
+//   delta_diff_many    for each (now, base) pair, the flat indices at which ``now``'s bits differ from
+//                      ``base``'s (increasing), and how far the fingerprint moves from base to now, (now - base)
+//                      * m summed over them. ``now`` may be fp32 values against a bf16 base: each rounded to
+//                      bf16 as torch rounds it (to nearest even; a NaN as a quiet NaN — torch's own scalar and
+//                      vector casts differ there, and an engine refuses NaN) while compared, the cast never
+//                      written out. One call for a whole model: one parallel region over chunks of every tensor
+//                      (a call per tensor cost ~0.1 ms of thread wake-ups: 30 ms over a 272-tensor model).
+//   delta_apply_many   sparse entries written where a TP rank holds them: for each (full-tensor flat index,
 //                      value) whose index falls in the rank's run, the old word kept, the new one written, and
-//                      the fingerprint's move summed; applied again with the old words, it undoes itself.
-//                      delta_apply_many: many entries in one call, one parallel region over them.
-//   delta_diff_many    delta_diff over many tensors in one call: one parallel region over chunks of all of them
-//                      (a call per tensor costs ~0.1 ms of thread wake-ups: 30 ms over a 272-tensor model).
+//                      the fingerprint's move summed; applied again with the old words, they undo themselves.
 //   delta_fingerprint_at  the fingerprint's terms of some elements at given full-tensor flat indices.
 //
 // m(salt, g) = ((g ^ salt) * K1 + K2) | 1 in wrapping 64-bit arithmetic, as weight_sync.delta.multipliers
@@ -126,55 +125,6 @@ void diff_range(const N* now, const B* base, int64_t lo, int64_t hi, uint64_t sa
   }
 }
 
-template <typename N, typename B>
-at::Tensor diff_bits(const at::Tensor& now, const at::Tensor& base, uint64_t salt, at::Tensor& moved_out) {
-  const N* a = reinterpret_cast<const N*>(now.data_ptr());
-  const B* b = reinterpret_cast<const B*>(base.data_ptr());
-  const int64_t n = now.numel();
-  const int threads = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>(n >> 16) + 1));
-  std::vector<std::vector<int64_t>> found(static_cast<size_t>(threads));
-  std::vector<uint64_t> moved(static_cast<size_t>(threads), 0);
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int t = 0; t < threads; ++t) {  // contiguous ranges, 32-element aligned: indices come out in order
-    const int64_t lo = (n * t / threads) & ~int64_t{31}, hi = t + 1 == threads ? n : (n * (t + 1) / threads) & ~int64_t{31};
-    std::vector<int64_t> mine;  // this thread's own: the shared slots are written once (no false sharing)
-    mine.reserve(static_cast<size_t>(std::max<int64_t>(1024, (hi - lo) / 64)));
-    uint64_t sum = 0;
-    diff_range(a, b, lo, hi, salt, mine, sum);
-    found[static_cast<size_t>(t)] = std::move(mine);
-    moved[static_cast<size_t>(t)] = sum;
-  }
-  int64_t total = 0;
-  uint64_t sum = 0;
-  for (int t = 0; t < threads; ++t) {
-    total += static_cast<int64_t>(found[static_cast<size_t>(t)].size());
-    sum += moved[static_cast<size_t>(t)];
-  }
-  // one byte buffer: the indices (int32 where the tensor has fewer than 2^31 elements, else int64), then the
-  // new words at them
-  const bool narrow = n < (int64_t{1} << 31);
-  const int64_t isize = narrow ? 4 : 8;
-  at::Tensor out = now.new_empty({total * (isize + static_cast<int64_t>(sizeof(B)))}, at::kByte);
-  uint8_t* raw = out.data_ptr<uint8_t>();
-  B* words = reinterpret_cast<B*>(raw + total * isize);
-  int64_t at = 0;
-  for (const auto& part : found) {
-    for (int64_t k : part) {
-      if (narrow) {
-        const int32_t i = static_cast<int32_t>(k);
-        std::memcpy(raw + at * 4, &i, 4);
-      } else {
-        std::memcpy(raw + at * 8, &k, 8);
-      }
-      if constexpr (std::is_same<N, B>::value) words[at] = a[k];
-      else words[at] = torch_bf16(a[k]);
-      ++at;
-    }
-  }
-  moved_out.data_ptr<int64_t>()[0] = static_cast<int64_t>(sum);
-  return out;
-}
-
 template <typename B>
 uint64_t terms_at(const B* bits, const int64_t* g, int64_t n, uint64_t salt) {
   uint64_t total = 0;
@@ -204,26 +154,9 @@ at::Tensor delta_fingerprint(const at::Tensor& bits, int64_t salt, int64_t outer
   return out;
 }
 
-// now, base: the same number of words of one type, or fp32 values (kFloat) against bf16 words; moved: int64 [1];
-// returns bytes: the changed flat indices (int32 below 2^31 elements, else int64), then the new words at them
-at::Tensor delta_diff(const at::Tensor& now, const at::Tensor& base, int64_t salt, at::Tensor moved) {
-  check_bits(base, "delta_diff");
-  TORCH_CHECK(now.numel() == base.numel(), "delta_diff: now and base of one size");
-  const uint64_t s = static_cast<uint64_t>(salt);
-  if (now.scalar_type() == at::kFloat) {
-    TORCH_CHECK(now.is_contiguous() && now.device().is_cpu() && base.scalar_type() == at::kShort,
-                "delta_diff: fp32 values against bf16 words (int16), contiguous on CPU");
-    return diff_bits<float, uint16_t>(now, base, s, moved);
-  }
-  check_bits(now, "delta_diff");
-  TORCH_CHECK(now.scalar_type() == base.scalar_type(), "delta_diff: now and base of one word type");
-  return now.scalar_type() == at::kShort ? diff_bits<uint16_t, uint16_t>(now, base, s, moved)
-                                         : diff_bits<uint32_t, uint32_t>(now, base, s, moved);
-}
-
 namespace {
 
-// one sparse entry into dst (see delta_apply); out[0] the move (0 unless counts), out[1] the words written;
+// one sparse entry into dst (see delta_apply_many); out[0] the move (0 unless counts), out[1] the words written;
 // ``parallel``: over every core (one big entry), else on this thread (one of many, the caller's region)
 void apply_entry(at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values, at::Tensor& old, uint64_t salt,
                  int64_t length, int64_t inner, int64_t size, int64_t start, bool counts, int64_t* out, bool parallel) {
@@ -267,32 +200,22 @@ void apply_entry(at::Tensor& dst, const at::Tensor& indices, const at::Tensor& v
 }
 
 void check_apply(const at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values, const at::Tensor& old) {
-  check_bits(dst, "delta_apply");
+  check_bits(dst, "delta_apply_many");
   TORCH_CHECK(values.scalar_type() == dst.scalar_type() && old.scalar_type() == dst.scalar_type() &&
               values.is_contiguous() && old.is_contiguous() && values.numel() == indices.numel() &&
-              old.numel() == indices.numel(), "delta_apply: values and old words of dst's type, one per index");
+              old.numel() == indices.numel(), "delta_apply_many: values and old words of dst's type, one per index");
   TORCH_CHECK(indices.is_contiguous() && (indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong),
-              "delta_apply: int32 or int64 indices");
+              "delta_apply_many: int32 or int64 indices");
 }
 
 }  // namespace
 
-// dst: the rank's contiguous words, laid as [outer, length, inner] of a full [outer, size, inner] tensor from
-// ``start`` of its middle dimension; indices: full-tensor flat indices (int32 or int64); values: words as many;
-// old: words as many (written: the old word where the rank holds the index, the value elsewhere);
-// counts: whether the moves count (a replicated tensor counts on one rank); out: int64 [2] (the fingerprint's
-// move, the number of words this rank wrote)
-at::Tensor delta_apply(at::Tensor dst, const at::Tensor& indices, const at::Tensor& values, at::Tensor old,
-                       int64_t salt, int64_t length, int64_t inner, int64_t size, int64_t start, bool counts,
-                       at::Tensor out) {
-  check_apply(dst, indices, values, old);
-  apply_entry(dst, indices, values, old, static_cast<uint64_t>(salt), length, inner, size, start, counts,
-              out.data_ptr<int64_t>(), true);
-  return out;
-}
-
-// delta_apply of many entries in one call, one parallel region over them: dsts, indices, values, olds as
-// delta_apply takes each; params: int64 [k, 6] (salt, length, inner, size, start, counts); out: int64 [k, 2]
+// Sparse entries written where a rank holds them, in one call: each dst the rank's contiguous words, laid as
+// [outer, length, inner] of a full [outer, size, inner] tensor from ``start`` of its middle dimension; indices:
+// full-tensor flat indices (int32 or int64); values: words as many; olds: words as many (written: the old word
+// where the rank holds the index, the value elsewhere); params: int64 [k, 6] (salt, length, inner, size, start,
+// counts: whether the moves count — a replicated tensor counts on one rank); out: int64 [k, 2] (each entry's
+// fingerprint move, the words it wrote). One parallel region over the entries; a lone entry over every core.
 at::Tensor delta_apply_many(std::vector<at::Tensor> dsts, const std::vector<at::Tensor>& indices,
                             const std::vector<at::Tensor>& values, std::vector<at::Tensor> olds,
                             const at::Tensor& params, at::Tensor out) {
@@ -304,14 +227,21 @@ at::Tensor delta_apply_many(std::vector<at::Tensor> dsts, const std::vector<at::
   for (int64_t i = 0; i < k; ++i) check_apply(dsts[i], indices[i], values[i], olds[i]);
   const int64_t* p = params.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < k; ++i)
+  auto one = [&](int64_t i, bool parallel) {
     apply_entry(dsts[i], indices[i], values[i], olds[i], static_cast<uint64_t>(p[6 * i]), p[6 * i + 1], p[6 * i + 2],
-                p[6 * i + 3], p[6 * i + 4], p[6 * i + 5] != 0, o + 2 * i, false);
+                p[6 * i + 3], p[6 * i + 4], p[6 * i + 5] != 0, o + 2 * i, parallel);
+  };
+  if (k == 1) {
+    one(0, true);
+    return out;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < k; ++i) one(i, false);
   return out;
 }
 
-// nows[i] against bases[i] (each pair as delta_diff takes it), salts: int64 [k]; moved and counts: int64 [k], written;
+// nows[i] against bases[i] (each contiguous on CPU: words of one type, or fp32 values against bf16 words),
+// salts: int64 [k]; moved and counts: int64 [k], written;
 // returns bytes: for each tensor in turn, its changed flat indices (int32 below 2^31 elements, else int64), then the
 // new words at them, each tensor's block padded to 8 bytes
 at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vector<at::Tensor>& bases,
