@@ -27,6 +27,7 @@ from weight_sync.delta import (
     save_patch,
     wrap64,
 )
+from weight_sync.layout import bucket_layouts, contiguous_run
 
 
 def _hf_state(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -98,6 +99,15 @@ def test_a_tracker_sends_only_the_changed_elements_and_commits_them(monkeypatch)
     assert 0 < delta.entries["a"].num_changed < 0.25 * 64 * 32
     back = WeightDelta.from_parts(delta.header(), delta.named_tensors())
     assert back.header() == delta.header() and set(back.entries) == {"a", "b"}
+    # its sparse tensors lie as a weight bucket lays them: they go on the wire from where they are, no copy
+    sparse = [(n, t) for n, t in delta.named_tensors() if not n.startswith("b")]
+    (metas, total), = bucket_layouts([(n, t.dtype, tuple(t.shape)) for n, t in sparse], 1 << 20)
+    assert contiguous_run([t for _, t in sparse], metas, total) is not None
+    # the diff wrote the new words into the base (the same pass); refused, they go back; diffed again, kept
+    assert all(torch.equal(tracker.base[n], new[n].reshape(-1)) for n in new)
+    tracker.rollback()
+    assert all(torch.equal(tracker.base[n], base[n].reshape(-1)) for n in base) and tracker.version == "v0"
+    delta = tracker.diff(new.items(), "v1")
     tracker.commit(delta)
     assert tracker.version == "v1" and all(torch.equal(tracker.base[n], new[n].reshape(-1)) for n in new)
     assert tracker.fingerprints == {n: fingerprint(n, new[n]) for n in new}
@@ -138,8 +148,9 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
         k = build.kernels_for(isa)
         out = torch.empty(2, dtype=torch.long)
 
-        def diff_one(now, was, moved):  # one tensor through the many-tensor pass
-            return k.delta_diff_many([now], [was], torch.tensor([salt]), moved, torch.empty(1, dtype=torch.long))
+        def diff_one(now, was, moved, in_place=False):  # one tensor through the many-tensor pass (align 8)
+            return k.delta_diff_many([now], [was], torch.tensor([salt]), moved, torch.empty(1, dtype=torch.long), 8,
+                                     int(in_place))
 
         def apply_one(dst, idx, vals, old, counts, info):  # one entry into the shard (a lone entry: every core)
             k.delta_apply_many([dst], [idx], [vals], [old], torch.tensor([[salt, 600, 1, 1429, 300, int(counts)]]),
@@ -156,25 +167,40 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
             k.delta_fingerprint(full.view(word), salt, 7, 600, 1, 1429, 300, out)
             assert int(out[0]) == fingerprint_at(full, where, salt)
             master = base.float() * (1 + 0.01 * torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.1))
-            if dtype == torch.bfloat16:
-                master[[5, 77]] = torch.tensor([float("inf"), -float("inf")])
+            if dtype == torch.bfloat16:  # infinities, NaNs (cast as torch's scalar cast: 0x7FC0), a denormal, ties
+                master[[5, 77, 78, 79, 80, 81, 82]] = torch.tensor([float("inf"), -float("inf"), float("nan"),
+                                                                    -float("nan"), 1e-40, 0.0, 0.0])
+                master[[81, 82]] = torch.tensor([0x3F808000, 0x3F818000], dtype=torch.int32).view(torch.float32)
             for now in ((master.to(dtype), master) if dtype == torch.bfloat16 else (master,)):
                 moved = torch.empty(1, dtype=torch.long)
-                raw = diff_one(now if now.dtype == torch.float32 and dtype == torch.bfloat16 else now.view(word),
-                               base.view(word), moved)
+                arg = now if now.dtype == torch.float32 and dtype == torch.bfloat16 else now.view(word)
+                raw = diff_one(arg, base.view(word), moved)
                 cast = master.to(dtype)
+                if arg.dtype == torch.float32 and dtype == torch.bfloat16:  # (a bf16 ``now``'s NaNs: its own bits)
+                    cast[torch.isnan(master)] = torch.tensor(0x7FC0, dtype=torch.int16).view(torch.bfloat16)
                 want = torch.nonzero(cast.view(word) != base.view(word)).reshape(-1)
-                count = want.numel()
-                raw = raw[: count * (4 + base.element_size())]  # (the block's padding to 8 bytes is not data)
+                count, size = want.numel(), base.element_size()
+                at_words = (4 * count + 7) // 8 * 8
                 assert torch.equal(raw[: 4 * count].view(torch.int32).long(), want)
-                assert torch.equal(raw[4 * count:].view(word), cast.view(word)[want])
+                assert torch.equal(raw[at_words: at_words + size * count].view(word), cast.view(word)[want])
                 assert wrap64(int(moved[0])) == moved_by("w", want, base[want], cast[want])
-                # the same in one call with other tensors (one parallel region over chunks of all of them)
-                nows = [now if now.dtype == torch.float32 and dtype == torch.bfloat16 else now.view(word)] * 2
+                # in place: the base takes the new words, the old ones come after the wire's bytes
+                staged = base.clone()
+                again = diff_one(arg, staged.view(word), moved, in_place=True)
+                wire = (at_words + size * count + 7) // 8 * 8
+                assert torch.equal(again[:wire], raw[:wire]) and torch.equal(staged.view(word), cast.view(word))
+                assert torch.equal(again[wire: wire + size * count].view(word), base.view(word)[want])
+                # the same in one call with other tensors (one parallel region over chunks of all of them),
+                # each tensor's blocks at multiples of 64 bytes (a weight bucket's layout)
                 moves, counts = torch.empty(2, dtype=torch.long), torch.empty(2, dtype=torch.long)
-                many = k.delta_diff_many(nows, [base.view(word)] * 2, torch.tensor([salt, salt + 1]), moves, counts)
-                block = (raw.numel() + 7) // 8 * 8
-                assert torch.equal(many[: raw.numel()], raw) and torch.equal(many[block: block + raw.numel()], raw)
+                many = k.delta_diff_many([arg] * 2, [base.view(word)] * 2, torch.tensor([salt, salt + 1]), moves,
+                                         counts, 64, 0)
+                words64 = (4 * count + 63) // 64 * 64
+                second = (words64 + size * count + 63) // 64 * 64
+                for at in (0, second):
+                    assert torch.equal(many[at: at + 4 * count], raw[: 4 * count])
+                    assert torch.equal(many[at + words64: at + words64 + size * count],
+                                       raw[at_words: at_words + size * count])
                 assert int(moves[0]) == int(moved[0]) and counts.tolist() == [count, count]
             # a sparse entry into the shard: written where it falls, the move summed, undone by the old words
             idx = torch.nonzero(torch.rand(n, generator=g) < 0.05).reshape(-1).to(torch.int32)
@@ -198,10 +224,13 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
             assert wrap64(int(infos[0, 0])) == moved_by("w", idx.long()[mine], full.reshape(-1)[loc[mine]], vals[mine])
             shard = full.clone()
             exponent = 0x7F80 if dtype == torch.bfloat16 else 0x7F800000
-            for bad_idx, bad_val, code in ((idx, vals, 0), (idx.flip(0), vals, 2), (idx + n, vals, 1),
-                                           (idx, torch.cat([vals[:-1], torch.tensor([float("inf")]).to(dtype)]), 3)):
-                k.delta_check(bad_idx.contiguous(), bad_val.view(word), n, exponent, out)
-                assert int(out[0]) == code
+            cases = ((idx, vals, 0), (idx.flip(0), vals, 2), (idx + n, vals, 1),
+                     (idx, torch.cat([vals[:-1], torch.tensor([float("inf")]).to(dtype)]), 3))
+            checks = torch.empty(len(cases), 2, dtype=torch.long)
+            k.delta_check_many([c[0].contiguous() for c in cases], [c[1].view(word) for c in cases],
+                               torch.tensor([[n, exponent]] * len(cases)), checks)
+            assert checks[:, 0].tolist() == [c[2] for c in cases]
+            assert checks[2, 1] == 0 and checks[3, 1] == idx.numel() - 1
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,11 @@ def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, track
     delta = tracker.diff(_delta_items(module, target, bucket_bytes, stats, tied), version)
     t1 = time.perf_counter()
     diff_s = t1 - t0 - stats.gather_s - stats.pack_s  # the rest of that loop: the diff against the kept bits
-    stats.result = result = target.push_delta(delta)
+    try:
+        stats.result = result = target.push_delta(delta)
+    except BaseException:
+        tracker.rollback()  # the base is the version the engines hold again
+        raise
     stats.commit_s = time.perf_counter() - t1
     sizes = [t.numel() for t in tracker.base.values()]
     if result.success:
@@ -307,6 +311,8 @@ def push_delta(model: torch.nn.Module, target: WeightTarget, version: str, track
         full.phases.update(delta=False, delta_bytes=delta.num_bytes, changed_fraction=changed_fraction(delta, sizes),
                            held_bytes=tracker.held_bytes, fell_back=True, refused=result.message)
         return full
+    else:  # refused otherwise (a value lost on the way, a replica down): the base stays the engines' version
+        tracker.rollback()
     stats.num_bytes = delta.num_bytes
     stats.phases = {"gather_s": stats.gather_s, "pack_s": stats.pack_s, "diff_s": diff_s, "transfer_s": 0.0,
                     "commit_s": stats.commit_s, "delta": True, "delta_bytes": delta.num_bytes,

@@ -19,12 +19,15 @@ base, a lost or corrupted value, a missed push), not against an adversary.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from weight_sync.layout import ALIGN
 
 FORMAT = "rollout-delta/1"
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's odd 64-bit constant), as int64
@@ -40,6 +43,7 @@ def wrap64(x: int) -> int:
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def name_salt(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little", signed=True)
 
@@ -57,8 +61,10 @@ def multipliers(positions: torch.Tensor, salt: int) -> torch.Tensor:
     return ((positions ^ salt) * _K1 + _K2) | 1
 
 
+@functools.cache
 def kernel_ops():
-    """The C++ passes (``rollout.kernels.cpu.ops``: one pass over the bits on every core) where they built, else None."""
+    """The C++ passes (``rollout.kernels.cpu.ops``: one pass over the bits on every core) where they built, else None
+    (asked once a process: a build that failed does not come back)."""
     from rollout.kernels.cpu import build, ops
 
     return ops if build.kernels() is not None else None
@@ -219,14 +225,42 @@ def save_patch(delta: WeightDelta, folder: str) -> str:
 _EXPONENT = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # all set: NaN or infinite
 
 
-def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype, finite: bool = False) -> Optional[str]:
-    """Why ``entry`` cannot apply to a tensor of ``numel`` elements of ``dtype`` (None: it can); ``finite``: a NaN
-    or infinite value is a reason too."""
+def check_entries(items: Sequence[tuple[str, DeltaEntry, int, torch.dtype]], finite: bool = False) -> Optional[str]:
+    """Why the first of ``items`` — (name, entry, the tensor's elements, its dtype) — that cannot apply cannot
+    (None: all can); ``finite``: a NaN or infinite value is a reason too. The sparse entries of host words checked
+    in one C++ call, the others by torch."""
+    errors: list[Optional[str]] = [None] * len(items)
+    batch = []  # (item, indices, value words, numel, exponent bits)
+    for i, (name, entry, numel, dtype) in enumerate(items):
+        errors[i] = _shape_error(name, entry, numel, dtype)
+        if errors[i] is not None:
+            continue
+        if entry.dense is not None:
+            if finite and not bool(torch.isfinite(entry.dense).all()):
+                errors[i] = _CHECK_MESSAGES[3](name, 0, numel)
+            continue
+        idx, val = entry.indices, entry.values
+        assert idx is not None and val is not None
+        words = words_of(val.contiguous()) if idx.device.type == "cpu" and idx.numel() else None
+        if words is not None:
+            batch.append((i, idx.contiguous(), words, numel, _EXPONENT[dtype] if finite else 0))
+        elif idx.numel():
+            code, bad = _check_torch(idx, val, numel, finite)
+            errors[i] = _CHECK_MESSAGES[code](name, bad, numel)
+    if batch:
+        for (i, idx, *_), (code, at) in zip(batch, kernel_ops().delta_check_many([b[1:] for b in batch])):
+            errors[i] = _CHECK_MESSAGES[code](items[i][0], int(idx[at]) if code else 0, items[i][2])
+    return next((e for e in errors if e is not None), None)
+
+
+def _shape_error(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype) -> Optional[str]:
+    """Why ``entry``'s tensors cannot be an entry of a tensor of ``numel`` elements of ``dtype`` by their shapes and
+    dtypes alone (None: they can)."""
     if entry.dense is not None:
         if entry.dense.numel() != numel or entry.dense.dtype != dtype:
             return (f"{name}: a dense entry of {entry.dense.numel()} {entry.dense.dtype} values for a tensor of "
                     f"{numel} {dtype} values")
-        return f"{name}: contains NaN or Inf values" if finite and not bool(torch.isfinite(entry.dense).all()) else None
+        return None
     idx, val = entry.indices, entry.values
     assert idx is not None and val is not None
     if idx.dim() != 1 or val.dim() != 1 or idx.numel() != val.numel():
@@ -235,22 +269,26 @@ def check_entry(name: str, entry: DeltaEntry, numel: int, dtype: torch.dtype, fi
         return f"{name}: indices must be int32 or int64, got {idx.dtype}"
     if val.dtype != dtype:
         return f"{name}: values are {val.dtype}, the model's weights {dtype}"
-    if not idx.numel():
-        return None
-    words = words_of(val.contiguous()) if idx.device.type == "cpu" else None
-    if words is not None:  # one C++ pass
-        code, at = kernel_ops().delta_check(idx.contiguous(), words, numel, _EXPONENT[dtype] if finite else 0)
-        bad = int(idx[at]) if code else 0
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-        code, bad = (1, lo if lo < 0 else hi) if lo < 0 or hi >= numel else (0, 0)
-        if not code and idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            code = 2
-        if not code and finite and not bool(torch.isfinite(val).all()):
-            code = 3
-    return {0: None, 1: f"{name}: index {bad} is outside the tensor's {numel} elements",
-            2: f"{name}: indices must be strictly increasing (each element once, in order)",
-            3: f"{name}: contains NaN or Inf values"}[code]
+    return None
+
+
+def _check_torch(idx: torch.Tensor, val: torch.Tensor, numel: int, finite: bool) -> tuple[int, int]:
+    """``delta_check_many``'s (code, offending index) for one entry, by torch (a GPU's)."""
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= numel:
+        return 1, lo if lo < 0 else hi
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        return 2, 0
+    if finite and not bool(torch.isfinite(val).all()):
+        return 3, 0
+    return 0, 0
+
+
+_CHECK_MESSAGES: dict[int, Callable[[str, int, int], Optional[str]]] = {
+    0: lambda name, bad, numel: None,
+    1: lambda name, bad, numel: f"{name}: index {bad} is outside the tensor's {numel} elements",
+    2: lambda name, bad, numel: f"{name}: indices must be strictly increasing (each element once, in order)",
+    3: lambda name, bad, numel: f"{name}: contains NaN or Inf values"}
 
 
 class DeltaTracker:
@@ -271,6 +309,9 @@ class DeltaTracker:
         self.fingerprints: dict[str, int] = {}
         self.version: Optional[str] = None
         self.deltas_since_anchor = 0
+        # the delta last diffed while it is neither committed nor rolled back: the names whose base words it already
+        # holds (the C++ pass writes the new words in as it finds them) and the entries that write the old ones back
+        self._staged: Optional[tuple[WeightDelta, set[str], list[tuple]]] = None
 
     @property
     def held_bytes(self) -> int:
@@ -285,11 +326,11 @@ class DeltaTracker:
         return self.version is None or (self.anchor_every > 0 and self.deltas_since_anchor >= self.anchor_every)
 
     def reset(self) -> None:
-        self.base, self.fingerprints, self.version = {}, {}, None
+        self.base, self.fingerprints, self.version, self._staged = {}, {}, None, None
 
     def take(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tensors of a full push as they go out (bucket by bucket): the next base, once ``recorded``."""
-        if self.version is not None:
+        if self.version is not None or self._staged is not None:
             self.reset()
         for name, t in named:
             self.base[name] = t.detach().to(self._home(t), copy=True).reshape(-1)
@@ -310,9 +351,13 @@ class DeltaTracker:
 
     def diff(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> WeightDelta:
         """The delta from the base to ``named``: every tensor of the base, full, in the push dtype — or fp32 where
-        the base is bf16 (a trainer's own parameters), cast as it is compared, the cast never made whole."""
+        the base is bf16 (a trainer's own parameters), cast as it is compared, the cast never made whole. The base
+        takes the delta's values as they are found (host words: the same pass); ``commit`` keeps them, ``rollback``
+        (or the next ``diff``) puts the old ones back. The sparse entries lie in one buffer laid out as a weight
+        bucket lays them (``weight_sync.layout.ALIGN``): they go on the wire from where they lie."""
         if self.version is None:
             raise ValueError("no base to diff against: push in full first (DeltaTracker.record)")
+        self.rollback()
         delta = WeightDelta(self.version, self.base_fingerprint, version, tuple(self.base))
         pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, t in named:
@@ -326,11 +371,14 @@ class DeltaTracker:
         missing = sorted(set(self.base) - {n for n, _, _ in pairs})
         if missing:
             raise ValueError(f"the new weights lack tensors of the base: {missing[:8]}")
-        for (name, new, base), (index, values, moved) in zip(pairs, _changes(pairs)):
+        changes, staged, undo = _changes(pairs)
+        self._staged = (delta, staged, undo)
+        for (name, new, base), (index, values, moved) in zip(pairs, changes):
             if not index.numel():
                 continue
             if index.numel() > self.dense_fraction * new.numel():
-                delta.entries[name] = DeltaEntry(dense=new.to(base.dtype, copy=True), num_changed=index.numel())
+                dense = base.clone() if name in staged else new.to(base.dtype, copy=True)  # (a staged base is new)
+                delta.entries[name] = DeltaEntry(dense=dense, num_changed=index.numel())
             else:
                 delta.entries[name] = DeltaEntry(indices=index, values=values, num_changed=index.numel())
             delta.after[name] = wrap64(self.fingerprints[name] + moved)
@@ -338,11 +386,15 @@ class DeltaTracker:
 
     def commit(self, delta: WeightDelta) -> None:
         """The engine published ``delta``: its values become the base."""
+        staged = self._staged[1] if self._staged is not None and self._staged[0] is delta else set()
+        self._staged = None
         batch = []  # sparse entries into host words: one C++ call for all of them
         for name, e in delta.entries.items():
             base = self.base[name]
             words = words_of(base)
-            if e.dense is not None:
+            if name in staged:
+                pass  # the diff wrote them in
+            elif e.dense is not None:
                 self.base[name] = e.dense.reshape(-1).to(base.device, copy=True)
             elif words is not None and e.values is not None and e.values.dtype == base.dtype:
                 assert e.indices is not None
@@ -358,13 +410,25 @@ class DeltaTracker:
         self.version = delta.version
         self.deltas_since_anchor += 1
 
+    def rollback(self) -> None:
+        """The delta last diffed was not published: the base words its diff wrote in are put back (the base is
+        ``version``'s again). Nothing where none is staged."""
+        if self._staged is not None:
+            undo = self._staged[2]
+            self._staged = None
+            if undo:
+                kernel_ops().delta_apply_many(undo)
 
-def _changes(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+
+def _changes(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[
+        list[tuple[torch.Tensor, torch.Tensor, int]], set[str], list[tuple]]:
     """For every (name, new, base): (the flat indices where ``new``'s bits, as cast to the base's dtype, differ
     from ``base``'s — int32 where the tensor allows, 4 bytes fewer an element than int64 —, the new values there
-    in the base's dtype, how far that moves the tensor's fingerprint). The pairs the C++ pass takes (host words;
-    fp32 against a bf16 base compared as cast) in one call — one parallel region for the whole model —, the
-    others (a GPU's) by the torch path."""
+    in the base's dtype, how far that moves the tensor's fingerprint); the names whose bases took the new words
+    (staged); the ``delta_apply_many`` entries that put their old words back. The pairs the C++ pass takes (host
+    words; fp32 against a bf16 base compared as cast) in one call — one parallel region for the whole model, the
+    found entries laid out as a bucket lays them, the new words written into the bases as they are found —, the
+    others (a GPU's) by the torch path, their bases untouched."""
     out: list = [None] * len(pairs)
     batch = []  # (pair, now as the pass takes it, the base's words)
     for i, (_, new, base) in enumerate(pairs):
@@ -372,12 +436,16 @@ def _changes(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[tuple[
         now = new if new.dtype == torch.float32 and base.dtype == torch.bfloat16 else words_of(new)
         if was is not None and now is not None:
             batch.append((i, now, was))
+    staged, undo = set(), []
     if batch:
         found = kernel_ops().delta_diff_many([now for _, now, _ in batch], [was for _, _, was in batch],
-                                             [name_salt(pairs[i][0]) for i, _, _ in batch])
-        for (i, _, _), (index, words, moved) in zip(batch, found):
+                                             [name_salt(pairs[i][0]) for i, _, _ in batch], ALIGN, in_place=True)
+        for (i, _, was), (index, words, moved), old in zip(batch, found.found, found.olds):
             out[i] = (index, words.view(pairs[i][2].dtype), moved)
-    return [o if o is not None else _changed(*pairs[i]) for i, o in enumerate(out)]
+            staged.add(pairs[i][0])
+            if index.numel():
+                undo.append((was, index, old.view(was.dtype), 0, was.numel(), 1, was.numel(), 0, False))
+    return [o if o is not None else _changed(*pairs[i]) for i, o in enumerate(out)], staged, undo
 
 
 def _changed(name: str, new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -28,7 +28,7 @@ from rollout.outputs import REJECTED_ELSEWHERE, WeightResult
 from weight_sync.delta import (
     DeltaEntry,
     WeightDelta,
-    check_entry,
+    check_entries,
     fingerprint,
     kernel_ops,
     moved_by,
@@ -49,13 +49,15 @@ class _Span:
     start: int
     length: int
     counts: bool  # its elements count in this rank's fingerprint part (a replicated tensor: rank 0 only)
+    numel: int  # the full tensor's elements
 
     @staticmethod
     def of(sl: LoadSlice, full_shape: tuple[int, ...], rank: int) -> _Span:
+        n = math.prod(full_shape)
         if sl.dim is None:
-            return _Span(sl.dst, math.prod(full_shape), 1, 0, math.prod(full_shape), rank == 0)
+            return _Span(sl.dst, n, 1, 0, n, rank == 0, n)
         shape = tuple(sl.shape) if sl.shape is not None else full_shape
-        return _Span(sl.dst, shape[sl.dim], math.prod(shape[sl.dim + 1:]), sl.start, sl.length, True)
+        return _Span(sl.dst, shape[sl.dim], math.prod(shape[sl.dim + 1:]), sl.start, sl.length, True, n)
 
     def local(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(which of the full-tensor flat indices ``g`` this rank holds, their flat indices in ``dst``)."""
@@ -95,13 +97,17 @@ class DeltaState:
     def __init__(self, name_map, tp_state: TpState, device: torch.device):
         self.name_map, self.tp, self.device = name_map, tp_state, device
         self.parts: dict[str, int] = {}  # name -> this rank's part of the live tensor's fingerprint
+        self.spans: dict[str, _Span] = {}  # name -> where its elements lie on this rank (until the weights move)
 
     def forget(self) -> None:
         self.parts.clear()
+        self.spans.clear()
 
     def _span(self, name: str) -> _Span:
-        target = self.name_map[name]
-        return _Span.of(target.slice, _shape(target), self.tp.tp_rank)
+        if name not in self.spans:
+            target = self.name_map[name]
+            self.spans[name] = _Span.of(target.slice, _shape(target), self.tp.tp_rank)
+        return self.spans[name]
 
     def part(self, name: str) -> int:
         if name not in self.parts:
@@ -203,16 +209,15 @@ class DeltaState:
                 shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Optional[str]:
         """Why entries cannot be written here, naming the first tensor at fault (None: they can); ``shapes``: the
         full shapes a patch says (vLLM's), checked against the checkpoint's."""
+        items = []
         for name in sorted(entries):
             target = self.name_map.get(name)
             if target is None:
                 return f"{name}: not a weight of this model"
             if shapes is not None and tuple(shapes[name]) != _shape(target):
                 return f"{name}: the patch says shape {list(shapes[name])}, the checkpoint's is {list(_shape(target))}"
-            error = check_entry(name, entries[name], _numel(target), target.param.dtype, finite=True)
-            if error is not None:
-                return error
-        return None
+            items.append((name, entries[name], self._span(name).numel, target.param.dtype))
+        return check_entries(items, finite=True)
 
     def patch(self, entries: dict[str, DeltaEntry], shapes: dict[str, tuple[int, ...]]) -> WeightResult:
         """vLLM's sparse patches (checkpoint names and full ``shapes``, flat indices into the full tensors, in
@@ -256,6 +261,3 @@ def _shape(target) -> tuple[int, ...]:
     shard_shape = getattr(target.param, "shard_shape", None)
     return tuple(shard_shape(target.param, target.shard_id) if shard_shape else target.param.shape)
 
-
-def _numel(target) -> int:
-    return math.prod(_shape(target))

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 
 FUNCTIONS = ("paged_decode", "bf16_linear", "tile_pack", "tiled_linear", "rms_norm", "rope_and_cache", "sample_rows",
              "silu_mul", "scatter_scaled", "decode_layer", "decode_stack", "moe_experts", "delta_fingerprint",
-             "delta_diff_many", "delta_fingerprint_at", "delta_apply_many", "delta_check")
+             "delta_diff_many", "delta_fingerprint_at", "delta_apply_many", "delta_check_many")
+# passes over a whole model's weights that a trainer's or an engine's other threads need not wait behind: their
+# bindings let go of the GIL while they run (their arguments are converted, and their result made, holding it)
+RELEASE_GIL = frozenset(fn for fn in FUNCTIONS if fn.startswith("delta_"))
 # the extensions each variant is compiled for, and its fp32 lanes per vector
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # the kernel families' files, included in this order after vec.h; decode_layer / decode_stack (layer.cpp)
@@ -78,7 +81,9 @@ def translation_units(body: str) -> dict[str, str]:
     decls = declarations(body)
     parts = [_BINDING_HEADER] + [f"namespace rollout_{isa} {{\n{decls}\n}}" for isa in KERNEL_ISAS]
     parts.append("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {")
-    parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn});' for isa in KERNEL_ISAS for fn in FUNCTIONS]
+    guard = ", py::call_guard<py::gil_scoped_release>()"
+    parts += [f'  m.def("{fn}_{isa}", &rollout_{isa}::{fn}{guard if fn in RELEASE_GIL else ""});'
+              for isa in KERNEL_ISAS for fn in FUNCTIONS]
     parts += ["}", ""]
     units = {"bindings.cpp": "\n".join(parts)}  # first: the longest to compile, ninja starts it first
     includes = [f'#include "{name}"' for name in ("vec.h",) + tuple(f"{s}.cpp" for s in SOURCES)]
@@ -171,7 +176,7 @@ def kernels() -> Optional[types.SimpleNamespace]:
     and ``tiled_linear`` (``gemm.cpp``), ``rms_norm`` (``norm.cpp``), ``rope_and_cache`` (``rope.cpp``),
     ``sample_rows`` (``sample.cpp``), ``silu_mul`` (``act.cpp``), ``scatter_scaled`` (``copy.cpp``),
     ``decode_layer`` and ``decode_stack`` (``layer.cpp``), ``moe_experts`` (``moe.cpp``), ``delta_fingerprint``,
-    ``delta_diff_many``, ``delta_fingerprint_at``, ``delta_apply_many`` and ``delta_check``
+    ``delta_diff_many``, ``delta_fingerprint_at``, ``delta_apply_many`` and ``delta_check_many``
     (``delta.cpp``); their Python faces are
     ``rollout.kernels.cpu.ops`` and ``.fused``. None where it cannot be built."""
     return kernels_for(cpu_capability().kernel_isa)

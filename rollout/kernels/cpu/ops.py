@@ -12,13 +12,13 @@ torch path's, is written at the top of its C++ file in ``csrc/``:
 - ``scatter_plan`` / ``scatter_scaled``: received tensors into their fp32 places, scaled, non-finite
   values counted (``copy.cpp``; a LoRA adapter's bucket on arrival);
 - ``delta_fingerprint`` / ``delta_diff_many`` / ``delta_fingerprint_at`` / ``delta_apply_many`` /
-  ``delta_check``: a delta push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what
+  ``delta_check_many``: a delta push's passes over the weights' bits (``delta.cpp``; ``weight_sync.delta`` says what
   they compute).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -135,22 +135,44 @@ def delta_fingerprint(bits: torch.Tensor, salt: int, outer: int, length: int, in
     return int(out[0])
 
 
-def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor],
-                    salts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor], salts: list[int], align: int = 8,
+                    in_place: bool = False) -> DiffFound:
     """For each (now, base) pair: (the increasing flat indices, where ``now``'s words differ from ``base``'s — int32
     where the tensor has fewer than 2^31 elements, else int64 —, ``now``'s words there, how far the fingerprint
-    moves from ``base`` to ``now`` mod 2^64). ``now`` may be fp32 values against bf16 words: compared, and given,
-    as torch casts them. One call, one parallel region over all of them."""
+    moves from ``base`` to ``now`` mod 2^64), each tensor's indices and words at offsets of a multiple of ``align``
+    of one buffer (``DiffFound.wire``: their bytes, all of them). ``now`` may be fp32 values against bf16 words:
+    compared, and given, as torch casts them. ``in_place``: the changed words written into each base as they are
+    found (``DiffFound.olds``: the words they replaced). One call, one parallel region over all of them."""
     k = len(nows)
     moved, counts = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
-    raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts)
-    out, at = [], 0
+    raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts, align,
+                                          int(in_place))
+    found, olds, at = [], [], 0
     for base, count, move in zip(bases, counts.tolist(), moved.tolist()):
         index = torch.int32 if base.numel() < 2**31 else torch.int64
-        split, end = at + count * index.itemsize, at + count * (index.itemsize + base.element_size())
-        out.append((raw[at:split].view(index), raw[split:end].view(base.dtype), int(move)))
-        at = (end + 7) // 8 * 8  # each tensor's block padded to 8 bytes
-    return out
+        at = _up(at, align)
+        words = _up(at + count * index.itemsize, align)
+        found.append((raw[at: at + count * index.itemsize].view(index),
+                      raw[words: words + count * base.element_size()].view(base.dtype), int(move)))
+        at = words + count * base.element_size()
+    wire, at = _up(at, align), _up(at, align)
+    for base, count in zip(bases, counts.tolist()):
+        olds.append(raw[at: at + count * base.element_size()].view(base.dtype))
+        at = _up(at + count * base.element_size(), 8)
+    return DiffFound(found, olds, raw[:wire])
+
+
+def _up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+class DiffFound(NamedTuple):
+    """``delta_diff_many``'s answer: per tensor (indices, new words, fingerprint move); per tensor the old words
+    (an in-place diff's); the bytes holding every tensor's indices and words, as laid out."""
+
+    found: list[tuple[torch.Tensor, torch.Tensor, int]]
+    olds: list[torch.Tensor]
+    wire: torch.Tensor
 
 
 def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
@@ -160,13 +182,14 @@ def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int)
     return int(out[0])
 
 
-def delta_check(indices: torch.Tensor, values: torch.Tensor, numel: int, exponent: int) -> tuple[int, int]:
-    """(0, 0) where a sparse entry (``values`` as words, ``exponent`` their exponent bits) applies to a tensor of
-    ``numel`` elements; else (1: an index outside it, 2: indices not strictly increasing, 3: a NaN or infinite
-    value; the first offending entry)."""
-    out = torch.empty(2, dtype=torch.long)
-    build.kernels().delta_check(indices, values, numel, exponent, out)
-    return int(out[0]), int(out[1])
+def delta_check_many(entries: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> list[tuple[int, int]]:
+    """For each sparse entry (indices, values as words, the tensor's ``numel``, the values' exponent bits — 0: any
+    value passes): (0, 0) where it applies to a tensor of ``numel`` elements; else (1: an index outside it, 2:
+    indices not strictly increasing, 3: a NaN or infinite value; the first offending element). One call."""
+    params = torch.tensor([[e[2], e[3]] for e in entries], dtype=torch.long).reshape(-1, 2)
+    out = torch.empty(len(entries), 2, dtype=torch.long)
+    build.kernels().delta_check_many([e[0] for e in entries], [e[1] for e in entries], params, out)
+    return [(int(c), int(at)) for c, at in out.tolist()]
 
 
 def delta_apply_many(entries: list[tuple]) -> list[tuple[torch.Tensor, int, int]]:

@@ -5,15 +5,19 @@
 //                      mod 2^64. The elements lie as [outer, length, inner] of a full [outer, size, inner]
 //                      tensor, starting at ``start`` of its middle dimension (a whole tensor: 1, n, 1, n, 0).
 //   delta_diff_many    for each (now, base) pair, the flat indices at which ``now``'s bits differ from
-//                      ``base``'s (increasing), and how far the fingerprint moves from base to now, (now - base)
-//                      * m summed over them. ``now`` may be fp32 values against a bf16 base: each rounded to
-//                      bf16 as torch rounds it (to nearest even; a NaN as a quiet NaN — torch's own scalar and
-//                      vector casts differ there, and an engine refuses NaN) while compared, the cast never
-//                      written out. One call for a whole model: one parallel region over chunks of every tensor
-//                      (a call per tensor cost ~0.1 ms of thread wake-ups: 30 ms over a 272-tensor model).
+//                      ``base``'s (increasing), the new words there, and how far the fingerprint moves from base to
+//                      now, (now - base) * m summed over them. ``now`` may be fp32 values against a bf16 base: each
+//                      rounded to bf16 as torch rounds it (to nearest even; a NaN as a quiet NaN — torch's own
+//                      scalar and vector casts differ there, and an engine refuses NaN) while compared, in vector
+//                      registers, the cast never written out. One call for a whole model: one parallel region over
+//                      chunks of every tensor (a call per tensor cost ~0.1 ms of thread wake-ups: 30 ms over a
+//                      272-tensor model). The found entries come out laid as a weight bucket lays tensors (each at
+//                      a multiple of ``align``), so they go on the wire from where they lie; ``in_place`` writes
+//                      the new words into the base as they are found (the old ones come back, to undo it).
 //   delta_apply_many   sparse entries written where a TP rank holds them: for each (full-tensor flat index,
 //                      value) whose index falls in the rank's run, the old word kept, the new one written, and
 //                      the fingerprint's move summed; applied again with the old words, they undo themselves.
+//   delta_check_many   whether sparse entries can apply: indices in range and increasing, values finite.
 //   delta_fingerprint_at  the fingerprint's terms of some elements at given full-tensor flat indices.
 //
 // m(salt, g) = ((g ^ salt) * K1 + K2) | 1 in wrapping 64-bit arithmetic, as weight_sync.delta.multipliers
@@ -66,27 +70,6 @@ uint64_t fingerprint_rows(const B* bits, int64_t outer, int64_t length, int64_t 
   return total;
 }
 
-// where a block of 32 elements differs: bit j set where now[i + j] != base[i + j]
-template <typename B>
-inline uint32_t differs32(const B* a, const B* b) {
-#if ROLLOUT_LANES == 16
-  if constexpr (sizeof(B) == 2) {
-    return _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
-  } else {
-    const uint32_t lo = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
-    const uint32_t hi = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(a + 16), _mm512_loadu_si512(b + 16));
-    return lo | (hi << 16);
-  }
-#else
-  B any = 0;
-  for (int j = 0; j < 32; ++j) any |= a[j] ^ b[j];  // vectorised: most blocks differ nowhere
-  if (!any) return 0;
-  uint32_t mask = 0;
-  for (int j = 0; j < 32; ++j) mask |= static_cast<uint32_t>(a[j] != b[j]) << j;
-  return mask;
-#endif
-}
-
 // fp32 -> bf16 bits as torch's cast gives them: to nearest even (any NaN as 0x7FC0, torch's scalar cast's)
 inline uint16_t torch_bf16(float v) {
   uint32_t u;
@@ -94,35 +77,139 @@ inline uint16_t torch_bf16(float v) {
   return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// now's words: as they lie (N = B), or fp32 values rounded to bf16 words on the way (N = float, B = uint16_t)
+#if ROLLOUT_LANES == 16
+// torch_bf16 of 16 fp32 values at once, as 16 words (the same integer arithmetic, lane by lane)
+inline __m256i torch_bf16x16(const float* p) {
+  const __m512i u = _mm512_loadu_si512(p);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+#elif ROLLOUT_LANES == 8
+// torch_bf16 of 16 fp32 values at once, as 16 words in order
+inline __m256i torch_bf16x16(const float* p) {
+  auto eight = [](const float* q) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));  // (both sides below 2^31: signed is right)
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  };
+  // packus interleaves 128-bit halves: [a0-3 b0-3 a4-7 b4-7]; the permute puts them back in order
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(eight(p), eight(p + 8)), 0xD8);
+}
+#endif
+
+// A block of 32 elements: now's words (as they lie, or fp32 values rounded to bf16 words) into ``words``, and
+// bit j set where words[j] != base[j]. Most blocks differ nowhere: the words are then not written out.
 template <typename N, typename B>
-void diff_range(const N* now, const B* base, int64_t lo, int64_t hi, uint64_t salt, std::vector<int64_t>& out,
-                uint64_t& moved) {
-  B block[32];
+inline uint32_t block32(const N* now, const B* base, B* words) {
+  if constexpr (std::is_same<N, B>::value) {
+#if ROLLOUT_LANES == 16
+    uint32_t mask;
+    if constexpr (sizeof(B) == 2) {
+      mask = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(now), _mm512_loadu_si512(base));
+    } else {
+      mask = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(now), _mm512_loadu_si512(base)) |
+             (static_cast<uint32_t>(_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(now + 16), _mm512_loadu_si512(base + 16)))
+              << 16);
+    }
+    if (mask) std::memcpy(words, now, 32 * sizeof(B));
+    return mask;
+#else
+    B any = 0;
+    for (int j = 0; j < 32; ++j) any |= now[j] ^ base[j];  // vectorised
+    if (!any) return 0;
+    uint32_t mask = 0;
+    for (int j = 0; j < 32; ++j) mask |= static_cast<uint32_t>(now[j] != base[j]) << j;
+    std::memcpy(words, now, 32 * sizeof(B));
+    return mask;
+#endif
+  } else {
+#if ROLLOUT_LANES == 16
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(torch_bf16x16(now)), torch_bf16x16(now + 16), 1);
+    const uint32_t mask = _mm512_cmpneq_epi16_mask(w, _mm512_loadu_si512(base));
+    if (mask) _mm512_storeu_si512(words, w);
+    return mask;
+#elif ROLLOUT_LANES == 8
+    const __m256i lo = torch_bf16x16(now), hi = torch_bf16x16(now + 16);
+    const uint32_t same_lo = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base)))));
+    const uint32_t same_hi = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 16)))));
+    if ((same_lo & same_hi) == 0xFFFFFFFFu) return 0;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 16), hi);
+    uint32_t mask = 0;  // a word differs where its two bytes' bits are not both set
+    for (int j = 0; j < 16; ++j) {
+      mask |= static_cast<uint32_t>(((same_lo >> (2 * j)) & 3u) != 3u) << j;
+      mask |= static_cast<uint32_t>(((same_hi >> (2 * j)) & 3u) != 3u) << (16 + j);
+    }
+    return mask;
+#else
+    uint16_t any = 0;
+    for (int j = 0; j < 32; ++j) {  // vectorised
+      words[j] = torch_bf16(now[j]);
+      any |= static_cast<uint16_t>(words[j] ^ base[j]);
+    }
+    if (!any) return 0;
+    uint32_t mask = 0;
+    for (int j = 0; j < 32; ++j) mask |= static_cast<uint32_t>(words[j] != base[j]) << j;
+    return mask;
+#endif
+  }
+}
+
+// A changed element as a diff finds it: its offset in its chunk (below 2^32), its new word and its old one. Each
+// thread appends its chunks' changes to an arena of its own that lives as long as the thread (OpenMP's workers
+// and the caller's): most pushes find about as many as the last, and fresh memory each call costs a page fault
+// every 4 KiB. An arena past ARENA_KEEP changes (a first step's) is let go after the call.
+struct Change {
+  uint32_t off, now, old;
+};
+constexpr size_t ARENA_KEEP = size_t{1} << 22;
+inline std::vector<Change>& arena() {
+  static thread_local std::vector<Change> mine;
+  return mine;
+}
+
+// what one chunk of a diff found: where its changes lie (an arena and the range in it), the fingerprint's move
+struct Found {
+  std::vector<Change>* in = nullptr;
+  size_t begin = 0, end = 0;
+  uint64_t moved = 0;
+};
+
+// now's words (as they lie, N = B; or fp32 values rounded to bf16 words on the way, N = float, B = uint16_t)
+// against base's over [lo, hi); ``in_place``: each changed base word replaced by the new one (the old kept)
+template <typename N, typename B>
+void diff_range(const N* now, B* base, int64_t lo, int64_t hi, uint64_t salt, bool in_place, Found& f) {
+  alignas(64) B block[32];
+  std::vector<Change>& out = arena();
+  f.in = &out;
+  f.begin = out.size();
   auto take = [&](int64_t k, B word) {
-    out.push_back(k);
-    moved += (static_cast<uint64_t>(word) - static_cast<uint64_t>(base[k])) * multiplier(k, salt);
+    const B was = base[k];
+    out.push_back({static_cast<uint32_t>(k - lo), word, was});
+    f.moved += (static_cast<uint64_t>(word) - static_cast<uint64_t>(was)) * multiplier(k, salt);
+    if (in_place) base[k] = word;
   };
   int64_t i = lo;
-  for (; i + 32 <= hi; i += 32) {
-    const B* words;
-    if constexpr (std::is_same<N, B>::value) {
-      words = now + i;
-    } else {
-      for (int j = 0; j < 32; ++j) block[j] = torch_bf16(now[i + j]);  // vectorised
-      words = block;
-    }
-    for (uint32_t mask = differs32(words, base + i); mask; mask &= mask - 1) {
+  for (; i + 32 <= hi; i += 32)
+    for (uint32_t mask = block32(now + i, base + i, block); mask; mask &= mask - 1) {
       const int j = __builtin_ctz(mask);
-      take(i + j, words[j]);
+      take(i + j, block[j]);
     }
-  }
   for (; i < hi; ++i) {
     B word;
     if constexpr (std::is_same<N, B>::value) word = now[i];
     else word = torch_bf16(now[i]);
     if (word != base[i]) take(i, word);
   }
+  f.end = out.size();
 }
 
 template <typename B>
@@ -156,47 +243,47 @@ at::Tensor delta_fingerprint(const at::Tensor& bits, int64_t salt, int64_t outer
 
 namespace {
 
-// one sparse entry into dst (see delta_apply_many); out[0] the move (0 unless counts), out[1] the words written;
-// ``parallel``: over every core (one big entry), else on this thread (one of many, the caller's region)
-void apply_entry(at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values, at::Tensor& old, uint64_t salt,
-                 int64_t length, int64_t inner, int64_t size, int64_t start, bool counts, int64_t* out, bool parallel) {
-  const bool wide = indices.scalar_type() == at::kLong;
-  const int32_t* i32 = wide ? nullptr : indices.data_ptr<int32_t>();
-  const int64_t* i64 = wide ? indices.data_ptr<int64_t>() : nullptr;
-  const int64_t n = indices.numel();
+// indices [k0, k1) of one sparse entry into dst (see delta_apply_many): {the fingerprint's move, the words written}
+template <typename W, typename I>
+std::pair<uint64_t, int64_t> apply_range(W* d, const I* idx, const W* v, W* o, int64_t k0, int64_t k1, uint64_t salt,
+                                         int64_t length, int64_t inner, int64_t size, int64_t start) {
   const bool whole = start == 0 && length == size;  // the rank holds all of it: a full index is its own
-  auto run = [&](auto* d, const auto* v, auto* o) {
-    uint64_t moved = 0;
-    int64_t wrote = 0;
-    // the places lie scattered through the tensor (each a cache miss of its own): every core, and each
-    // place fetched a few indices ahead
-#pragma omp parallel for reduction(+ : moved, wrote) schedule(static) if (parallel && n > (1 << 15))
-    for (int64_t k = 0; k < n; ++k) {
-      if (whole && k + 16 < n) __builtin_prefetch(d + (wide ? i64[k + 16] : static_cast<int64_t>(i32[k + 16])), 1);
-      const int64_t g = wide ? i64[k] : static_cast<int64_t>(i32[k]);
-      int64_t loc = g;
-      if (!whole) {  // where the rank holds part of the tensor: (outer, mid, b) around the split dimension
-        const int64_t outer = g / (size * inner), rest = g % (size * inner), mid = rest / inner, b = rest % inner;
-        if (mid < start || mid >= start + length) {
-          o[k] = v[k];
-          continue;
-        }
-        loc = (outer * length + (mid - start)) * inner + b;
+  uint64_t moved = 0;
+  int64_t wrote = 0;
+  for (int64_t k = k0; k < k1; ++k) {
+    // the places lie scattered through the tensor (each a cache miss of its own): each fetched a few ahead
+    if (whole && k + 16 < k1) __builtin_prefetch(d + static_cast<int64_t>(idx[k + 16]), 1);
+    const int64_t g = static_cast<int64_t>(idx[k]);
+    int64_t loc = g;
+    if (!whole) {  // where the rank holds part of the tensor: (outer, mid, b) around the split dimension
+      const int64_t outer = g / (size * inner), rest = g % (size * inner), mid = rest / inner, b = rest % inner;
+      if (mid < start || mid >= start + length) {
+        o[k] = v[k];
+        continue;
       }
-      o[k] = d[loc];
-      d[loc] = v[k];
-      moved += (static_cast<uint64_t>(v[k]) - static_cast<uint64_t>(o[k])) * multiplier(static_cast<uint64_t>(g), salt);
-      ++wrote;
+      loc = (outer * length + (mid - start)) * inner + b;
     }
-    out[0] = counts ? static_cast<int64_t>(moved) : 0;
-    out[1] = wrote;
+    o[k] = d[loc];
+    d[loc] = v[k];
+    moved += (static_cast<uint64_t>(v[k]) - static_cast<uint64_t>(o[k])) * multiplier(static_cast<uint64_t>(g), salt);
+    ++wrote;
+  }
+  return {moved, wrote};
+}
+
+std::pair<uint64_t, int64_t> apply_range(at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values,
+                                         at::Tensor& old, int64_t k0, int64_t k1, const int64_t* p) {
+  const uint64_t salt = static_cast<uint64_t>(p[0]);
+  auto words = [&](auto* d) {
+    using W = std::remove_pointer_t<decltype(d)>;
+    const W* v = reinterpret_cast<const W*>(values.data_ptr());
+    W* o = reinterpret_cast<W*>(old.data_ptr());
+    return indices.scalar_type() == at::kLong
+        ? apply_range(d, indices.data_ptr<int64_t>(), v, o, k0, k1, salt, p[1], p[2], p[3], p[4])
+        : apply_range(d, indices.data_ptr<int32_t>(), v, o, k0, k1, salt, p[1], p[2], p[3], p[4]);
   };
-  if (dst.scalar_type() == at::kShort)
-    run(reinterpret_cast<uint16_t*>(dst.data_ptr()), reinterpret_cast<const uint16_t*>(values.data_ptr()),
-        reinterpret_cast<uint16_t*>(old.data_ptr()));
-  else
-    run(reinterpret_cast<uint32_t*>(dst.data_ptr()), reinterpret_cast<const uint32_t*>(values.data_ptr()),
-        reinterpret_cast<uint32_t*>(old.data_ptr()));
+  return dst.scalar_type() == at::kShort ? words(reinterpret_cast<uint16_t*>(dst.data_ptr()))
+                                         : words(reinterpret_cast<uint32_t*>(dst.data_ptr()));
 }
 
 void check_apply(const at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values, const at::Tensor& old) {
@@ -215,7 +302,8 @@ void check_apply(const at::Tensor& dst, const at::Tensor& indices, const at::Ten
 // full-tensor flat indices (int32 or int64); values: words as many; olds: words as many (written: the old word
 // where the rank holds the index, the value elsewhere); params: int64 [k, 6] (salt, length, inner, size, start,
 // counts: whether the moves count — a replicated tensor counts on one rank); out: int64 [k, 2] (each entry's
-// fingerprint move, the words it wrote). One parallel region over the entries; a lone entry over every core.
+// fingerprint move, the words it wrote). One parallel region over runs of at most 2^15 indices of every entry
+// (one large entry — an embedding's — spread over the cores like many small ones).
 at::Tensor delta_apply_many(std::vector<at::Tensor> dsts, const std::vector<at::Tensor>& indices,
                             const std::vector<at::Tensor>& values, std::vector<at::Tensor> olds,
                             const at::Tensor& params, at::Tensor out) {
@@ -226,30 +314,44 @@ at::Tensor delta_apply_many(std::vector<at::Tensor> dsts, const std::vector<at::
               "delta_apply_many: k entries, params [k, 6], out [k, 2]");
   for (int64_t i = 0; i < k; ++i) check_apply(dsts[i], indices[i], values[i], olds[i]);
   const int64_t* p = params.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
-  auto one = [&](int64_t i, bool parallel) {
-    apply_entry(dsts[i], indices[i], values[i], olds[i], static_cast<uint64_t>(p[6 * i]), p[6 * i + 1], p[6 * i + 2],
-                p[6 * i + 3], p[6 * i + 4], p[6 * i + 5] != 0, o + 2 * i, parallel);
-  };
-  if (k == 1) {
-    one(0, true);
-    return out;
+  constexpr int64_t RUN = int64_t{1} << 15;
+  struct Item { int64_t entry, k0, k1; };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t k0 = 0, n = indices[static_cast<size_t>(i)].numel(); k0 < n; k0 += RUN)
+      items.push_back({i, k0, std::min(n, k0 + RUN)});
+  std::vector<std::pair<uint64_t, int64_t>> sums(items.size());
+#pragma omp parallel for schedule(dynamic, 1) if (items.size() > 1)
+  for (int64_t j = 0; j < static_cast<int64_t>(items.size()); ++j) {
+    const Item it = items[static_cast<size_t>(j)];
+    const size_t e = static_cast<size_t>(it.entry);
+    sums[static_cast<size_t>(j)] = apply_range(dsts[e], indices[e], values[e], olds[e], it.k0, it.k1, p + 6 * it.entry);
   }
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < k; ++i) one(i, false);
+  int64_t* o = out.data_ptr<int64_t>();
+  std::fill(o, o + 2 * k, 0);
+  for (size_t j = 0; j < items.size(); ++j) {
+    const int64_t i = items[j].entry;
+    o[2 * i] = static_cast<int64_t>(static_cast<uint64_t>(o[2 * i]) + (p[6 * i + 5] ? sums[j].first : 0));
+    o[2 * i + 1] += sums[j].second;
+  }
   return out;
 }
 
 // nows[i] against bases[i] (each contiguous on CPU: words of one type, or fp32 values against bf16 words),
-// salts: int64 [k]; moved and counts: int64 [k], written;
-// returns bytes: for each tensor in turn, its changed flat indices (int32 below 2^31 elements, else int64), then the
-// new words at them, each tensor's block padded to 8 bytes
+// salts: int64 [k]; moved and counts: int64 [k], written; ``align``: where each block starts (a power of two: the
+// weight buckets' alignment, so that a delta's tensors go on the wire from this memory as they lie); ``in_place``:
+// each changed base word replaced by the new one as it is found (the trainer's base staged for the next delta).
+// Returns bytes: for each tensor in turn, its changed flat indices (int32 below 2^31 elements, else int64) and the
+// new words at them, each block at a multiple of ``align``; then, from the next multiple, each tensor's old words
+// (the base's there before), each block 8-byte aligned.
 at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vector<at::Tensor>& bases,
-                           const at::Tensor& salts, at::Tensor moved, at::Tensor counts) {
+                           const at::Tensor& salts, at::Tensor moved, at::Tensor counts, int64_t align,
+                           int64_t in_place) {
   const int64_t k = static_cast<int64_t>(nows.size());
   TORCH_CHECK(static_cast<int64_t>(bases.size()) == k && salts.numel() == k && moved.numel() == k &&
               counts.numel() == k && salts.scalar_type() == at::kLong && moved.scalar_type() == at::kLong &&
               counts.scalar_type() == at::kLong, "delta_diff_many: as many bases, salts, moved and counts as tensors");
+  TORCH_CHECK(align >= 8 && (align & (align - 1)) == 0, "delta_diff_many: align a power of two, at least 8");
   enum Kind { F32_BF16, W16, W32 };
   std::vector<Kind> kinds(static_cast<size_t>(k));
   for (int64_t i = 0; i < k; ++i) {
@@ -271,86 +373,102 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
   for (int64_t i = 0; i < k; ++i)
     for (int64_t lo = 0, n = nows[static_cast<size_t>(i)].numel(); lo < n; lo += CHUNK)
       items.push_back({i, lo, std::min(n, lo + CHUNK)});
-  std::vector<std::vector<int64_t>> found(items.size());
-  std::vector<uint64_t> sums(items.size(), 0);
+  std::vector<Found> found(items.size());
   const int64_t* salt = salts.data_ptr<int64_t>();
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel
+  {
+  arena().clear();  // (each thread its own, before any of its chunks)
+#pragma omp for schedule(dynamic, 1)
   for (int64_t j = 0; j < static_cast<int64_t>(items.size()); ++j) {
     const Item it = items[static_cast<size_t>(j)];
     const at::Tensor &now = nows[static_cast<size_t>(it.tensor)], &base = bases[static_cast<size_t>(it.tensor)];
     const uint64_t s = static_cast<uint64_t>(salt[it.tensor]);
-    std::vector<int64_t> mine;
-    mine.reserve(static_cast<size_t>((it.hi - it.lo) / 16));
-    uint64_t sum = 0;
+    Found& f = found[static_cast<size_t>(j)];  // each item's own slot
     switch (kinds[static_cast<size_t>(it.tensor)]) {
       case F32_BF16:
-        diff_range(reinterpret_cast<const float*>(now.data_ptr()), reinterpret_cast<const uint16_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, mine, sum);
+        diff_range(reinterpret_cast<const float*>(now.data_ptr()), reinterpret_cast<uint16_t*>(base.data_ptr()),
+                   it.lo, it.hi, s, in_place != 0, f);
         break;
       case W16:
-        diff_range(reinterpret_cast<const uint16_t*>(now.data_ptr()), reinterpret_cast<const uint16_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, mine, sum);
+        diff_range(reinterpret_cast<const uint16_t*>(now.data_ptr()), reinterpret_cast<uint16_t*>(base.data_ptr()),
+                   it.lo, it.hi, s, in_place != 0, f);
         break;
       case W32:
-        diff_range(reinterpret_cast<const uint32_t*>(now.data_ptr()), reinterpret_cast<const uint32_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, mine, sum);
+        diff_range(reinterpret_cast<const uint32_t*>(now.data_ptr()), reinterpret_cast<uint32_t*>(base.data_ptr()),
+                   it.lo, it.hi, s, in_place != 0, f);
         break;
     }
-    found[static_cast<size_t>(j)] = std::move(mine);  // each item's own slot, written once
-    sums[static_cast<size_t>(j)] = sum;
+  }
   }
   std::vector<int64_t> count(static_cast<size_t>(k), 0);
   std::vector<uint64_t> move(static_cast<size_t>(k), 0);
   for (size_t j = 0; j < items.size(); ++j) {
-    count[static_cast<size_t>(items[j].tensor)] += static_cast<int64_t>(found[j].size());
-    move[static_cast<size_t>(items[j].tensor)] += sums[j];
+    count[static_cast<size_t>(items[j].tensor)] += static_cast<int64_t>(found[j].end - found[j].begin);
+    move[static_cast<size_t>(items[j].tensor)] += found[j].moved;
   }
-  // each tensor's block (8-byte aligned) at its offset; its items from first[i]; packed on every core
-  std::vector<int64_t> offset(static_cast<size_t>(k) + 1, 0);
+  // each tensor's index, word and old-word blocks at their offsets; its items from first[i]; packed on every core
+  auto up = [](int64_t x, int64_t a) { return (x + a - 1) & ~(a - 1); };
+  std::vector<int64_t> at_index(static_cast<size_t>(k)), at_words(static_cast<size_t>(k)), at_old(static_cast<size_t>(k));
   std::vector<size_t> first(static_cast<size_t>(k) + 1, items.size());
   for (size_t j = items.size(); j-- > 0;) first[static_cast<size_t>(items[j].tensor)] = j;
+  int64_t end = 0;
   for (int64_t i = 0; i < k; ++i) {
-    const int64_t isize = nows[static_cast<size_t>(i)].numel() < (int64_t{1} << 31) ? 4 : 8;
-    offset[static_cast<size_t>(i) + 1] = offset[static_cast<size_t>(i)] +
-        ((count[static_cast<size_t>(i)] * (isize + bases[static_cast<size_t>(i)].element_size()) + 7) & ~int64_t{7});
-    moved.data_ptr<int64_t>()[i] = static_cast<int64_t>(move[static_cast<size_t>(i)]);
-    counts.data_ptr<int64_t>()[i] = count[static_cast<size_t>(i)];
+    const size_t u = static_cast<size_t>(i);
+    const int64_t isize = nows[u].numel() < (int64_t{1} << 31) ? 4 : 8;
+    at_index[u] = up(end, align);
+    at_words[u] = up(at_index[u] + count[u] * isize, align);
+    end = at_words[u] + count[u] * bases[u].element_size();
+    moved.data_ptr<int64_t>()[i] = static_cast<int64_t>(move[u]);
+    counts.data_ptr<int64_t>()[i] = count[u];
   }
-  at::Tensor out = salts.new_empty({offset[static_cast<size_t>(k)]}, at::kByte);
-  uint8_t* const raw0 = out.data_ptr<uint8_t>();
+  end = up(end, align);
+  for (int64_t i = 0; i < k; ++i) {
+    const size_t u = static_cast<size_t>(i);
+    at_old[u] = end;
+    end = up(end + count[u] * bases[u].element_size(), 8);
+  }
+  at::Tensor out = salts.new_empty({end}, at::kByte);
+  uint8_t* const raw = out.data_ptr<uint8_t>();
+  // the padding between blocks zeroed (it goes on the wire with them)
+  for (int64_t i = 0; i < k; ++i) {
+    const size_t u = static_cast<size_t>(i);
+    const int64_t isize = nows[u].numel() < (int64_t{1} << 31) ? 4 : 8;
+    const int64_t index_end = at_index[u] + count[u] * isize, words_end = at_words[u] + count[u] * bases[u].element_size();
+    const int64_t next = i + 1 < k ? at_index[u + 1] : at_old[0];
+    std::memset(raw + index_end, 0, static_cast<size_t>(at_words[u] - index_end));
+    std::memset(raw + words_end, 0, static_cast<size_t>(next - words_end));
+  }
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < k; ++i) {
-    const at::Tensor& now = nows[static_cast<size_t>(i)];
-    const bool narrow = now.numel() < (int64_t{1} << 31);
-    const int64_t c = count[static_cast<size_t>(i)], isize = narrow ? 4 : 8;
-    uint8_t* raw = raw0 + offset[static_cast<size_t>(i)];
-    uint8_t* words = raw + c * isize;
+    const size_t u = static_cast<size_t>(i);
+    const bool narrow = nows[u].numel() < (int64_t{1} << 31);
+    const int64_t wsize = bases[u].element_size();
     int64_t at = 0;
-    for (size_t j = first[static_cast<size_t>(i)]; j < items.size() && items[j].tensor == i; ++j) {
-      for (int64_t g : found[j]) {
+    for (size_t j = first[u]; j < items.size() && items[j].tensor == i; ++j) {
+      const Found& f = found[j];
+      for (size_t q = f.begin; q < f.end; ++q) {
+        const Change& c = (*f.in)[q];
+        const int64_t g = items[j].lo + static_cast<int64_t>(c.off);
         if (narrow) {
           const int32_t v = static_cast<int32_t>(g);
-          std::memcpy(raw + at * 4, &v, 4);
+          std::memcpy(raw + at_index[u] + at * 4, &v, 4);
         } else {
-          std::memcpy(raw + at * 8, &g, 8);
+          std::memcpy(raw + at_index[u] + at * 8, &g, 8);
         }
-        switch (kinds[static_cast<size_t>(i)]) {
-          case F32_BF16: {
-            const uint16_t w = torch_bf16(reinterpret_cast<const float*>(now.data_ptr())[g]);
-            std::memcpy(words + at * 2, &w, 2);
-            break;
-          }
-          case W16:
-            std::memcpy(words + at * 2, reinterpret_cast<const uint16_t*>(now.data_ptr()) + g, 2);
-            break;
-          case W32:
-            std::memcpy(words + at * 4, reinterpret_cast<const uint32_t*>(now.data_ptr()) + g, 4);
-            break;
+        if (wsize == 2) {
+          const uint16_t w = static_cast<uint16_t>(c.now), o = static_cast<uint16_t>(c.old);
+          std::memcpy(raw + at_words[u] + at * 2, &w, 2);
+          std::memcpy(raw + at_old[u] + at * 2, &o, 2);
+        } else {
+          std::memcpy(raw + at_words[u] + at * 4, &c.now, 4);
+          std::memcpy(raw + at_old[u] + at * 4, &c.old, 4);
         }
         ++at;
       }
     }
   }
+#pragma omp parallel
+  if (arena().capacity() > ARENA_KEEP) std::vector<Change>().swap(arena());
   return out;
 }
 
@@ -368,32 +486,49 @@ at::Tensor delta_fingerprint_at(const at::Tensor& bits, const at::Tensor& positi
   return out;
 }
 
-// Why a sparse entry cannot apply to a tensor of ``numel`` elements: out = [code, position] with code 0 (it can),
-// 1 (an index outside [0, numel)), 2 (indices not strictly increasing), 3 (a value NaN or infinite: its exponent
-// bits, ``exponent``, all set); position: the first offending entry
-at::Tensor delta_check(const at::Tensor& indices, const at::Tensor& values, int64_t numel, int64_t exponent,
-                       at::Tensor out) {
-  check_bits(values, "delta_check");
-  TORCH_CHECK(indices.is_contiguous() && (indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong) &&
-              indices.numel() == values.numel(), "delta_check: int32 or int64 indices, one per value");
-  const bool wide = indices.scalar_type() == at::kLong;
-  const int32_t* i32 = wide ? nullptr : indices.data_ptr<int32_t>();
-  const int64_t* i64 = wide ? indices.data_ptr<int64_t>() : nullptr;
-  const uint32_t* w32 = values.scalar_type() == at::kInt ? reinterpret_cast<const uint32_t*>(values.data_ptr()) : nullptr;
-  const uint16_t* w16 = w32 ? nullptr : reinterpret_cast<const uint16_t*>(values.data_ptr());
-  const uint64_t e = static_cast<uint64_t>(exponent);
-  int64_t code = 0, at = 0, last = -1;
-  for (int64_t k = 0; k < indices.numel(); ++k) {
-    const int64_t g = wide ? i64[k] : static_cast<int64_t>(i32[k]);
-    const uint64_t w = w32 ? w32[k] : w16[k];
-    code = g < 0 || g >= numel ? 1 : g <= last ? 2 : e && (w & e) == e ? 3 : 0;
-    if (code) {
-      at = k;
-      break;
-    }
-    last = g;
+// Why each sparse entry cannot apply to its tensor, in one call: indices (int32 or int64) and values (words) per
+// entry; params: int64 [k, 2] (the tensor's elements, ``numel``, and the values' exponent bits, ``exponent``: 0 where
+// any value may pass); out: int64 [k, 2] = [code, position] per entry, code 0 (it can), 1 (an index outside [0,
+// numel)), 2 (indices not strictly increasing), 3 (a value NaN or infinite: its exponent bits all set); position:
+// the first offending element
+at::Tensor delta_check_many(const std::vector<at::Tensor>& indices, const std::vector<at::Tensor>& values,
+                            const at::Tensor& params, at::Tensor out) {
+  const int64_t k = static_cast<int64_t>(indices.size());
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == k && params.is_contiguous() && params.scalar_type() == at::kLong &&
+              params.numel() == 2 * k && out.scalar_type() == at::kLong && out.numel() == 2 * k,
+              "delta_check_many: k entries, params [k, 2], out [k, 2]");
+  for (int64_t i = 0; i < k; ++i) {
+    check_bits(values[static_cast<size_t>(i)], "delta_check_many");
+    const at::Tensor& idx = indices[static_cast<size_t>(i)];
+    TORCH_CHECK(idx.is_contiguous() && (idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong) &&
+                idx.numel() == values[static_cast<size_t>(i)].numel(),
+                "delta_check_many: int32 or int64 indices, one per value");
   }
-  out.data_ptr<int64_t>()[0] = code;
-  out.data_ptr<int64_t>()[1] = at;
+  const int64_t* p = params.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(dynamic, 1) if (k > 1)
+  for (int64_t i = 0; i < k; ++i) {
+    const at::Tensor &idx = indices[static_cast<size_t>(i)], &val = values[static_cast<size_t>(i)];
+    const bool wide = idx.scalar_type() == at::kLong;
+    const int32_t* i32 = wide ? nullptr : idx.data_ptr<int32_t>();
+    const int64_t* i64 = wide ? idx.data_ptr<int64_t>() : nullptr;
+    const uint32_t* w32 = val.scalar_type() == at::kInt ? reinterpret_cast<const uint32_t*>(val.data_ptr()) : nullptr;
+    const uint16_t* w16 = w32 ? nullptr : reinterpret_cast<const uint16_t*>(val.data_ptr());
+    const int64_t numel = p[2 * i];
+    const uint64_t e = static_cast<uint64_t>(p[2 * i + 1]);
+    int64_t code = 0, at = 0, last = -1;
+    for (int64_t q = 0; q < idx.numel(); ++q) {
+      const int64_t g = wide ? i64[q] : static_cast<int64_t>(i32[q]);
+      const uint64_t w = w32 ? w32[q] : w16[q];
+      code = g < 0 || g >= numel ? 1 : g <= last ? 2 : e && (w & e) == e ? 3 : 0;
+      if (code) {
+        at = q;
+        break;
+      }
+      last = g;
+    }
+    o[2 * i] = code;
+    o[2 * i + 1] = at;
+  }
   return out;
 }
