@@ -78,14 +78,14 @@ inline uint16_t torch_bf16(float v) {
 }
 
 #if ROLLOUT_LANES == 16
-// torch_bf16 of 16 fp32 values at once, as 16 words (the same integer arithmetic, lane by lane)
-inline __m256i torch_bf16x16(const float* p) {
+// torch_bf16 of 16 fp32 values at once, each word in a 32-bit lane (the same integer arithmetic, lane by lane)
+inline __m512i torch_bf16_lanes(const float* p) {
   const __m512i u = _mm512_loadu_si512(p);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
 #elif ROLLOUT_LANES == 8
 // torch_bf16 of 16 fp32 values at once, as 16 words in order
@@ -103,23 +103,89 @@ inline __m256i torch_bf16x16(const float* p) {
 }
 #endif
 
+// The changes a diff finds, kept by each thread in an arena of its own that lives as long as the thread
+// (OpenMP's workers and the caller's): most pushes find about as many as the last, and fresh memory each call
+// costs a page fault every 4 KiB. Per change its offset in its chunk (below 2^32), its new word and its old one,
+// in three arrays (a vector's worth of changes is stored at once). An arena past ARENA_KEEP changes (a first
+// step's) is let go after the call.
+struct Arena {
+  std::vector<uint32_t> off, now, old;
+  size_t size = 0;
+  // room for n more changes and a vector's slack past them (a vector store writes all its lanes)
+  void room(size_t n) {
+    if (size + n + 32 > off.size()) {
+      const size_t cap = std::max(size + n + 32, 2 * off.size());
+      off.resize(cap);
+      now.resize(cap);
+      old.resize(cap);
+    }
+  }
+};
+constexpr size_t ARENA_KEEP = size_t{1} << 22;
+inline Arena& arena() {
+  static thread_local Arena mine;
+  return mine;
+}
+
+// what one chunk of a diff found: where its changes lie (an arena and the range in it)
+struct Found {
+  const Arena* in = nullptr;
+  size_t begin = 0, end = 0;
+};
+
+#if ROLLOUT_LANES == 16
+// the lanes of mask m appended at n: their offsets (from ``at``), new words and old words; the new count
+inline size_t keep16(__mmask16 m, uint32_t at, __m512i words, __m512i olds, Arena& a, size_t n) {
+  const __m512i iota = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(at)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_storeu_si512(a.off.data() + n, _mm512_maskz_compress_epi32(m, iota));
+  _mm512_storeu_si512(a.now.data() + n, _mm512_maskz_compress_epi32(m, words));
+  _mm512_storeu_si512(a.old.data() + n, _mm512_maskz_compress_epi32(m, olds));
+  return n + static_cast<size_t>(__builtin_popcount(m));
+}
+
+inline __m512i lanes_lo(__m512i w16) { return _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w16)); }
+inline __m512i lanes_hi(__m512i w16) { return _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w16, 1)); }
+
+// A block of 32 elements at chunk offset ``at``: its changes appended at n (no branch per change: the changed
+// lanes compressed and stored whole); the new count. ``in_place``: the changed base words replaced (masked store).
+template <typename N, typename B>
+inline size_t scan32(const N* now, B* base, uint32_t at, bool in_place, Arena& a, size_t n) {
+  if constexpr (sizeof(B) == 4) {  // fp32 words against fp32 words
+    const __m512i w0 = _mm512_loadu_si512(now), w1 = _mm512_loadu_si512(now + 16);
+    const __m512i b0 = _mm512_loadu_si512(base), b1 = _mm512_loadu_si512(base + 16);
+    const __mmask16 m0 = _mm512_cmpneq_epi32_mask(w0, b0), m1 = _mm512_cmpneq_epi32_mask(w1, b1);
+    if (!(m0 | m1)) return n;
+    if (in_place) {
+      _mm512_mask_storeu_epi32(base, m0, w0);
+      _mm512_mask_storeu_epi32(base + 16, m1, w1);
+    }
+    return keep16(m1, at + 16, w1, b1, a, keep16(m0, at, w0, b0, a, n));
+  } else {
+    __m512i w, l0, l1;  // 32 words, and as 32-bit lanes
+    if constexpr (std::is_same<N, B>::value) {
+      w = _mm512_loadu_si512(now);
+      l0 = lanes_lo(w);
+      l1 = lanes_hi(w);
+    } else {
+      l0 = torch_bf16_lanes(now);
+      l1 = torch_bf16_lanes(now + 16);
+      w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(l0)), _mm512_cvtepi32_epi16(l1), 1);
+    }
+    const __m512i b = _mm512_loadu_si512(base);
+    const __mmask32 m = _mm512_cmpneq_epi16_mask(w, b);
+    if (!m) return n;
+    if (in_place) _mm512_mask_storeu_epi16(base, m, w);
+    n = keep16(static_cast<__mmask16>(m), at, l0, lanes_lo(b), a, n);
+    return keep16(static_cast<__mmask16>(m >> 16), at + 16, l1, lanes_hi(b), a, n);
+  }
+}
+#else
 // A block of 32 elements: now's words (as they lie, or fp32 values rounded to bf16 words) into ``words``, and
 // bit j set where words[j] != base[j]. Most blocks differ nowhere: the words are then not written out.
 template <typename N, typename B>
 inline uint32_t block32(const N* now, const B* base, B* words) {
   if constexpr (std::is_same<N, B>::value) {
-#if ROLLOUT_LANES == 16
-    uint32_t mask;
-    if constexpr (sizeof(B) == 2) {
-      mask = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(now), _mm512_loadu_si512(base));
-    } else {
-      mask = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(now), _mm512_loadu_si512(base)) |
-             (static_cast<uint32_t>(_mm512_cmpneq_epi32_mask(_mm512_loadu_si512(now + 16), _mm512_loadu_si512(base + 16)))
-              << 16);
-    }
-    if (mask) std::memcpy(words, now, 32 * sizeof(B));
-    return mask;
-#else
     B any = 0;
     for (int j = 0; j < 32; ++j) any |= now[j] ^ base[j];  // vectorised
     if (!any) return 0;
@@ -127,14 +193,8 @@ inline uint32_t block32(const N* now, const B* base, B* words) {
     for (int j = 0; j < 32; ++j) mask |= static_cast<uint32_t>(now[j] != base[j]) << j;
     std::memcpy(words, now, 32 * sizeof(B));
     return mask;
-#endif
   } else {
-#if ROLLOUT_LANES == 16
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(torch_bf16x16(now)), torch_bf16x16(now + 16), 1);
-    const uint32_t mask = _mm512_cmpneq_epi16_mask(w, _mm512_loadu_si512(base));
-    if (mask) _mm512_storeu_si512(words, w);
-    return mask;
-#elif ROLLOUT_LANES == 8
+#if ROLLOUT_LANES == 8
     const __m256i lo = torch_bf16x16(now), hi = torch_bf16x16(now + 16);
     const uint32_t same_lo = static_cast<uint32_t>(_mm256_movemask_epi8(
         _mm256_cmpeq_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base)))));
@@ -162,54 +222,43 @@ inline uint32_t block32(const N* now, const B* base, B* words) {
 #endif
   }
 }
-
-// A changed element as a diff finds it: its offset in its chunk (below 2^32), its new word and its old one. Each
-// thread appends its chunks' changes to an arena of its own that lives as long as the thread (OpenMP's workers
-// and the caller's): most pushes find about as many as the last, and fresh memory each call costs a page fault
-// every 4 KiB. An arena past ARENA_KEEP changes (a first step's) is let go after the call.
-struct Change {
-  uint32_t off, now, old;
-};
-constexpr size_t ARENA_KEEP = size_t{1} << 22;
-inline std::vector<Change>& arena() {
-  static thread_local std::vector<Change> mine;
-  return mine;
-}
-
-// what one chunk of a diff found: where its changes lie (an arena and the range in it), the fingerprint's move
-struct Found {
-  std::vector<Change>* in = nullptr;
-  size_t begin = 0, end = 0;
-  uint64_t moved = 0;
-};
+#endif
 
 // now's words (as they lie, N = B; or fp32 values rounded to bf16 words on the way, N = float, B = uint16_t)
-// against base's over [lo, hi); ``in_place``: each changed base word replaced by the new one (the old kept)
+// against base's over [lo, hi), the changes into this thread's arena; ``in_place``: each changed base word
+// replaced by the new one (the old kept)
 template <typename N, typename B>
-void diff_range(const N* now, B* base, int64_t lo, int64_t hi, uint64_t salt, bool in_place, Found& f) {
-  alignas(64) B block[32];
-  std::vector<Change>& out = arena();
-  f.in = &out;
-  f.begin = out.size();
+void diff_range(const N* now, B* base, int64_t lo, int64_t hi, bool in_place, Found& f) {
+  Arena& a = arena();
+  a.room(static_cast<size_t>(hi - lo));  // at most every element changed: no check per block
+  f.in = &a;
+  f.begin = a.size;
+  size_t n = a.size;
   auto take = [&](int64_t k, B word) {
-    const B was = base[k];
-    out.push_back({static_cast<uint32_t>(k - lo), word, was});
-    f.moved += (static_cast<uint64_t>(word) - static_cast<uint64_t>(was)) * multiplier(k, salt);
+    a.off[n] = static_cast<uint32_t>(k - lo);
+    a.now[n] = word;
+    a.old[n] = base[k];
+    ++n;
     if (in_place) base[k] = word;
   };
   int64_t i = lo;
+#if ROLLOUT_LANES == 16
+  for (; i + 32 <= hi; i += 32) n = scan32(now + i, base + i, static_cast<uint32_t>(i - lo), in_place, a, n);
+#else
+  alignas(64) B block[32];
   for (; i + 32 <= hi; i += 32)
     for (uint32_t mask = block32(now + i, base + i, block); mask; mask &= mask - 1) {
       const int j = __builtin_ctz(mask);
       take(i + j, block[j]);
     }
+#endif
   for (; i < hi; ++i) {
     B word;
     if constexpr (std::is_same<N, B>::value) word = now[i];
     else word = torch_bf16(now[i]);
     if (word != base[i]) take(i, word);
   }
-  f.end = out.size();
+  a.size = f.end = n;
 }
 
 template <typename B>
@@ -377,35 +426,31 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
   const int64_t* salt = salts.data_ptr<int64_t>();
 #pragma omp parallel
   {
-  arena().clear();  // (each thread its own, before any of its chunks)
+  arena().size = 0;  // (each thread its own, before any of its chunks)
 #pragma omp for schedule(dynamic, 1)
   for (int64_t j = 0; j < static_cast<int64_t>(items.size()); ++j) {
     const Item it = items[static_cast<size_t>(j)];
     const at::Tensor &now = nows[static_cast<size_t>(it.tensor)], &base = bases[static_cast<size_t>(it.tensor)];
-    const uint64_t s = static_cast<uint64_t>(salt[it.tensor]);
     Found& f = found[static_cast<size_t>(j)];  // each item's own slot
     switch (kinds[static_cast<size_t>(it.tensor)]) {
       case F32_BF16:
         diff_range(reinterpret_cast<const float*>(now.data_ptr()), reinterpret_cast<uint16_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, in_place != 0, f);
+                   it.lo, it.hi, in_place != 0, f);
         break;
       case W16:
         diff_range(reinterpret_cast<const uint16_t*>(now.data_ptr()), reinterpret_cast<uint16_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, in_place != 0, f);
+                   it.lo, it.hi, in_place != 0, f);
         break;
       case W32:
         diff_range(reinterpret_cast<const uint32_t*>(now.data_ptr()), reinterpret_cast<uint32_t*>(base.data_ptr()),
-                   it.lo, it.hi, s, in_place != 0, f);
+                   it.lo, it.hi, in_place != 0, f);
         break;
     }
   }
   }
   std::vector<int64_t> count(static_cast<size_t>(k), 0);
-  std::vector<uint64_t> move(static_cast<size_t>(k), 0);
-  for (size_t j = 0; j < items.size(); ++j) {
+  for (size_t j = 0; j < items.size(); ++j)
     count[static_cast<size_t>(items[j].tensor)] += static_cast<int64_t>(found[j].end - found[j].begin);
-    move[static_cast<size_t>(items[j].tensor)] += found[j].moved;
-  }
   // each tensor's index, word and old-word blocks at their offsets; its items from first[i]; packed on every core
   auto up = [](int64_t x, int64_t a) { return (x + a - 1) & ~(a - 1); };
   std::vector<int64_t> at_index(static_cast<size_t>(k)), at_words(static_cast<size_t>(k)), at_old(static_cast<size_t>(k));
@@ -418,7 +463,6 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
     at_index[u] = up(end, align);
     at_words[u] = up(at_index[u] + count[u] * isize, align);
     end = at_words[u] + count[u] * bases[u].element_size();
-    moved.data_ptr<int64_t>()[i] = static_cast<int64_t>(move[u]);
     counts.data_ptr<int64_t>()[i] = count[u];
   }
   end = up(end, align);
@@ -443,12 +487,15 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
     const size_t u = static_cast<size_t>(i);
     const bool narrow = nows[u].numel() < (int64_t{1} << 31);
     const int64_t wsize = bases[u].element_size();
+    const uint64_t s = static_cast<uint64_t>(salt[i]);
+    uint64_t move = 0;  // the fingerprint's move: (new - old) * m summed over the changes
     int64_t at = 0;
     for (size_t j = first[u]; j < items.size() && items[j].tensor == i; ++j) {
       const Found& f = found[j];
       for (size_t q = f.begin; q < f.end; ++q) {
-        const Change& c = (*f.in)[q];
-        const int64_t g = items[j].lo + static_cast<int64_t>(c.off);
+        const int64_t g = items[j].lo + static_cast<int64_t>(f.in->off[q]);
+        const uint32_t w = f.in->now[q], o = f.in->old[q];
+        move += (static_cast<uint64_t>(w) - static_cast<uint64_t>(o)) * multiplier(static_cast<uint64_t>(g), s);
         if (narrow) {
           const int32_t v = static_cast<int32_t>(g);
           std::memcpy(raw + at_index[u] + at * 4, &v, 4);
@@ -456,19 +503,20 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
           std::memcpy(raw + at_index[u] + at * 8, &g, 8);
         }
         if (wsize == 2) {
-          const uint16_t w = static_cast<uint16_t>(c.now), o = static_cast<uint16_t>(c.old);
-          std::memcpy(raw + at_words[u] + at * 2, &w, 2);
-          std::memcpy(raw + at_old[u] + at * 2, &o, 2);
+          const uint16_t w16 = static_cast<uint16_t>(w), o16 = static_cast<uint16_t>(o);
+          std::memcpy(raw + at_words[u] + at * 2, &w16, 2);
+          std::memcpy(raw + at_old[u] + at * 2, &o16, 2);
         } else {
-          std::memcpy(raw + at_words[u] + at * 4, &c.now, 4);
-          std::memcpy(raw + at_old[u] + at * 4, &c.old, 4);
+          std::memcpy(raw + at_words[u] + at * 4, &w, 4);
+          std::memcpy(raw + at_old[u] + at * 4, &o, 4);
         }
         ++at;
       }
     }
+    moved.data_ptr<int64_t>()[i] = static_cast<int64_t>(move);
   }
 #pragma omp parallel
-  if (arena().capacity() > ARENA_KEEP) std::vector<Change>().swap(arena());
+  if (arena().off.size() > ARENA_KEEP) arena() = Arena();
   return out;
 }
 
