@@ -108,6 +108,7 @@ def test_a_tracker_sends_only_the_changed_elements_and_commits_them(monkeypatch)
     tracker.rollback()
     assert all(torch.equal(tracker.base[n], base[n].reshape(-1)) for n in base) and tracker.version == "v0"
     delta = tracker.diff(new.items(), "v1")
+    tracker.diff(_pushed(_step(master, 3)).items(), "v1-other")  # diffed over it, never sent: the first commits
     tracker.commit(delta)
     assert tracker.version == "v1" and all(torch.equal(tracker.base[n], new[n].reshape(-1)) for n in new)
     assert tracker.fingerprints == {n: fingerprint(n, new[n]) for n in new}

@@ -386,7 +386,9 @@ class DeltaTracker:
 
     def commit(self, delta: WeightDelta) -> None:
         """The engine published ``delta``: its values become the base."""
-        staged = self._staged[1] if self._staged is not None and self._staged[0] is delta else set()
+        if self._staged is not None and self._staged[0] is not delta:
+            self.rollback()  # another delta's words staged: the base is the version's before this one lands
+        staged = self._staged[1] if self._staged is not None else set()
         self._staged = None
         batch = []  # sparse entries into host words: one C++ call for all of them
         for name, e in delta.entries.items():

@@ -140,9 +140,9 @@ def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor], salts: 
     """For each (now, base) pair: (the increasing flat indices, where ``now``'s words differ from ``base``'s — int32
     where the tensor has fewer than 2^31 elements, else int64 —, ``now``'s words there, how far the fingerprint
     moves from ``base`` to ``now`` mod 2^64), each tensor's indices and words at offsets of a multiple of ``align``
-    of one buffer (``DiffFound.wire``: their bytes, all of them). ``now`` may be fp32 values against bf16 words:
-    compared, and given, as torch casts them. ``in_place``: the changed words written into each base as they are
-    found (``DiffFound.olds``: the words they replaced). One call, one parallel region over all of them."""
+    of one buffer (as a weight bucket lays tensors: ``align`` its alignment). ``now`` may be fp32 values against
+    bf16 words: compared, and given, as torch casts them. ``in_place``: the changed words written into each base as
+    they are found (``DiffFound.olds``: the words they replaced). One call, one parallel region over all of them."""
     k = len(nows)
     moved, counts = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
     raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts, align,
@@ -155,11 +155,11 @@ def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor], salts: 
         found.append((raw[at: at + count * index.itemsize].view(index),
                       raw[words: words + count * base.element_size()].view(base.dtype), int(move)))
         at = words + count * base.element_size()
-    wire, at = _up(at, align), _up(at, align)
+    at = _up(at, align)
     for base, count in zip(bases, counts.tolist()):
         olds.append(raw[at: at + count * base.element_size()].view(base.dtype))
         at = _up(at + count * base.element_size(), 8)
-    return DiffFound(found, olds, raw[:wire])
+    return DiffFound(found, olds)
 
 
 def _up(x: int, a: int) -> int:
@@ -167,12 +167,11 @@ def _up(x: int, a: int) -> int:
 
 
 class DiffFound(NamedTuple):
-    """``delta_diff_many``'s answer: per tensor (indices, new words, fingerprint move); per tensor the old words
-    (an in-place diff's); the bytes holding every tensor's indices and words, as laid out."""
+    """``delta_diff_many``'s answer: per tensor (indices, new words, fingerprint move), and per tensor the words an
+    in-place diff replaced."""
 
     found: list[tuple[torch.Tensor, torch.Tensor, int]]
     olds: list[torch.Tensor]
-    wire: torch.Tensor
 
 
 def delta_fingerprint_at(bits: torch.Tensor, positions: torch.Tensor, salt: int) -> int:
