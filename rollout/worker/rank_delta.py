@@ -229,7 +229,7 @@ class DeltaState:
         if not self.vote(error is None):
             return WeightResult.fail(f"{error or REJECTED_ELSEWHERE}; nothing was written")
         self._write_all(sorted(entries), entries)
-        self.forget()  # (no fingerprint to move them by)
+        self.parts.clear()  # (no fingerprint to move them by; the tensors stay where they are: spans hold)
         count = sum(int(e.values.numel()) for e in entries.values() if e.values is not None)
         return WeightResult.ok(f"patched {len(entries)} tensors ({count} elements)",
                                num_bytes=sum(e.num_bytes for e in entries.values()))

@@ -48,7 +48,7 @@ uint64_t fingerprint_rows(const B* bits, int64_t outer, int64_t length, int64_t 
                           uint64_t salt) {
   const int64_t run = length * inner;  // one outer index's elements: contiguous in the full tensor too
   const int64_t n = outer * run;
-  // chunks of whole... any split: each chunk walks its own elements, run by run
+  // the elements cut into chunks anywhere (a chunk may start and end inside a run): each walks its own, run by run
   const int64_t chunk = std::max<int64_t>(1 << 16, (n + 63) / 64);
   const int64_t chunks = (n + chunk - 1) / chunk;
   std::vector<uint64_t> parts(static_cast<size_t>(chunks), 0);
