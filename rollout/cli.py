@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import sys
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -304,5 +303,13 @@ def main(argv=None) -> int:
     return args.func(args)
 
 
+def run() -> None:
+    """The ``rollout`` command: ``main`` over the process's arguments, then the process ends at once once its work
+    is done (``rollout.worker.process_exit``: a server's restart, a benchmark's subprocess, no teardown to wait for)."""
+    from rollout.worker.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -433,14 +433,17 @@ def test_a_partial_rollout_push_lands_mid_request(server, models):
     url, client = server
     box = {}
     long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
+    model = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
     started = client.get_server_info()["stats"]["num_decode_tokens"]
     t = threading.Thread(target=lambda: box.setdefault("out", client.generate(input_ids=PROMPTS[0],
                                                                               sampling_params=long)))
     t.start()
     while client.get_server_info()["stats"]["num_decode_tokens"] < started + 20:
         time.sleep(0.02)
+    # Held mid-flight as the target itself holds it (a fast machine could otherwise finish the 600 tokens
+    # before the push begins); the target's own in-place pause finds it paused, commits and continues.
+    client.pause_generation("in_place")
     target = DistributedTarget(client, partial_rollouts=True, timeout_s=60)
-    model = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
     result = push_weights(model, target, version="mid").result
     target.close()
     t.join(120)

@@ -39,6 +39,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
+        if torch.get_default_device().type == "meta":  # a model built on meta (the runner rebuilds the tables for
+            # real): shapes only — computing them there would run torch's reference decompositions, whose first use
+            # imports torch._dynamo (~1 s of every process's start, ~0.5 s of its exit)
+            self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
+            self.register_buffer("signed_sin", torch.empty(max_position, head_dim), persistent=False)
+            return
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)

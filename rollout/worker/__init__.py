@@ -7,6 +7,7 @@
 - ``tp_external.py``: external launch (torchrun / DeepSpeed ranks) over a broadcast;
 - ``messages.py``: every message between ranks (step, sample, stop, one frozen dataclass per weight
   operation); their one result is ``rollout.outputs.WeightResult``;
+- ``process_exit.py``: a process of ours ending once its work is done, without the interpreter's teardown;
 - ``rank_weights.py``: ``RankWeights``, a rank's weight transaction, owned by its ``TpModelWorker``
   (dispatch on the weight message, validate -> TP vote -> copy, update groups, release/resume, reads).
 

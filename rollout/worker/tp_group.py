@@ -36,6 +36,7 @@ from rollout.layers.parallel_state import Communicator, TpState
 from rollout.outputs import WeightResult
 from rollout.weights.safetensors_io import PinnedFolder
 from rollout.worker.messages import LOCAL_ONLY, WEIGHT_MESSAGES, ApplyDisk, SampleMsg, StepMsg, StopMsg, reply_timeout_s
+from rollout.worker.process_exit import exit_process
 from rollout.worker.tp_worker import BaseTpWorker, TpModelWorker
 from weight_sync.process_group import listen_socket, new_process_group
 
@@ -116,8 +117,8 @@ def _worker_main(config: EngineConfig, rank: int, host: str, port: int, conn, nu
             msg = conn.recv()
         except (EOFError, OSError):  # the parent is gone
             return
-        if isinstance(msg, StopMsg):
-            return
+        if isinstance(msg, StopMsg):  # an orderly stop: leave without the interpreter's teardown
+            exit_process(0)
         try:
             if isinstance(msg, ApplyDisk):  # the pinned folder's descriptor follows the message
                 with PinnedFolder(reduction.recv_handle(conn), msg.model_path) as folder:
