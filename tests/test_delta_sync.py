@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -595,3 +596,24 @@ def _checksum(model) -> str:
     tied = model.config.tie_word_embeddings
     return checksum_named_tensors([(n, t) for n, t in model.state_dict().items()
                                    if not (tied and n == "lm_head.weight")], dtype=torch.bfloat16)
+
+
+def test_the_delta_benchmark_pushes_both_ways_from_both_trainers_through_the_cli(tmp_path):
+    """``rollout bench weight-sync --delta`` at a tiny size: after real Adam steps of an fp32 trainer and of a bf16
+    one (fp32 master weights, ``MasterAdam``), each step pushed in full and as a delta over a weight group; the
+    delta moves fewer bytes than the full push after the first step, and both engines end on the same weights."""
+    import json
+
+    from rollout.cli import main as cli_main
+
+    assert cli_main(["bench", "weight-sync", "--delta", "--models", "tiny", "--lrs", "1e-4", "--steps", "2",
+                     "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "m")]) == 0
+    res = json.load(open(tmp_path / "weight_sync_delta.json"))
+    runs = res["models"][0]["delta"]
+    assert sorted(runs) == ["0.0001", "0.0001, bfloat16 trainer"]
+    for run in runs.values():
+        assert run["same_weights"] and len(run["steps"]) == 2 and run["held_bytes"] == res["models"][0]["bytes"]
+        for row in run["steps"]:
+            assert row["delta_went"] and 0 < row["changed_fraction"] < 1 and row["full_s"] > 0 and row["diff_s"] > 0
+        assert run["steps"][1]["bytes_ratio"] < 1
+    assert os.path.isfile(tmp_path / "weight_sync_delta.png")

@@ -237,6 +237,9 @@ def main(argv=None) -> dict:
                          "(rollout.bench.delta; --lrs, --steps)")
     ap.add_argument("--lrs", default="1e-6,1e-5", help="with --delta: the learning rates, each from the same start")
     ap.add_argument("--steps", type=int, default=3, help="with --delta: optimizer steps per learning rate")
+    ap.add_argument("--trainer-dtypes", default="float32,bfloat16",
+                    help="with --delta: the trainers, each from the same start: float32 (the module and Adam in fp32), "
+                         "bfloat16 (a bf16 module, Adam on fp32 master weights, as DeepSpeed's bf16 optimizer)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.delta:
@@ -263,10 +266,13 @@ def _delta_main(args, dtype: torch.dtype) -> dict:
 
     lrs = [float(x) for x in args.lrs.split(",")]
     results = {"benchmark": "weight-sync-delta", "machine": machine(),
-               "config": {"models": args.models, "dtype": args.dtype, "lrs": lrs, "steps": args.steps}, "models": []}
+               "config": {"models": args.models, "dtype": args.dtype, "lrs": lrs, "steps": args.steps,
+                          "trainer_dtypes": args.trainer_dtypes}, "models": []}
+    trainers = tuple(args.trainer_dtypes.split(","))
     for name in tqdm(args.models.split(","), desc="weight-sync --delta"):
         path = build_model(name, args.workdir)
-        res = {"model": name, "dtype": str(dtype), "delta": delta.delta_pushes(path, dtype, lrs, args.steps)}
+        res = {"model": name, "dtype": str(dtype),
+               "delta": delta.delta_pushes(path, dtype, lrs, args.steps, trainer_dtypes=trainers)}
         res["bytes"] = next(iter(res["delta"].values()))["steps"][0]["full_bytes"]
         print(json.dumps(res, indent=1), flush=True)
         results["models"].append(res)
