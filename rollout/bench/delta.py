@@ -4,16 +4,15 @@ weight-update group, side by side in one run.
 A ``transformers`` model trains with Adam (``--lrs``, each from the same initial weights; a step is one causal-LM
 step on random tokens) — in fp32, or in bf16 as DeepSpeed's bf16 optimizer trains (``--trainer-dtypes``: the
 module in bf16, Adam on fp32 master weights, ``MasterAdam``) — and after each step pushes its weights in the
-engine's dtype two ways
-into two engines of the same model, each over its own weight-update group (gloo on CPU, NCCL on GPU; the
-trainer is rank 0, the engine's rank 1, the engines in this process): in full (``push_weights`` through a
-``DistributedTarget``: bucketed casts broadcast while the next bucket is cast, then one commit) and as a delta
-(``push_delta``: each parameter diffed against the trainer's kept bf16 bits — an fp32 one cast as it is compared —, the
-changed elements broadcast once, applied all or nothing on the engine against the base it names). Recorded per
-step: the changed fraction of the elements, the bytes each push moves, each push's time as the trainer waits
-for it (the delta's split into its diff and its wire and apply), and at the end that both engines hold the same
-weights (checksums). Adam's first step moves every weight by the learning rate (its update is lr * sign(grad)),
-later ones by less: rows say which step it was.
+engine's dtype two ways into two engines of the same model, each over its own weight-update group (gloo on CPU,
+NCCL on GPU; the trainer is rank 0, the engine's rank 1, the engines in this process): in full (``push_weights``
+through a ``DistributedTarget``: bucketed casts broadcast while the next bucket is cast, then one commit) and as
+a delta (``push_delta``: each parameter diffed against the trainer's kept bf16 bits — an fp32 one cast as it is
+compared —, the changed elements broadcast once, applied all or nothing on the engine against the base it
+names). Recorded per step: the changed fraction of the elements, the bytes each push moves, each push's time as
+the trainer waits for it (the delta's split into its diff and its wire and apply), and at the end that both
+engines hold the same weights (checksums). Adam's first step moves every weight by the learning rate (its update
+is lr * sign(grad)), later ones by less: rows say which step it was.
 """
 
 from __future__ import annotations
