@@ -151,8 +151,8 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
         out = torch.empty(2, dtype=torch.long)
 
         def diff_one(now, was, moved, in_place=False):  # one tensor through the many-tensor pass (align 8)
-            return k.delta_diff_many([now], [was], torch.tensor([salt]), moved, torch.empty(1, dtype=torch.long), 8,
-                                     int(in_place))
+            return k.delta_diff_many([now], [was], torch.tensor([salt]), moved, torch.empty(1, 4, dtype=torch.long),
+                                     8, int(in_place))
 
         def apply_one(dst, idx, vals, old, counts, info):  # one entry into the shard (a lone entry: every core)
             k.delta_apply_many([dst], [idx], [vals], [old], torch.tensor([[salt, 600, 1, 1429, 300, int(counts)]]),
@@ -194,16 +194,17 @@ def test_the_cpp_passes_give_the_torch_sums_and_indices_on_every_isa_this_cpu_ru
                 assert torch.equal(again[wire: wire + size * count].view(word), base.view(word)[want])
                 # the same in one call with other tensors (one parallel region over chunks of all of them),
                 # each tensor's blocks at multiples of 64 bytes (a weight bucket's layout)
-                moves, counts = torch.empty(2, dtype=torch.long), torch.empty(2, dtype=torch.long)
+                moves, blocks = torch.empty(2, dtype=torch.long), torch.empty(2, 4, dtype=torch.long)
                 many = k.delta_diff_many([arg] * 2, [base.view(word)] * 2, torch.tensor([salt, salt + 1]), moves,
-                                         counts, 64, 0)
+                                         blocks, 64, 0)
                 words64 = (4 * count + 63) // 64 * 64
                 second = (words64 + size * count + 63) // 64 * 64
                 for at in (0, second):
                     assert torch.equal(many[at: at + 4 * count], raw[: 4 * count])
                     assert torch.equal(many[at + words64: at + words64 + size * count],
                                        raw[at_words: at_words + size * count])
-                assert int(moves[0]) == int(moved[0]) and counts.tolist() == [count, count]
+                assert int(moves[0]) == int(moved[0]) and blocks[:, 0].tolist() == [count, count]
+                assert blocks[:, 1:3].tolist() == [[0, words64], [second, second + words64]]
             # a sparse entry into the shard: written where it falls, the move summed, undone by the old words
             idx = torch.nonzero(torch.rand(n, generator=g) < 0.05).reshape(-1).to(torch.int32)
             vals = torch.randn(idx.numel(), generator=g).to(dtype)

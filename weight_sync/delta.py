@@ -392,11 +392,12 @@ class DeltaTracker:
         self._staged = None
         batch = []  # sparse entries into host words: one C++ call for all of them
         for name, e in delta.entries.items():
+            self.fingerprints[name] = delta.after[name]
+            if name in staged:  # the diff wrote the new words into this base as it found them
+                continue
             base = self.base[name]
             words = words_of(base)
-            if name in staged:
-                pass  # the diff wrote them in
-            elif e.dense is not None:
+            if e.dense is not None:
                 self.base[name] = e.dense.reshape(-1).to(base.device, copy=True)
             elif words is not None and e.values is not None and e.values.dtype == base.dtype:
                 assert e.indices is not None
@@ -406,7 +407,6 @@ class DeltaTracker:
             else:  # the torch path (a GPU's base)
                 assert e.indices is not None and e.values is not None
                 base[e.indices.to(base.device, torch.int64)] = e.values.to(base.device, base.dtype)
-            self.fingerprints[name] = delta.after[name]
         if batch:
             kernel_ops().delta_apply_many(batch)
         self.version = delta.version

@@ -130,12 +130,12 @@ def plot(results: dict, path: str) -> None:
 
     models = results["models"]
     bars = max(sum(len(run["steps"]) for run in res["delta"].values()) for res in models)
-    fig, axes = plt.subplots(1, len(models), figsize=(max(5.0, 0.45 * bars) * len(models), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(5.0, 0.6 * bars) * len(models), 3.8), squeeze=False)
     for ax, res in zip(axes[0], models):
         labels, bytes_ratio, time_ratio = [], [], []
         for name, run in res["delta"].items():
-            trainer = "bf16" if "bf16 module" in run.get("trainer", "") else "fp32"
-            run_label = f"{run['lr']:g}\n{trainer}" if "lr" in run else f"lr {name}"  # (results before the trainers)
+            trainer = {v: k for k, v in TRAINERS.items()}.get(run.get("trainer", ""), "float32")  # (older: fp32 only)
+            run_label = f"{run['lr']:g}\n{trainer}" if "lr" in run else f"lr {name}"
             for row in run["steps"]:
                 labels.append(f"{run_label}\nstep {row['step']}")
                 bytes_ratio.append(row["bytes_ratio"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -24,9 +25,7 @@ def exit_process(code: int = 0) -> NoReturn:
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing left to flush
                 stream.flush()
-        except (OSError, ValueError):  # closed or gone: nothing left to flush
-            pass
     os._exit(code)

@@ -144,26 +144,17 @@ def delta_diff_many(nows: list[torch.Tensor], bases: list[torch.Tensor], salts: 
     bf16 words: compared, and given, as torch casts them. ``in_place``: the changed words written into each base as
     they are found (``DiffFound.olds``: the words they replaced). One call, one parallel region over all of them."""
     k = len(nows)
-    moved, counts = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
-    raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, counts, align,
+    moved, blocks = torch.empty(k, dtype=torch.long), torch.empty(k, 4, dtype=torch.long)
+    raw = build.kernels().delta_diff_many(nows, bases, torch.tensor(salts, dtype=torch.long), moved, blocks, align,
                                           int(in_place))
-    found, olds, at = [], [], 0
-    for base, count, move in zip(bases, counts.tolist(), moved.tolist()):
+    found, olds = [], []
+    for base, (count, at_index, at_words, at_old), move in zip(bases, blocks.tolist(), moved.tolist()):
         index = torch.int32 if base.numel() < 2**31 else torch.int64
-        at = _up(at, align)
-        words = _up(at + count * index.itemsize, align)
-        found.append((raw[at: at + count * index.itemsize].view(index),
-                      raw[words: words + count * base.element_size()].view(base.dtype), int(move)))
-        at = words + count * base.element_size()
-    at = _up(at, align)
-    for base, count in zip(bases, counts.tolist()):
-        olds.append(raw[at: at + count * base.element_size()].view(base.dtype))
-        at = _up(at + count * base.element_size(), 8)
+        size = base.element_size()
+        found.append((raw[at_index: at_index + count * index.itemsize].view(index),
+                      raw[at_words: at_words + count * size].view(base.dtype), int(move)))
+        olds.append(raw[at_old: at_old + count * size].view(base.dtype))
     return DiffFound(found, olds)
-
-
-def _up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 class DiffFound(NamedTuple):

@@ -387,19 +387,21 @@ at::Tensor delta_apply_many(std::vector<at::Tensor> dsts, const std::vector<at::
 }
 
 // nows[i] against bases[i] (each contiguous on CPU: words of one type, or fp32 values against bf16 words),
-// salts: int64 [k]; moved and counts: int64 [k], written; ``align``: where each block starts (a power of two: the
+// salts: int64 [k]; moved: int64 [k] and blocks: int64 [k, 4] (each tensor's count of changes and the byte offsets
+// of its index, word and old-word blocks), written; ``align``: where each block starts (a power of two: the
 // weight buckets' alignment, so that a delta's tensors go on the wire from this memory as they lie); ``in_place``:
 // each changed base word replaced by the new one as it is found (the trainer's base staged for the next delta).
 // Returns bytes: for each tensor in turn, its changed flat indices (int32 below 2^31 elements, else int64) and the
 // new words at them, each block at a multiple of ``align``; then, from the next multiple, each tensor's old words
 // (the base's there before), each block 8-byte aligned.
 at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vector<at::Tensor>& bases,
-                           const at::Tensor& salts, at::Tensor moved, at::Tensor counts, int64_t align,
+                           const at::Tensor& salts, at::Tensor moved, at::Tensor blocks, int64_t align,
                            int64_t in_place) {
   const int64_t k = static_cast<int64_t>(nows.size());
   TORCH_CHECK(static_cast<int64_t>(bases.size()) == k && salts.numel() == k && moved.numel() == k &&
-              counts.numel() == k && salts.scalar_type() == at::kLong && moved.scalar_type() == at::kLong &&
-              counts.scalar_type() == at::kLong, "delta_diff_many: as many bases, salts, moved and counts as tensors");
+              blocks.numel() == 4 * k && blocks.is_contiguous() && salts.scalar_type() == at::kLong &&
+              moved.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong,
+              "delta_diff_many: as many bases, salts and moved as tensors, blocks [k, 4]");
   TORCH_CHECK(align >= 8 && (align & (align - 1)) == 0, "delta_diff_many: align a power of two, at least 8");
   enum Kind { F32_BF16, W16, W32 };
   std::vector<Kind> kinds(static_cast<size_t>(k));
@@ -463,13 +465,17 @@ at::Tensor delta_diff_many(const std::vector<at::Tensor>& nows, const std::vecto
     at_index[u] = up(end, align);
     at_words[u] = up(at_index[u] + count[u] * isize, align);
     end = at_words[u] + count[u] * bases[u].element_size();
-    counts.data_ptr<int64_t>()[i] = count[u];
   }
   end = up(end, align);
   for (int64_t i = 0; i < k; ++i) {
     const size_t u = static_cast<size_t>(i);
     at_old[u] = end;
     end = up(end + count[u] * bases[u].element_size(), 8);
+    int64_t* const b = blocks.data_ptr<int64_t>() + 4 * i;  // where the caller finds them
+    b[0] = count[u];
+    b[1] = at_index[u];
+    b[2] = at_words[u];
+    b[3] = at_old[u];
   }
   at::Tensor out = salts.new_empty({end}, at::kByte);
   uint8_t* const raw = out.data_ptr<uint8_t>();
